@@ -1,0 +1,34 @@
+# Two set-up commands: `make serve` and `make test`. Both create .venv when missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch is pinned to the CPU wheel this machine keeps on disk; installing it first stops
+# pip from resolving a multi-GB CUDA build as a dependency of something else.
+TORCH := torch==2.13.0
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: serve test bench install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(FIND_LINKS) $(TORCH)
+	$(BIN)/pip install --quiet $(FIND_LINKS) -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tokenyard serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.w2_throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,129 @@
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into `CausalLM`.
+
+Every tensor the model needs must be present with the right shape, and every tensor in the
+files must be used: a missing, unexpected or mis-shaped tensor is an error naming it, never a
+silently random weight.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .errors import CheckpointError
+from .model import CausalLM
+from .model_config import ModelConfig
+
+# Show a progress bar only when loading takes long enough to wonder about.
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{model_dir}: shard(s) named in {index.name} are missing: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(model_dir.glob("*.bin")):
+        raise CheckpointError(f"{model_dir}: only PyTorch .bin weights found; convert to safetensors (pickle files are not loaded)")
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _targets(cfg: ModelConfig) -> dict[str, tuple[str, slice | None, tuple[int, ...]]]:
+    """HF tensor name -> (our parameter name, row slice into a fused parameter, expected shape)."""
+    d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    out: dict[str, tuple[str, slice | None, tuple[int, ...]]] = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", None, (cfg.vocab_size, d)),
+        "model.norm.weight": ("norm.weight", None, (d,)),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ("lm_head.weight", None, (cfg.vocab_size, d))
+    for i in range(cfg.num_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        out[hf + "input_layernorm.weight"] = (us + "input_layernorm.weight", None, (d,))
+        out[hf + "post_attention_layernorm.weight"] = (us + "post_attention_layernorm.weight", None, (d,))
+        parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+        for name, rows in parts.items():
+            n = rows.stop - rows.start
+            out[f"{hf}self_attn.{name}.weight"] = (us + "qkv_proj.weight", rows, (n, d))
+            if cfg.qkv_bias:
+                out[f"{hf}self_attn.{name}.bias"] = (us + "qkv_proj.bias", rows, (n,))
+        out[hf + "self_attn.o_proj.weight"] = (us + "o_proj.weight", None, (d, q))
+        if cfg.o_bias:
+            out[hf + "self_attn.o_proj.bias"] = (us + "o_proj.bias", None, (d,))
+        for name, rows in {"gate_proj": slice(0, f), "up_proj": slice(f, 2 * f)}.items():
+            out[f"{hf}mlp.{name}.weight"] = (us + "gate_up_proj.weight", rows, (f, d))
+            if cfg.mlp_bias:
+                out[f"{hf}mlp.{name}.bias"] = (us + "gate_up_proj.bias", rows, (f,))
+        out[hf + "mlp.down_proj.weight"] = (us + "down_proj.weight", None, (d, f))
+        if cfg.mlp_bias:
+            out[hf + "mlp.down_proj.bias"] = (us + "down_proj.bias", None, (d,))
+    return out
+
+
+def load_weights(model: CausalLM, model_dir: str | Path, dtype: torch.dtype, progress: bool = True) -> None:
+    model_dir = Path(model_dir)
+    files = safetensors_files(model_dir)
+    targets = _targets(model.cfg)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    total = sum(p.stat().st_size for p in files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {model_dir.name}",
+               disable=not progress or total < PROGRESS_MIN_BYTES)
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints still store a copy of the embedding
+                    if name not in targets:
+                        unexpected.append(name)
+                        continue
+                    tensor = fh.get_tensor(name)
+                    ours, rows, shape = targets[name]
+                    if tuple(tensor.shape) != shape:
+                        raise CheckpointError(
+                            f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+                    dest = params[ours] if rows is None else params[ours][rows]
+                    dest.copy_(tensor.to(dtype))
+                    seen.add(name)
+                    bar.update(tensor.numel() * tensor.element_size())
+    bar.close()
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise CheckpointError(f"{model_dir}: {len(unexpected)} unexpected tensor(s) for {model.cfg.architecture}: {shown}")
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir}: {len(missing)} tensor(s) missing: {shown}")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+               progress: bool = True) -> tuple[CausalLM, ModelConfig]:
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    # Materialise empty parameters directly in the target dtype/device, then fill them.
+    model = model.to_empty(device=device)
+    model.rotary = type(model.rotary)(cfg, max_positions).to(device)
+    model = model.to(dtype)
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, model_dir, dtype, progress)
+    model.eval()
+    return model, cfg

@@ -1,0 +1,74 @@
+"""Engine configuration: one dataclass, every default safe on a CPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Knobs of one engine (documented in the README's configuration section).
+
+    dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
+    device: "auto" picks CUDA when available.
+    block_size: tokens per KV block.
+    kv_cache_memory: bytes for the KV cache; when None, kv_cache_fraction of free device memory
+      (CUDA) or of kv_cache_cpu_default_bytes (CPU, where "free memory" is shared with everything).
+    max_num_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step;
+      prefills longer than what is left are split over steps (chunked prefill).
+    max_model_len: longest sequence (prompt + output); defaults to the model's
+      max_position_embeddings (capped by Mistral's sliding window is not needed: it is masked).
+    seed: seeds the per-request seeds drawn for requests that bring none.
+    """
+
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.9
+    kv_cache_cpu_default_bytes: int = 2 * 1024**3
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    attention_backend: str = "torch"
+    seed: int = 0
+    progress: bool = True
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        cfg = cls(**options)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory!r}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

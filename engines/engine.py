@@ -1,0 +1,195 @@
+"""The engine behind one narrow, message-shaped interface.
+
+    add_request(request_id, prompt_token_ids, params, priority)   validate and enqueue
+    abort(request_id)                                             stop it at the next step
+    step() -> list[StepOutput]                                    run one batch
+    stats() -> EngineStats
+
+add_request and abort may be called from any thread (the gateway's event loop); they only put
+messages in an inbox. step() runs on one thread (engines.executor) and drains the inbox first,
+so the scheduler's state is only ever touched by that thread.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .block_pool import BlockManager
+from .checkpoint import load_model
+from .config import EngineConfig
+from .errors import RequestError
+from .kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
+from .model_runner import ModelRunner
+from .outputs import EngineStats, StepOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ValueError("pass either an EngineConfig or keyword options, not both")
+        cfg = config or EngineConfig.from_options(options)
+        cfg.validate()
+        self.config = cfg
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype(self.device)
+        model_dir = Path(model_dir)
+        from .model_config import ModelConfig
+        mcfg = ModelConfig.from_dir(model_dir)
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings
+        budget = kv_budget_bytes(self.device, cfg.kv_cache_fraction, cfg.kv_cache_memory, cfg.kv_cache_cpu_default_bytes)
+        num_blocks = num_blocks_for(mcfg, cfg.block_size, self.dtype, budget)
+        capacity = num_blocks * cfg.block_size
+        if max_len > capacity:
+            log.warning("max_model_len %d exceeds the KV cache capacity of %d tokens; capping it", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len, cfg.progress)
+        self.model_dir = model_dir
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                            watermark_blocks=max(1, num_blocks // 100)),
+            self.blocks)
+        kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend)
+        self._seed_rng = random.Random(cfg.seed)
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._live: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self._num_steps = 0
+        self._last_step_tokens = 0
+        self._last_step_seconds = 0.0
+
+    # -- the interface ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
+                    priority: int = 0) -> None:
+        params = self._check_params(params)
+        prompt = self._check_prompt(prompt_token_ids)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id must be a non-empty string")
+        with self._lock:
+            if request_id in self._live:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids)
+            self._arrivals += 1
+            self._live[request_id] = seq
+            self._inbox.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed and an "abort" output is emitted at the next step.
+        Unknown or already finished ids are ignored (the race with completion is normal)."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in inbox:
+            self.scheduler.add(seq)
+        for rid in aborts:
+            seq = self._live.get(rid)
+            if seq is not None and not seq.is_finished:
+                outputs.append(self._finish(seq, "abort", []))
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            return outputs
+        tokens = iter(self.runner.execute(batch))
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            samples = chunk.samples
+            seq.num_computed_tokens += chunk.num_tokens
+            if not samples:
+                continue
+            tok = next(tokens)
+            seq.token_ids.append(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                outputs.append(self._finish(seq, reason, [tok]))
+            else:
+                outputs.append(StepOutput(seq.request_id, [tok], num_prompt_tokens=seq.num_prompt_tokens,
+                                          num_cached_tokens=seq.num_cached_tokens))
+        self._num_steps += 1
+        self._last_step_tokens = batch.num_tokens
+        self._last_step_seconds = time.perf_counter() - t0
+        return outputs
+
+    def stats(self) -> EngineStats:
+        total = self.blocks.num_blocks
+        free = self.blocks.num_free_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_free_blocks=free, num_total_blocks=total, kv_usage=(total - free) / total,
+            block_size=self.config.block_size, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps, last_step_tokens=self._last_step_tokens,
+            last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int]) -> StepOutput:
+        self.scheduler.remove(seq)
+        seq.finish_reason = reason
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
+                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and tok in seq.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _check_params(self, params: SamplingParams | dict | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, dict):
+            return SamplingParams.from_dict(params)
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        params.validate()
+        return params
+
+    def _check_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"prompt_token_ids must be a list of integers, got {type(prompt).__name__}")
+        if not prompt:
+            raise RequestError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise RequestError(f"prompt token {t!r} is not an integer id in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}: "
+                f"it must be shorter to leave room for at least one output token")
+        return list(prompt)

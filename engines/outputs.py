@@ -1,0 +1,51 @@
+"""Message-shaped results of the engine: plain data, so they can cross a thread, process or host."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request: the new token ids since the last step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None   # "stop", "length", "abort", or "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str = ""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    block_size: int
+    num_preemptions: int
+    num_steps: int
+    last_step_tokens: int
+    last_step_seconds: float
+    max_num_seqs: int
+    max_num_batched_tokens: int

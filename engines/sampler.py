@@ -1,0 +1,74 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request reproducible randomness.
+
+The random draw for a request's i-th output token comes from a generator seeded by
+mix(seed, i) alone. Nothing about the batch (its size, order, or what else is in it) and nothing
+about preemption (which recomputes KV but not choices) can change a seeded request's output.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token t with probability
+p_t, and needs one uniform stream per row.
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): well-spread 63-bit seeds for neighbouring indices."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Return probabilities after temperature, top-k and top-p, row by row. logits: [S, V] fp32."""
+    logits = logits / temperature[:, None]
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1.0).any())
+    if need_k or need_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if need_k:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)
+            k = torch.where(top_k > 0, top_k, logits.shape[-1])
+            sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+        if need_p:
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], top_k: list[int],
+           top_p: list[float], seeds: list[int], indices: list[int]) -> list[int]:
+    """logits [S, V] fp32 -> one token per row. indices: each row's output position."""
+    out = [0] * logits.shape[0]
+    greedy_rows = [i for i, g in enumerate(greedy) if g]
+    if greedy_rows:
+        if len(greedy_rows) == len(greedy):
+            return logits.argmax(dim=-1).tolist()
+        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        for row, tok in zip(greedy_rows, picked):
+            out[row] = tok
+    rows = [i for i, g in enumerate(greedy) if not g]
+    if not rows:
+        return out
+    dev = logits.device
+    probs = filter_logits(
+        logits[rows],
+        torch.tensor([temperature[i] for i in rows], dtype=torch.float32, device=dev),
+        torch.tensor([top_k[i] for i in rows], dtype=torch.long, device=dev),
+        torch.tensor([top_p[i] for i in rows], dtype=torch.float32, device=dev),
+    )
+    gen = torch.Generator(device=dev)
+    noise = torch.empty(len(rows), logits.shape[-1], device=dev)
+    for j, i in enumerate(rows):
+        gen.manual_seed(mix_seed(seeds[i], indices[i]))
+        noise[j].exponential_(generator=gen)
+    picked = (probs / noise).argmax(dim=-1).tolist()
+    for row, tok in zip(rows, picked):
+        out[row] = tok
+    return out

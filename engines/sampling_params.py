@@ -1,0 +1,77 @@
+"""Per-request sampling options, validated at construction so bad input fails before queuing."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import RequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Options in the shape vLLM users know.
+
+    temperature: 0 means greedy (exact argmax); > 0 samples from softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0 or -1: all). top_p: nucleus mass in (0, 1].
+    seed: makes a sampled request reproducible: the random draw for output token i depends only on
+      (seed, i), so the result is the same whatever else is batched with it and after preemption.
+    max_tokens: the most tokens to generate; stop_token_ids end generation (the token is kept in
+      the output ids, as vLLM does); ignore_eos keeps generating past the model's EOS tokens.
+    stop: strings that end generation; they are cut from the text (applied by the detokeniser).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise RequestError(f"unknown sampling option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**options)
+
+    def validate(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise RequestError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        for tok in self.stop_token_ids:
+            if not _is_int(tok) or tok < 0:
+                raise RequestError(f"stop_token_ids must be non-negative integers, got {tok!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,135 @@
+"""Continuous batching: which tokens of which sequences run in the next forward pass.
+
+There are no separate prefill and decode phases. Each step spends a token budget
+(max_num_batched_tokens): first one token for every running sequence that is decoding, then the
+rest of any running sequence's unfinished prefill, then new sequences from the waiting queue,
+whose prompts are split over steps when the budget runs out (chunked prefill). A sequence
+"catches up" when num_computed_tokens reaches its token count, and is then sampled.
+
+Blocks are allocated just ahead of use. When a running sequence needs a block and none is free,
+the least urgent running sequence (highest priority value, then latest arrival) is preempted by
+recompute: its blocks are freed and it waits again with its generated tokens kept.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_pool import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0   # 0: a single request's chunk is capped only by the budget
+    watermark_blocks: int = 0               # free blocks kept back when admitting new sequences
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int           # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []     # kept sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: dict[int, ScheduledChunk] = {}
+        # Decoding sequences first so a long prefill never stalls anyone's stream, then
+        # unfinished prefills; within each, most urgent first.
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key()))
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk_len(seq, budget)
+            while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = max(self.running, key=Sequence.sort_key)
+                dropped = scheduled.pop(id(victim), None)
+                if dropped is not None:
+                    budget += dropped.num_tokens
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            scheduled[id(seq)] = ScheduledChunk(seq, n)
+            budget -= n
+        # Admit waiting sequences while the budget, max_num_seqs and free blocks allow.
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if seq in out.preempted:
+                break  # do not re-admit in the same step what was just pushed out
+            n = self._chunk_len(seq, budget)
+            # Admit only when the whole remaining prompt fits with the watermark to spare, so an
+            # admitted prefill is not preempted half-way by the next arrival.
+            reserve = self.cfg.watermark_blocks if self.running else 0
+            if not self.blocks.can_grow(seq.block_table, seq.num_tokens, reserve):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            scheduled[id(seq)] = ScheduledChunk(seq, n)
+            budget -= n
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        cap = self.cfg.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
