@@ -1,0 +1,35 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+# Small random checkpoints covering each architecture feature the engine must match.
+CHECKPOINTS = {
+    "llama": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, rope_scaling=LLAMA3_SCALING),
+    "llama_mha": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, seed=3),
+    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=24, seed=1),
+    "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, seed=2),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    from bench.random_checkpoint import build_random_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            spec = dict(CHECKPOINTS[name])
+            arch = spec.pop("arch")
+            made[name] = build_random_checkpoint(root / name, arch, **spec)
+        return made[name]
+
+    return get
