@@ -41,6 +41,6 @@ class AttentionMetadata:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D]. Returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta.plan, scale)

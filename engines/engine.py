@@ -23,6 +23,7 @@ import torch
 from .block_pool import BlockManager
 from .checkpoint import load_model
 from .config import EngineConfig
+from .cpu_allocator import keep_freed_memory
 from .errors import RequestError
 from .kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
 from .model_runner import ModelRunner
@@ -42,6 +43,8 @@ class Engine:
         cfg.validate()
         self.config = cfg
         self.device = cfg.torch_device()
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = cfg.torch_dtype(self.device)
         model_dir = Path(model_dir)
         from .model_config import ModelConfig

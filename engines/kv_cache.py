@@ -22,7 +22,7 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
 

@@ -4,9 +4,12 @@ One call covers every case the engine has: a flat batch of query chunks, each at
 sequence's whole cached prefix plus causally within the chunk. A decode token is a chunk of one,
 a prefill chunk is a chunk of many, a speculative verify pass is a chunk of k+1.
 
-Layout: the K and V caches of a layer are [num_slots, num_kv_heads, head_dim] with
+Layout: the K and V caches of a layer are [num_kv_heads, num_slots, head_dim] with
 num_slots = num_blocks * block_size; token t of a sequence lives in slot
-block_table[t // block_size] * block_size + t % block_size.
+block_table[t // block_size] * block_size + t % block_size. Heads outermost makes one block of
+one head a contiguous [block_size, head_dim] tile: a gather copies whole tiles, and the gathered
+keys come out as [kv_heads, batch, length, head_dim], ready for batched matmuls with no
+further transpose copies.
 
 The gather indices depend only on the batch, not on the layer, so they are built once per step
 (`TorchAttentionPlan.build`) and reused by every layer.
@@ -18,11 +21,32 @@ from dataclasses import dataclass
 import torch
 
 
+# Gathers and scatters go through a 2-D view [kv_heads * rows, row_width] with per-head row
+# indices: torch's dim-0 index_select/index_copy are several times faster on CPU than the same
+# operation along dim 1.
+
+
+def _head_rows(rows: torch.Tensor, num_kv_heads: int, rows_per_head: int) -> torch.Tensor:
+    heads = torch.arange(num_kv_heads, device=rows.device)[:, None] * rows_per_head
+    return (heads + rows.reshape(1, -1)).reshape(-1)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values [T, kv_heads, head_dim] into their slots."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    kvh, num_slots, hd = k_cache.shape
+    idx = _head_rows(slot_mapping, kvh, num_slots)
+    k_cache.view(-1, hd).index_copy_(0, idx, k.transpose(0, 1).reshape(-1, hd))
+    v_cache.view(-1, hd).index_copy_(0, idx, v.transpose(0, 1).reshape(-1, hd))
+
+
+@dataclass(slots=True)
+class _Tile:
+    q_lo: int                    # query rows [q_lo, q_hi) within the chunk
+    q_hi: int
+    k_lo: int                    # key positions [k_lo, k_hi) any of those queries may see
+    k_hi: int
+    bias: torch.Tensor           # [q_hi - q_lo, k_hi - k_lo] additive mask (0 or -inf)
 
 
 @dataclass(slots=True)
@@ -30,43 +54,40 @@ class _Chunk:
     q_start: int
     q_end: int
     slots: torch.Tensor          # [L] cache slots of positions 0..L-1
-    mask: torch.Tensor | None    # [n, L] bool, True = attend; None means plain causal (no prefix)
+    tiles: list[_Tile]
+
+
+# Query rows per tile of a chunk. Tiling keeps the [tile, keys] score matrix in cache and lets
+# each tile skip the keys that causality hides from it; on two CPU cores this is ~4x faster
+# than one SDPA call over a 512-token chunk.
+_Q_TILE = 128
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    rows: torch.Tensor       # [B] row of each decode token in the flat query
+    blocks: torch.Tensor     # [B, nb] block tables, padded with block 0
+    mask: torch.Tensor       # [B, 1, nb * block_size] additive (0 or -inf)
 
 
 @dataclass(slots=True)
 class TorchAttentionPlan:
-    # Decode rows (query length 1) are batched: one padded gather and two matmuls for all.
-    decode_rows: torch.Tensor | None     # [Bd] row of each decode token in the flat query
-    decode_slots: torch.Tensor | None    # [Bd, maxL]
-    decode_mask: torch.Tensor | None     # [Bd, 1, 1, maxL] additive (0 or -inf)
+    # Decode rows (query length 1) are batched: a padded gather of whole blocks and two batched
+    # matmuls per group. Rows are grouped by context length so short contexts are not padded to
+    # the longest one (padding is gathered and multiplied for nothing).
+    decode_groups: list[_DecodeGroup]
     chunks: list[_Chunk]                  # longer chunks, one SDPA each
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, sliding_window: int | None = None,
               device: torch.device | str = "cpu") -> "TorchAttentionPlan":
-        decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        decode_rows = decode_slots = decode_mask = None
-        if decode_idx:
-            lens = torch.tensor([seq_lens[i] for i in decode_idx], device=device)
-            max_len = int(lens.max())
-            width = -(-max_len // block_size)
-            table = torch.zeros(len(decode_idx), width, dtype=torch.long, device=device)
-            for row, i in enumerate(decode_idx):
-                bt = block_tables[i][:width]
-                table[row, :len(bt)] = torch.tensor(bt, dtype=torch.long)
-            pos = torch.arange(max_len, device=device)
-            decode_slots = table[:, pos // block_size] * block_size + pos % block_size
-            valid = pos[None, :] < lens[:, None]
-            if sliding_window is not None:
-                valid &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
-            decode_mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-            decode_mask.masked_fill_(~valid, float("-inf"))
-            decode_mask = decode_mask[:, None, None, :]
-            decode_rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=device)
+        decode_idx = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: -seq_lens[i])
+        groups = [_decode_group(g, starts, seq_lens, block_tables, block_size, sliding_window, device)
+                  for g in _length_buckets(decode_idx, seq_lens)]
         chunks = []
         for i, n in enumerate(query_lens):
             if n == 1:
@@ -75,45 +96,96 @@ class TorchAttentionPlan:
             pos = torch.arange(length, device=device)
             bt = torch.tensor(block_tables[i], dtype=torch.long, device=device)
             slots = bt[pos // block_size] * block_size + pos % block_size
-            mask = None
-            if length != n or (sliding_window is not None and length > sliding_window):
-                q_pos = torch.arange(length - n, length, device=device)
-                allowed = pos[None, :] <= q_pos[:, None]
-                if sliding_window is not None:
-                    allowed &= pos[None, :] > (q_pos[:, None] - sliding_window)
-                mask = allowed
-            chunks.append(_Chunk(starts[i], starts[i] + n, slots, mask))
-        return cls(decode_rows, decode_slots, decode_mask, chunks)
+            chunks.append(_Chunk(starts[i], starts[i] + n, slots,
+                                 _tiles(n, length, sliding_window, device)))
+        return cls(groups, chunks)
+
+
+# A new group starts when a context is shorter than this share of the group's longest, unless
+# the group is still small: each group costs a few extra ops, so tiny groups are not worth it.
+_BUCKET_RATIO = 0.7
+_MIN_GROUP = 8
+
+
+def _length_buckets(order: list[int], seq_lens: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for i in order:  # longest first
+        if groups and (len(groups[-1]) < _MIN_GROUP or seq_lens[i] >= _BUCKET_RATIO * seq_lens[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _tiles(n: int, length: int, sliding_window: int | None, device) -> list[_Tile]:
+    tiles = []
+    first = length - n  # position of the chunk's first query
+    for lo in range(0, n, _Q_TILE):
+        hi = min(n, lo + _Q_TILE)
+        q_pos = torch.arange(first + lo, first + hi, device=device)
+        k_hi = first + hi
+        k_lo = max(0, first + lo - sliding_window + 1) if sliding_window is not None else 0
+        k_pos = torch.arange(k_lo, k_hi, device=device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+        tiles.append(_Tile(lo, hi, k_lo, k_hi, bias))
+    return tiles
+
+
+def _decode_group(idx: list[int], starts: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                  block_size: int, sliding_window: int | None, device) -> _DecodeGroup:
+    lens = torch.tensor([seq_lens[i] for i in idx], device=device)
+    width = -(-int(lens.max()) // block_size)
+    table = torch.zeros(len(idx), width, dtype=torch.long, device=device)
+    for row, i in enumerate(idx):
+        bt = block_tables[i][:width]
+        table[row, :len(bt)] = torch.tensor(bt, dtype=torch.long)
+    pos = torch.arange(width * block_size, device=device)
+    valid = pos[None, :] < lens[:, None]
+    if sliding_window is not None:
+        valid &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+    mask.masked_fill_(~valid, float("-inf"))
+    rows = torch.tensor([starts[i] for i in idx], dtype=torch.long, device=device)
+    return _DecodeGroup(rows, table, mask[:, None, :])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]. K/V of the new tokens must be written first."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    if plan.decode_rows is not None:
-        rows = plan.decode_rows
-        batch = rows.numel()
-        # [B, kvh, group, 1, hd] against [B, kvh, 1, L, hd]: GQA without repeating K/V.
-        qd = q.index_select(0, rows).view(batch, num_kv_heads, group, head_dim).unsqueeze(3)
-        k = k_cache[plan.decode_slots].permute(0, 2, 1, 3).unsqueeze(2)
-        v = v_cache[plan.decode_slots].permute(0, 2, 1, 3).unsqueeze(2)
-        scores = torch.matmul(qd, k.transpose(-1, -2)).mul_(scale)
-        scores.add_(plan.decode_mask.unsqueeze(1).to(scores.dtype))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        od = torch.matmul(probs, v)  # [B, kvh, group, 1, hd]
-        out.index_copy_(0, rows, od.reshape(batch, num_heads, head_dim))
+    for g in plan.decode_groups:
+        batch, width = g.blocks.shape
+        block_size = g.mask.shape[-1] // width
+        # Gather whole blocks straight into [B, kvh, L, hd] and let SDPA's fused CPU kernel do
+        # GQA and the masked softmax: ~1.6x faster than two batched matmuls at batch 32.
+        heads = torch.arange(num_kv_heads, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
+        idx = (heads + g.blocks[:, None, :]).reshape(-1)
+        k = k_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
+        v = v_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
+        qd = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, hd]
+        od = torch.nn.functional.scaled_dot_product_attention(
+            qd, k, v, attn_mask=g.mask.unsqueeze(1).to(q.dtype), scale=scale, enable_gqa=group > 1)
+        out.index_copy_(0, g.rows, od.squeeze(2))
     for c in plan.chunks:
-        qc = q[c.q_start:c.q_end].transpose(0, 1)            # [H, n, hd]
-        kc = k_cache[c.slots].transpose(0, 1)                 # [kvh, L, hd]
-        vc = v_cache[c.slots].transpose(0, 1)
-        if c.mask is None:
-            oc = torch.nn.functional.scaled_dot_product_attention(
-                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=group > 1)
-        else:
-            oc = torch.nn.functional.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=group > 1)
-        out[c.q_start:c.q_end] = oc.transpose(0, 1)
+        n = c.q_end - c.q_start
+        idx = _head_rows(c.slots, num_kv_heads, k_cache.shape[1])
+        kc = k_cache.view(-1, head_dim).index_select(0, idx).view(num_kv_heads, -1, head_dim)  # [kvh, L, hd]
+        vc = v_cache.view(-1, head_dim).index_select(0, idx).view(num_kv_heads, -1, head_dim)
+        # [kvh, n, group, hd]: a tile of queries is then one contiguous [kvh, t * group, hd] slab.
+        qc = q[c.q_start:c.q_end].view(n, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
+        oc = out[c.q_start:c.q_end].view(n, num_kv_heads, group, head_dim)
+        for t in c.tiles:
+            rows = t.q_hi - t.q_lo
+            qt = qc[:, t.q_lo:t.q_hi].reshape(num_kv_heads, rows * group, head_dim)
+            scores = torch.bmm(qt, kc[:, t.k_lo:t.k_hi].transpose(1, 2)).mul_(scale)
+            scores = scores.view(num_kv_heads, rows, group, -1).add_(t.bias[:, None, :].to(scores.dtype))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vc.dtype)
+            ot = torch.bmm(probs.view(num_kv_heads, rows * group, -1), vc[:, t.k_lo:t.k_hi])
+            oc[t.q_lo:t.q_hi] = ot.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     return out

@@ -26,11 +26,12 @@ def pair(checkpoint_dir):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_logits_match_per_position(pair, arch, chunk):
+@pytest.mark.parametrize("length, chunk", [(70, None), (70, 7), (300, None), (300, 97)])
+def test_logits_match_per_position(pair, arch, length, chunk):
     ref, llm = pair(arch)
-    # 70 tokens: past Mistral's 24-token window and past the llama3 original context of 64.
-    prompt = random_prompts(1, 70, 70, ref.config.vocab_size, seed=11)[0]
+    # Past Mistral's 24-token window, past the llama3 original context of 64, and (300) over
+    # several 128-query attention tiles, whole or in chunks that straddle tiles and blocks.
+    prompt = random_prompts(1, length, length, ref.config.vocab_size, seed=11)[0]
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0]
     got = prompt_logits(llm.engine, prompt, chunk)

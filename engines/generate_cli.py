@@ -1,0 +1,52 @@
+"""`tokenyard generate`: stream one completion to the terminal through the engine."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from .chat_template import apply_chat_template
+from .engine import Engine
+from .sampling_params import SamplingParams
+from .text_stream import TextStream
+from .tokenizer import Tokenizer
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
+    ap.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    ap.add_argument("--system", help="with --chat: a system message first")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    engine = Engine(args.model, progress=True, kv_cache_memory=256 << 20)
+    tok = Tokenizer.from_dir(args.model)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        ids = tok.encode(apply_chat_template(tok, messages), add_special_tokens=False)
+    else:
+        ids = tok.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    engine.add_request("cli", ids, params)
+    stream = TextStream(tok, params, ids)
+    while not stream.finished:
+        for step_out in engine.step():
+            out.write(stream.feed(step_out))
+            out.flush()
+        if stream.needs_abort:
+            engine.abort("cli")
+    while engine.has_unfinished():
+        engine.step()
+    out.write("\n")
+    print(f"[{len(ids)} prompt tokens, {len(stream.token_ids)} completion tokens, finish_reason={stream.finish_reason}]",
+          file=sys.stderr)
+    return 0
