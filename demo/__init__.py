@@ -1,0 +1,1 @@
+"""Demo workloads for Tokenyard: a checkable chat task suite and the tiny models trained on it."""
