@@ -2,6 +2,7 @@
 
     tokenyard serve      until the HTTP gateway lands (issue 9): an offline demo of the engine
     tokenyard generate   stream one completion from a checkpoint to the terminal
+    tokenyard demo       train / eval / plot the demo model pair
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
     generate_cli.add_arguments(gen)
     gen.set_defaults(func=generate_cli.run)
+    from demo import cli as demo_cli
+    demo = sub.add_parser("demo", help="train, evaluate and plot the demo model pair")
+    demo_cli.add_arguments(demo)
     args = ap.parse_args(argv)
     return args.func(args)
 
