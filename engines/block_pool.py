@@ -1,13 +1,19 @@
-"""Fixed-size KV blocks with reference counts and a free list.
+"""Fixed-size KV blocks: reference counts, an LRU free list, and the prefix-cache registry.
 
-A block holds `block_size` token slots in every layer's K and V cache. Sequences own blocks
-through their block tables; a block returns to the free list when its last owner lets go.
-Reference counts (rather than single ownership) are what prefix caching builds on: a cached
-block can be shared by several sequences (issue 5).
+A block holds `block_size` token slots in every layer's K and V cache. Sequences hold blocks
+through their block tables; a block returns to the free list when its last holder lets go.
+
+Prefix caching: a full, computed block is registered under a key that names its exact content
+— the block that precedes it (or the cache salt, for a first block) and its token ids — and
+under a hash of that chain for fast lookup. A released block keeps its registration while it
+sits in the free list, so a later request with the same prefix can take it back; blocks are
+reused least recently released first, and reuse evicts the registration. Lookups compare the
+full key, never just the hash, so a hash collision can only miss, never return wrong KV.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Hashable
 
 
 class BlockPool:
@@ -16,69 +22,68 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._key_of: list[Hashable | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def is_free(self, block: int) -> bool:
+        return self.ref_counts[block] == 0
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)   # least recently released first
+            self._forget(b)
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
+    def touch(self, block: int) -> None:
+        """Take one more reference to a block found in the prefix cache."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks at zero go back to the free list."""
+        """Drop one reference to each block; blocks at zero join the free list (most recent last)."""
         for b in blocks:
             count = self.ref_counts[b]
             if count <= 0:
                 raise RuntimeError(f"KV block {b} released more times than it was taken")
             self.ref_counts[b] = count - 1
             if count == 1:
-                self._free.append(b)
+                self._free[b] = None
 
+    def register(self, block: int, block_hash: int, key: Hashable) -> None:
+        """Make a full, computed block findable. A hash already taken keeps its first block."""
+        if block_hash in self._by_hash or self._hash_of[block] is not None:
+            return
+        self._by_hash[block_hash] = block
+        self._hash_of[block] = block_hash
+        self._key_of[block] = key
 
-class BlockManager:
-    """Keeps each sequence's block table sized to the tokens it must hold."""
+    def lookup(self, block_hash: int, key: Hashable) -> int | None:
+        b = self._by_hash.get(block_hash)
+        if b is None or self._key_of[b] != key:
+            return None
+        return b
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def extra_blocks(self, block_table: list[int], num_tokens: int) -> int:
-        return max(0, self.blocks_needed(num_tokens) - len(block_table))
-
-    def can_grow(self, block_table: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return self.extra_blocks(block_table, num_tokens) + reserve <= self.pool.num_free
-
-    def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Append blocks so the table holds `num_tokens` slots. Caller checked can_grow."""
-        extra = self.extra_blocks(block_table, num_tokens)
-        if extra:
-            block_table.extend(self.pool.allocate(extra))
-
-    def truncate(self, block_table: list[int], num_tokens: int) -> None:
-        """Drop the blocks past `num_tokens` slots (speculative rollback keeps the rest)."""
-        keep = self.blocks_needed(num_tokens)
-        if keep < len(block_table):
-            dropped = block_table[keep:]
-            del block_table[keep:]
-            self.pool.release(dropped)
-
-    def free(self, block_table: list[int]) -> None:
-        self.pool.release(block_table)
-        block_table.clear()
+    def _forget(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None:
+            del self._by_hash[h]
+            self._hash_of[block] = None
+            self._key_of[block] = None
+            self.num_evictions += 1

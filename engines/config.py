@@ -23,6 +23,8 @@ class EngineConfig:
       prefills longer than what is left are split over steps (chunked prefill).
     max_model_len: longest sequence (prompt + output); defaults to the model's
       max_position_embeddings (capped by Mistral's sliding window is not needed: it is masked).
+    enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
+    long_prefill_token_threshold: cap on one request's prefill chunk per step (0: only the budget).
     seed: seeds the per-request seeds drawn for requests that bring none.
     """
 
@@ -35,6 +37,8 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
     attention_backend: str = "torch"
     seed: int = 0
     progress: bool = True

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .block_pool import BlockManager
+from .block_manager import BlockManager
 from .checkpoint import load_model
 from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
@@ -60,9 +60,9 @@ class Engine:
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len, cfg.progress)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
                             watermark_blocks=max(1, num_blocks // 100)),
             self.blocks)
         kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
@@ -79,7 +79,9 @@ class Engine:
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a request. priority: lower is more urgent (ties: arrival order). cache_salt:
+        prefix-cache entries are shared only between requests with the same salt."""
         params = self._check_params(params)
         prompt = self._check_prompt(prompt_token_ids)
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -90,7 +92,8 @@ class Engine:
             if request_id in self._live:
                 raise RequestError(f"request id {request_id!r} is already in use")
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids)
+            seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids,
+                           cache_salt=cache_salt)
             self._arrivals += 1
             self._live[request_id] = seq
             self._inbox.append(seq)
@@ -125,6 +128,7 @@ class Engine:
             seq = chunk.seq
             samples = chunk.samples
             seq.num_computed_tokens += chunk.num_tokens
+            self.blocks.cache_full_blocks(seq)
             if not samples:
                 continue
             tok = next(tokens)
@@ -147,6 +151,7 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
             num_free_blocks=free, num_total_blocks=total, kv_usage=(total - free) / total,
             block_size=self.config.block_size, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=self.blocks.hit_rate, prefix_cache_hit_tokens=self.blocks.hit_tokens,
             num_steps=self._num_steps, last_step_tokens=self._last_step_tokens,
             last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens)

@@ -44,6 +44,8 @@ class EngineStats:
     kv_usage: float
     block_size: int
     num_preemptions: int
+    prefix_cache_hit_rate: float      # prompt tokens served from the cache / prompt tokens admitted
+    prefix_cache_hit_tokens: int
     num_steps: int
     last_step_tokens: int
     last_step_seconds: float

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .block_pool import BlockManager
+from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
@@ -67,7 +67,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def has_work(self) -> bool:
@@ -105,15 +105,17 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not re-admit in the same step what was just pushed out
-            n = self._chunk_len(seq, budget)
-            # Admit only when the whole remaining prompt fits with the watermark to spare, so an
+            # Admit only when the whole uncached prompt fits with the watermark to spare, so an
             # admitted prefill is not preempted half-way by the next arrival.
+            hit = self.blocks.match_prefix(seq)
             reserve = self.cfg.watermark_blocks if self.running else 0
-            if not self.blocks.can_grow(seq.block_table, seq.num_tokens, reserve):
+            if not self.blocks.can_admit(seq, hit, reserve):
                 break
             self.waiting.pop(0)
+            self.blocks.adopt(seq, hit)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            n = self._chunk_len(seq, budget)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             scheduled[id(seq)] = ScheduledChunk(seq, n)
             budget -= n
@@ -127,7 +129,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -28,7 +28,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache (issue 5)
+    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
+    cache_salt: str | None = None  # keeps a tenant's prefix cache private
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -30,7 +30,7 @@ def prompt_logits(engine: Engine, token_ids: list[int], chunk: int | None = None
             rows.append(out)
             seq.num_computed_tokens = end
     finally:
-        blocks.free(seq.block_table)
+        blocks.free(seq)
     return torch.cat(rows)
 
 
