@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from .chat_template import apply_chat_template
@@ -13,7 +14,8 @@ from .tokenizer import Tokenizer
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer files)")
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "models" / "demo-large"),
+                    help="checkpoint folder (config.json, safetensors, tokenizer files); default: the demo large model")
     ap.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     ap.add_argument("--system", help="with --chat: a system message first")

@@ -9,31 +9,31 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+DEMO_LARGE = Path(__file__).resolve().parent.parent / "models" / "demo-large"
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # Interim demo: a random-weight Llama generated once into .tokenyard/, then a batch of
-    # requests through the continuous-batching engine, with throughput printed.
-    from bench.random_checkpoint import build_random_checkpoint
+    # Interim demo until the gateway exists: task-suite chats through the continuous-batching
+    # engine on the committed demo model, with throughput and accuracy printed.
     from engines import LLM, SamplingParams
 
-    model_dir = args.model or build_random_checkpoint(".tokenyard/demo-llama", "llama", hidden_size=256,
-                                                      intermediate_size=768, num_hidden_layers=4,
-                                                      num_attention_heads=8, num_key_value_heads=2,
-                                                      vocab_size=4096)
-    print(f"tokenyard: the HTTP gateway is not built yet; running an offline engine demo on {model_dir}")
+    from demo import task_suite
+
+    model_dir = args.model or str(DEMO_LARGE)
+    print(f"tokenyard: the HTTP gateway is not built yet; running an offline chat demo on {model_dir}")
     llm = LLM(model_dir, kv_cache_memory=256 << 20)
-    import random
-    rng = random.Random(0)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))] for _ in range(args.requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    items = task_suite.generate_items("test", args.requests, seed=1)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.chat([list(it.messages) for it in items], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     dt = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{len(outs)} requests, {tokens} output tokens in {dt:.2f} s: {tokens / dt:.0f} tokens/s")
-    print(f"first request's output ids: {outs[0].outputs[0].token_ids[:16]} ...")
+    right = sum(it.check(o.outputs[0].text) for it, o in zip(items, outs))
+    for it, o in list(zip(items, outs))[:8]:
+        print(f"  {it.messages[-1]['content']!r} -> {o.outputs[0].text!r}")
+    print(f"{len(outs)} requests, {tokens} output tokens in {dt:.2f} s ({tokens / dt:.0f} tokens/s), "
+          f"{right}/{len(outs)} answers right")
     return 0
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tokenyard", description="Tokenyard: an LLM serving gateway")
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start Tokenyard (for now: an offline engine demo)")
-    serve.add_argument("--model", help="a Hugging Face checkpoint folder (default: a random demo Llama)")
+    serve.add_argument("--model", help="a Hugging Face checkpoint folder (default: models/demo-large)")
     serve.add_argument("--requests", type=int, default=32)
     serve.add_argument("--max-tokens", type=int, default=32)
     serve.set_defaults(func=_serve)

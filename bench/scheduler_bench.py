@@ -1,0 +1,144 @@
+"""Scheduler benchmarks (issue 5): KV waste, prefix-cache TTFT, prefill stutter, token budget.
+
+    python -m bench.scheduler_bench [--only waste|ttft|stutter] [--out bench/out/scheduler.json]
+
+- waste: W2's request lengths through the engine (a tiny model: waste depends only on lengths
+  and block size); allocated-but-unused KV slots over allocated, summed over every step, for
+  paged blocks vs a contiguous reservation per request of prompt + max_tokens (what a
+  non-paged server must hold) and of max_model_len.
+- ttft: a request with a 2,000-token system prompt (+ 16-token question) on the W2 model,
+  prefix cache cold vs warm; median of 5.
+- stutter: 16 requests decoding when one 4,000-token prompt arrives; the decoders' worst
+  inter-token gap and the long prompt's TTFT, for several max_num_batched_tokens budgets, the
+  largest of which takes the whole prompt in one step (no chunking).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.random_checkpoint import build_random_checkpoint
+from bench.workloads import W2_MODEL, w2
+from engines import Engine, SamplingParams
+
+LONG_MODEL = dict(W2_MODEL, max_position_embeddings=4608)
+
+
+def kv_waste(block_size: int = 16) -> dict:
+    model = build_random_checkpoint("bench/out/tiny-8k", "llama", vocab_size=8192, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=1, max_position_embeddings=1024)
+    reqs = w2()
+    eng = Engine(model, kv_cache_memory=1 << 30, block_size=block_size, progress=False, enable_prefix_caching=False)
+    for i, r in enumerate(reqs):
+        eng.add_request(f"w{i}", r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len,
+                                                                     ignore_eos=True))
+    reserve = {f"w{i}": len(r.prompt_token_ids) + r.output_len for i, r in enumerate(reqs)}
+    alloc = used = contiguous = max_len = 0
+    while eng.has_unfinished():
+        eng.step()
+        for seq in eng.scheduler.running:
+            alloc += len(seq.block_table) * block_size
+            used += seq.num_computed_tokens
+            contiguous += reserve[seq.request_id]
+            max_len += eng.max_model_len
+    return {"block_size": block_size, "paged_waste": 1 - used / alloc,
+            "contiguous_prompt_plus_max_tokens_waste": 1 - used / contiguous,
+            "contiguous_max_model_len_waste": 1 - used / max_len, "max_model_len": eng.max_model_len}
+
+
+def _first_token_time(eng: Engine, rid: str, prompt: list[int], salt: str | None) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
+    while True:
+        for out in eng.step():
+            if out.request_id == rid and out.new_token_ids:
+                dt = time.perf_counter() - t0
+                while eng.has_unfinished():
+                    eng.step()
+                return dt, out.num_cached_tokens
+
+
+def prefix_ttft(runs: int = 5) -> dict:
+    model = build_random_checkpoint("bench/out/w2-llama-30m-long", "llama", seed=0, std=0.05, **LONG_MODEL)
+    eng = Engine(model, kv_cache_memory=1 << 30, progress=False)
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 8192, (2000,), generator=g).tolist()
+    questions = [torch.randint(3, 8192, (16,), generator=g).tolist() for _ in range(runs * 2 + 1)]
+    _first_token_time(eng, "warmup", system[:200] + questions[0], "warmup")
+    cold, warm = [], []
+    for i in range(runs):
+        # A fresh salt is a cold cache for the same text; then the same salt again is warm.
+        dt, cached = _first_token_time(eng, f"cold{i}", system + questions[2 * i + 1], f"s{i}")
+        assert cached == 0
+        cold.append(dt)
+        dt, cached = _first_token_time(eng, f"warm{i}", system + questions[2 * i + 2], f"s{i}")
+        assert cached == 2000 - 2000 % 16
+        warm.append(dt)
+    return {"system_prompt_tokens": 2000, "cold_ttft_s": cold, "warm_ttft_s": warm,
+            "cold_median_s": statistics.median(cold), "warm_median_s": statistics.median(warm),
+            "speedup": statistics.median(cold) / statistics.median(warm)}
+
+
+def stutter(budgets=(256, 512, 1024, 2048, 4112)) -> list[dict]:
+    model = build_random_checkpoint("bench/out/w2-llama-30m-long", "llama", seed=0, std=0.05, **LONG_MODEL)
+    g = torch.Generator().manual_seed(1)
+    decoders = [torch.randint(3, 8192, (64,), generator=g).tolist() for _ in range(16)]
+    long_prompt = torch.randint(3, 8192, (4000,), generator=g).tolist()
+    rows = []
+    for budget in budgets:
+        eng = Engine(model, kv_cache_memory=1 << 30, max_num_batched_tokens=budget, progress=False,
+                     enable_prefix_caching=False)
+        for i, p in enumerate(decoders):
+            eng.add_request(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting \
+                or eng._inbox:
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        last = {f"d{i}": time.perf_counter() for i in range(16)}
+        worst, gaps = 0.0, []
+        t0 = time.perf_counter()
+        eng.add_request("long", long_prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        ttft = None
+        while ttft is None or len(gaps) < 16 * 5:
+            for out in eng.step():
+                now = time.perf_counter()
+                if out.request_id == "long":
+                    ttft = now - t0
+                elif out.new_token_ids:
+                    gap = now - last[out.request_id]
+                    last[out.request_id] = now
+                    worst = max(worst, gap)
+                    gaps.append(gap)
+        rows.append({"max_num_batched_tokens": budget, "chunked": budget < 4016, "worst_gap_s": worst,
+                     "median_gap_s": statistics.median(gaps), "long_prompt_ttft_s": ttft})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["waste", "ttft", "stutter"])
+    ap.add_argument("--out", default="bench/out/scheduler.json")
+    args = ap.parse_args()
+    out_path = Path(args.out)
+    result = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    if args.only in (None, "waste"):
+        result["kv_waste"] = kv_waste()
+        print(result["kv_waste"], flush=True)
+    if args.only in (None, "ttft"):
+        result["prefix_ttft"] = prefix_ttft()
+        print(result["prefix_ttft"], flush=True)
+    if args.only in (None, "stutter"):
+        result["stutter"] = stutter()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
