@@ -35,7 +35,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.9
     kv_cache_cpu_default_bytes: int = 2 * 1024**3
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
