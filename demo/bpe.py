@@ -38,8 +38,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable character for each byte -> the byte."""
+def byte_level_alphabet() -> dict[int, str]:
+    """Byte-level BPE's table: each byte -> the printable character that stands for it."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in printable}
     extra = 0
@@ -47,7 +47,7 @@ def _byte_alphabet() -> dict[str, int]:
         if b not in table:
             table[b] = chr(256 + extra)
             extra += 1
-    return {ch: b for b, ch in table.items()}
+    return table
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
@@ -63,7 +63,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    to_byte = _byte_alphabet()
+    to_byte = {ch: b for b, ch in byte_level_alphabet().items()}
     # Trainer ids follow merge order after the 256-byte alphabet: exactly tiktoken's ranks.
     ranked = sorted(tok.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
     lines = [f"{base64.b64encode(bytes(to_byte[ch] for ch in piece)).decode('ascii')} {rank}"

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_info import sm_count
+
 _LOG2E = 1.4426950408889634
 
 
@@ -194,14 +196,6 @@ def _combine_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
 _PREFILL_ROWS = 64
 _BLOCK_N = 64
 _MAX_SPLITS = 32
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
 
 
 def _auto_splits(programs: int, max_key_tiles: int, device: torch.device) -> int:
@@ -210,7 +204,7 @@ def _auto_splits(programs: int, max_key_tiles: int, device: torch.device) -> int
     # Derived from shapes alone, so no device sync and the choice is stable under CUDA graphs.
     if device.type != "cuda":
         return 1
-    want = -(-2 * _sm_count(device) // max(programs, 1))
+    want = -(-2 * sm_count(device) // max(programs, 1))
     return max(1, min(want, max_key_tiles // 4, _MAX_SPLITS))
 
 

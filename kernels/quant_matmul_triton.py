@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_info import sm_count
+
 
 @triton.jit
 def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
@@ -67,14 +69,6 @@ def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
 
 
 _MAX_SPLIT_K = 16
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
 
 
 def _tiles(m: int) -> tuple[int, int]:
@@ -88,7 +82,7 @@ def _auto_split_k(programs: int, k_tiles: int, device: torch.device) -> int:
     # Fill about two waves of SMs, keeping >= 4 K tiles per split. Shape-based: no sync.
     if device.type != "cuda":
         return 1
-    want = -(-2 * _sm_count(device) // programs)
+    want = -(-2 * sm_count(device) // programs)
     return max(1, min(want, k_tiles // 4, _MAX_SPLIT_K))
 
 

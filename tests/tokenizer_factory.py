@@ -25,6 +25,7 @@ import base64
 import json
 from pathlib import Path
 
+from demo.bpe import byte_level_alphabet  # noqa: F401  (re-exported for the tests)
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -66,18 +67,6 @@ CORPUS = [
     "<html><body><p class=\"x\">Hello &amp; welcome</p></body></html>",
     "Math: ∑ x² = ∫ f(x) dx ≈ π ≠ ∞; α β γ δ → ⇒ ∀ ∃",
 ]
-
-
-def byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, written out for the tests' own use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _write_json(path: Path, obj: object) -> None:
