@@ -25,6 +25,8 @@ class EngineConfig:
       max_position_embeddings (capped by Mistral's sliding window is not needed: it is masked).
     enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
     long_prefill_token_threshold: cap on one request's prefill chunk per step (0: only the budget).
+    attention_backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton" (forces
+      either; triton on a CPU needs TRITON_INTERPRET=1 and is for testing only).
     seed: seeds the per-request seeds drawn for requests that bring none.
     """
 
@@ -39,7 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     seed: int = 0
     progress: bool = True
 
@@ -64,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
 
