@@ -50,19 +50,25 @@ def byte_level_alphabet() -> dict[int, str]:
     return table
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
-    """Train on `texts` and write tokenizer.model + tokenizer_config.json into out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, pattern: str = DEMO_PATTERN) -> Tokenizer:
+    """A byte-level BPE (`tokenizers` library) with `pattern` as the pre-tokenizer split."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(DEMO_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
+    """Train on `texts` and write tokenizer.model + tokenizer_config.json into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_byte_level_bpe(texts, vocab_size)
     to_byte = {ch: b for b, ch in byte_level_alphabet().items()}
     # Trainer ids follow merge order after the 256-byte alphabet: exactly tiktoken's ranks.
     ranked = sorted(tok.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])

@@ -112,8 +112,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, dtype: torch.dtype, pro
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               progress: bool = True) -> tuple[CausalLM, ModelConfig]:
-    cfg = ModelConfig.from_dir(model_dir)
+               progress: bool = True, cfg: ModelConfig | None = None) -> tuple[CausalLM, ModelConfig]:
+    cfg = cfg or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     # Materialise empty parameters directly in the target dtype/device, then fill them.

@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
 from .errors import RequestError
 from .kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
+from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import EngineStats, StepOutput
 from .sampling_params import SamplingParams
@@ -47,7 +48,6 @@ class Engine:
             keep_freed_memory()
         self.dtype = cfg.torch_dtype(self.device)
         model_dir = Path(model_dir)
-        from .model_config import ModelConfig
         mcfg = ModelConfig.from_dir(model_dir)
         max_len = cfg.max_model_len or mcfg.max_position_embeddings
         budget = kv_budget_bytes(self.device, cfg.kv_cache_fraction, cfg.kv_cache_memory, cfg.kv_cache_cpu_default_bytes)
@@ -57,7 +57,7 @@ class Engine:
             log.warning("max_model_len %d exceeds the KV cache capacity of %d tokens; capping it", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len, cfg.progress)
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len, cfg.progress, mcfg)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -25,8 +25,8 @@ import base64
 import json
 from pathlib import Path
 
-from demo.bpe import byte_level_alphabet  # noqa: F401  (re-exported for the tests)
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from demo.bpe import byte_level_alphabet, train_byte_level_bpe  # noqa: F401  (alphabet re-exported)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -74,16 +74,7 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def _train_byte_level(vocab_size: int) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 3, trainer)
-    return tok
+    return train_byte_level_bpe(CORPUS * 3, vocab_size, LLAMA3_PATTERN)
 
 
 def _added_tokens_decoder(first_id: int, names: list[str]) -> dict[str, dict]:
