@@ -23,3 +23,9 @@ def test_committed_model_reaches_recorded_accuracy(name):
     items = task_suite.generate_items("test", record["items"], seed=record["seed"])
     got = evaluate(model, items, use_tqdm=False, kv_cache_memory=64 << 20)
     assert abs(got["all"][0] - record["accuracy"][name]) <= TOLERANCE, (got["all"][0], record["accuracy"][name])
+
+
+def test_recorded_gap_between_small_and_large():
+    """The router (issue 12) needs a real quality gap; the recorded sample must show it."""
+    record = json.loads(RECORD.read_text())
+    assert record["accuracy"]["demo-large"] >= record["accuracy"]["demo-small"] + 0.1
