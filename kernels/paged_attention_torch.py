@@ -55,6 +55,7 @@ class _Chunk:
     q_end: int
     slots: torch.Tensor          # [L] cache slots of positions 0..L-1
     tiles: list[_Tile]
+    gather: torch.Tensor | None = None  # row indices into the 2-D cache view; set by the first layer
 
 
 # Query rows per tile of a chunk. Tiling keeps the [tile, keys] score matrix in cache and lets
@@ -68,6 +69,7 @@ class _DecodeGroup:
     rows: torch.Tensor       # [B] row of each decode token in the flat query
     blocks: torch.Tensor     # [B, nb] block tables, padded with block 0
     mask: torch.Tensor       # [B, 1, nb * block_size] additive (0 or -inf)
+    gather: torch.Tensor | None = None  # row indices into the 2-D cache view; set by the first layer
 
 
 @dataclass(slots=True)
@@ -164,8 +166,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_size = g.mask.shape[-1] // width
         # Gather whole blocks straight into [B, kvh, L, hd] and let SDPA's fused CPU kernel do
         # GQA and the masked softmax: ~1.6x faster than two batched matmuls at batch 32.
-        heads = torch.arange(num_kv_heads, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
-        idx = (heads + g.blocks[:, None, :]).reshape(-1)
+        if g.gather is None:  # same for every layer: computed once per step
+            heads = torch.arange(num_kv_heads, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
+            g.gather = (heads + g.blocks[:, None, :]).reshape(-1)
+        idx = g.gather
         k = k_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
         v = v_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
         qd = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, hd]
@@ -174,7 +178,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.index_copy_(0, g.rows, od.squeeze(2))
     for c in plan.chunks:
         n = c.q_end - c.q_start
-        idx = _head_rows(c.slots, num_kv_heads, k_cache.shape[1])
+        if c.gather is None:  # same for every layer: computed once per step
+            c.gather = _head_rows(c.slots, num_kv_heads, k_cache.shape[1])
+        idx = c.gather
         kc = k_cache.view(-1, head_dim).index_select(0, idx).view(num_kv_heads, -1, head_dim)  # [kvh, L, hd]
         vc = v_cache.view(-1, head_dim).index_select(0, idx).view(num_kv_heads, -1, head_dim)
         # [kvh, n, group, hd]: a tile of queries is then one contiguous [kvh, t * group, hd] slab.

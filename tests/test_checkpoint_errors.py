@@ -23,29 +23,29 @@ def test_unknown_architecture(checkpoint_dir, tmp_path):
         Engine(d, kv_cache_memory=1 << 20)
 
 
-def test_missing_tensor(checkpoint_dir, tmp_path):
+def _edited(checkpoint_dir, tmp_path, edit):
+    """A copy of the llama checkpoint whose tensors dict went through `edit`."""
     d = _copy(checkpoint_dir("llama"), tmp_path / "m")
     tensors = load_file(d / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.weight"]
+    edit(tensors)
     save_file(tensors, d / "model.safetensors")
+    return d
+
+
+def test_missing_tensor(checkpoint_dir, tmp_path):
+    d = _edited(checkpoint_dir, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing: model\.layers\.1\.mlp\.up_proj\.weight"):
         Engine(d, kv_cache_memory=1 << 20)
 
 
 def test_shape_mismatch(checkpoint_dir, tmp_path):
-    d = _copy(checkpoint_dir("llama"), tmp_path / "m")
-    tensors = load_file(d / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(7, 64)
-    save_file(tensors, d / "model.safetensors")
+    d = _edited(checkpoint_dir, tmp_path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(7, 64)}))
     with pytest.raises(CheckpointError, match=r"k_proj\.weight has shape \(7, 64\)"):
         Engine(d, kv_cache_memory=1 << 20)
 
 
 def test_unexpected_tensor(checkpoint_dir, tmp_path):
-    d = _copy(checkpoint_dir("llama"), tmp_path / "m")
-    tensors = load_file(d / "model.safetensors")
-    tensors["model.layers.0.mystery.weight"] = torch.zeros(3)
-    save_file(tensors, d / "model.safetensors")
+    d = _edited(checkpoint_dir, tmp_path, lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}))
     with pytest.raises(CheckpointError, match="unexpected tensor.*mystery"):
         Engine(d, kv_cache_memory=1 << 20)
 
