@@ -39,7 +39,8 @@ def test_missing_tensor(checkpoint_dir, tmp_path):
 
 
 def test_shape_mismatch(checkpoint_dir, tmp_path):
-    d = _edited(checkpoint_dir, tmp_path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(7, 64)}))
+    bad = {"model.layers.0.self_attn.k_proj.weight": torch.zeros(7, 64)}
+    d = _edited(checkpoint_dir, tmp_path, lambda t: t.update(bad))
     with pytest.raises(CheckpointError, match=r"k_proj\.weight has shape \(7, 64\)"):
         Engine(d, kv_cache_memory=1 << 20)
 
