@@ -11,6 +11,8 @@ Runs from a plain checkout with the machine's own torch and triton; imports only
     bytes moved / copy bandwidth measured here with a large device-to-device copy; attention
     also against torch SDPA over already-gathered contiguous KV, quantised matmuls against a
     dense fp16/bf16 cuBLAS matmul. A table is printed and everything is written as JSON.
+(c) End-to-end decode tokens/s of a random 1.1B Llama in bf16 at batch 1 and 64, eager vs
+    CUDA graphs, against the weight + KV read floor (bench/gpu_decode.py).
 Exit status: 0 all correct, 1 a correctness failure, 2 no CUDA device.
 """
 from __future__ import annotations
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON results")
     parser.add_argument("--quick", action="store_true", help="skip fp32 correctness cases")
     parser.add_argument("--no-timings", action="store_true", help="correctness only")
+    parser.add_argument("--no-decode", action="store_true", help="skip the end-to-end 1B decode (eager vs graphs)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False); "
@@ -336,10 +339,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t.name:32} {t.ms:8.3f} {t.floor_ms:9.3f} {100 * t.floor_ms / t.ms:7.0f}% "
                   f"{t.baseline:>16} {t.baseline_ms:8.3f} {extra}")
 
+    decode = []
+    if not args.no_timings and not args.no_decode:
+        from bench import gpu_decode
+        decode = gpu_decode.run([1, 64], context=512, steps=64, bandwidth_bytes_per_ms=bw)
+        gpu_decode.print_table(decode)
+
     with open(args.out, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__,
                    "copy_bandwidth_GBps": bw / 1e6, "checks": [asdict(c) for c in checks],
-                   "timings": [asdict(t) for t in timings], "failed": failed}, f, indent=1)
+                   "timings": [asdict(t) for t in timings], "decode": [asdict(d) for d in decode],
+                   "failed": failed}, f, indent=1)
     print(f"\nwrote {args.out}; {len(checks) - len(failed)}/{len(checks)} checks passed")
     return 1 if failed else 0
 

@@ -28,6 +28,9 @@ class EngineConfig:
     attention_backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton" (forces
       either; triton on a CPU needs TRITON_INTERPRET=1 and is for testing only).
     seed: seeds the per-request seeds drawn for requests that bring none.
+    cuda_graphs: "auto" (on with CUDA and the triton backend), "on" or "off": decode steps of up to
+      cuda_graph_max_batch sequences replay captured CUDA graphs; prefill always runs eagerly.
+      "padded" runs the graphs' static, padded path eagerly (tests on CPU, needs triton attention).
     """
 
     dtype: str = "auto"
@@ -44,6 +47,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     progress: bool = True
+    cuda_graphs: str = "auto"
+    cuda_graph_max_batch: int = 128
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -68,6 +73,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.cuda_graphs not in ("auto", "on", "off", "padded"):
+            raise ValueError(f"cuda_graphs must be auto, on, off or padded, got {self.cuda_graphs!r}")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch <= 0:
+            raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
 

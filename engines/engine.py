@@ -66,7 +66,8 @@ class Engine:
                             watermark_blocks=max(1, num_blocks // 100)),
             self.blocks)
         kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend)
+        self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
+                                  cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         self._seed_rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []

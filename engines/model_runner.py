@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, resolve_backend
+from .cuda_graph_runner import CudaGraphDecoder
 from .model import CausalLM
 from .sampler import sample
 from .scheduler import SchedulerOutput
@@ -11,13 +12,25 @@ from .scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, attention_backend: str = "torch") -> None:
+                 device: torch.device, attention_backend: str = "torch", cuda_graphs: str = "off",
+                 max_model_len: int = 0, cuda_graph_max_batch: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.attention_backend = attention_backend
+        self.attention_backend = resolve_backend(attention_backend, device)
         self.sliding_window = model.cfg.sliding_window
+        self.graphs: CudaGraphDecoder | None = None
+        mode = cuda_graphs
+        if mode == "auto":
+            mode = "on" if device.type == "cuda" and self.attention_backend == "triton" else "off"
+        if mode != "off":
+            if self.attention_backend != "triton":
+                raise ValueError("cuda_graphs needs attention_backend triton (padding rows rely on its slot -1 skip)")
+            width = -(-max_model_len // block_size)
+            self.graphs = CudaGraphDecoder(model, kv_caches, block_size, width, cuda_graph_max_batch, device,
+                                           capture=mode == "on")
+        self.num_graph_steps = 0
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Run the batch; return one sampled token per chunk that reaches its sequence's end."""
@@ -45,6 +58,12 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
         dev = self.device
+        if self.graphs is not None and len(ids) == len(sampled) == len(batch.chunks) \
+                and self.graphs.can_run(len(ids), max(len(t) for t in tables)):
+            # Pure decode: one token per sequence, each sampled.
+            logits = self.graphs.run(ids, positions, slots, seq_lens, tables)
+            self.num_graph_steps += 1
+            return self._sample(logits, sampled)
         meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables, bs, self.sliding_window, dev,
                                        self.attention_backend)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
@@ -52,6 +71,10 @@ class ModelRunner:
                             torch.tensor(logits_rows, dtype=torch.long, device=dev))
         if not sampled:
             return []
+        return self._sample(logits, sampled)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampled: list) -> list[int]:
         return sample(
             logits,
             greedy=[s.params.temperature == 0.0 for s in sampled],
