@@ -31,6 +31,10 @@ class EngineConfig:
     cuda_graphs: "auto" (on with CUDA and the triton backend), "on" or "off": decode steps of up to
       cuda_graph_max_batch sequences replay captured CUDA graphs; prefill always runs eagerly.
       "padded" runs the graphs' static, padded path eagerly (tests on CPU, needs triton attention).
+    tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
+      embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
+    tp_timeout_s: how long a collective or a worker's start-up may take before the engine is
+      declared dead (a killed worker is usually detected at once: its sockets close).
     """
 
     dtype: str = "auto"
@@ -49,6 +53,8 @@ class EngineConfig:
     progress: bool = True
     cuda_graphs: str = "auto"
     cuda_graph_max_batch: int = 128
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -77,6 +83,10 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be auto, on, off or padded, got {self.cuda_graphs!r}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.tp_timeout_s, (int, float)) or self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
 

@@ -24,10 +24,11 @@ from .block_manager import BlockManager
 from .checkpoint import load_model
 from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
-from .errors import RequestError
+from .errors import EngineDeadError, RequestError
 from .kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
+from .tensor_parallel import check_divisible, shard_model_
 from .outputs import EngineStats, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -57,6 +58,9 @@ class Engine:
             log.warning("max_model_len %d exceeds the KV cache capacity of %d tokens; capping it", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
+        tp = cfg.tensor_parallel_size
+        if tp > 1:
+            check_divisible(mcfg, tp)  # before any worker starts
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len, cfg.progress, mcfg)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -65,9 +69,13 @@ class Engine:
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
                             watermark_blocks=max(1, num_blocks // 100)),
             self.blocks)
-        kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
-                                  cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+        self._dead: str | None = None
+        if tp > 1:
+            self.runner = self._start_tensor_parallel(model_dir, num_blocks)
+        else:
+            kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
+            self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
+                                      cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         self._seed_rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -83,6 +91,8 @@ class Engine:
                     priority: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request. priority: lower is more urgent (ties: arrival order). cache_salt:
         prefix-cache entries are shared only between requests with the same salt."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead ({self._dead}); start a new one")
         params = self._check_params(params)
         prompt = self._check_prompt(prompt_token_ids)
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -124,7 +134,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.chunks:
             return outputs
-        tokens = iter(self.runner.execute(batch))
+        try:
+            tokens = iter(self.runner.execute(batch))
+        except Exception as exc:  # noqa: BLE001 - the step's state is unknown: fail everything
+            return outputs + self._fail_all(exc)
         for chunk in batch.chunks:
             seq = chunk.seq
             samples = chunk.samples
@@ -157,7 +170,59 @@ class Engine:
             last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens)
 
+    def close(self) -> None:
+        """Release what outlives the object: tensor-parallel workers. Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine failed, or None while it is healthy."""
+        return self._dead
+
     # -- helpers ------------------------------------------------------------------------------
+    def _start_tensor_parallel(self, model_dir: Path, num_blocks: int) -> ModelRunner:
+        from .kv_cache import allocate_kv_cache as alloc
+        from .tp_runner import TensorParallelRunner, start
+
+        cfg = self.config
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        spec = dict(world=cfg.tensor_parallel_size, backend="nccl" if self.device.type == "cuda" else "gloo",
+                    model_dir=str(model_dir), dtype=dtype_name, device=self.device.type,
+                    max_model_len=self.max_model_len, num_blocks=num_blocks, block_size=cfg.block_size,
+                    attention_backend=cfg.attention_backend, timeout_s=float(cfg.tp_timeout_s))
+        group = start(cfg.tensor_parallel_size, spec, float(cfg.tp_timeout_s))
+        try:
+            shard_model_(self.model, 0, cfg.tensor_parallel_size)
+            kv = alloc(self.model.local_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
+            # CUDA graphs stay off under tensor parallelism (collectives inside captured graphs are
+            # not wired up yet); decode runs eagerly on every rank.
+            return TensorParallelRunner(group, self.model, kv, cfg.block_size, self.device, cfg.attention_backend)
+        except BaseException:
+            group.close()
+            raise
+
+    def _fail_all(self, exc: Exception) -> list[StepOutput]:
+        """A step raised: the KV and scheduler state of this step are unknown, so every in-flight
+        request ends with an error and the engine refuses new work until it is replaced."""
+        self._dead = f"{type(exc).__name__}: {exc}"
+        log.error("engine step failed; failing all in-flight requests: %s", self._dead, exc_info=exc)
+        with self._lock:
+            live = list(self._live.values())
+            self._live.clear()
+            self._inbox.clear()
+        outs = []
+        for seq in live:
+            if seq in self.scheduler.running or seq in self.scheduler.waiting:
+                self.scheduler.remove(seq)
+            seq.finish_reason = "error"
+            outs.append(StepOutput(seq.request_id, [], finished=True, finish_reason="error",
+                                   num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                   error=self._dead))
+        self.close()
+        return outs
+
     def _finish(self, seq: Sequence, reason: str, new_tokens: list[int]) -> StepOutput:
         self.scheduler.remove(seq)
         seq.finish_reason = reason

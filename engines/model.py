@@ -42,6 +42,10 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim ** -0.5
+        # Set by engines.tensor_parallel.shard_model_: o_proj and down_proj then hold one rank's
+        # slice of their input and their outputs are summed across ranks.
+        self.tp_enabled = False
+        self.tp_group = None
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -53,10 +57,15 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = rotary(positions, q, k)
         o = attend(q, k, v, kv[0], kv[1], meta, self.scale)
-        h = h + self.o_proj(o.reshape(-1, cfg.q_size))
+        h = h + self._reduce(self.o_proj(o.reshape(-1, cfg.q_size)))
         x = self.post_attention_layernorm(h)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self.down_proj(nn.functional.silu(gate) * up)
+        return h + self._reduce(self.down_proj(nn.functional.silu(gate) * up))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_enabled:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
 
 
 class CausalLM(nn.Module):

@@ -1,6 +1,8 @@
 """Turns a scheduled batch into flat model inputs, runs one forward, and samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .attention import AttentionMetadata, resolve_backend
@@ -8,6 +10,20 @@ from .cuda_graph_runner import CudaGraphDecoder
 from .model import CausalLM
 from .sampler import sample
 from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flat model inputs as plain lists: cheap to send to tensor-parallel workers."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    logits_rows: list[int]
 
 
 class ModelRunner:
@@ -34,44 +50,46 @@ class ModelRunner:
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Run the batch; return one sampled token per chunk that reaches its sequence's end."""
+        inputs, sampled = self.prepare(batch)
+        if self.graphs is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
+                and self.graphs.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
+            # Pure decode: one token per sequence, each sampled.
+            logits = self.graphs.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
+            self.num_graph_steps += 1
+            return self._sample(logits, sampled)
+        logits = self.forward(inputs)
+        if not sampled:
+            return []
+        return self._sample(logits, sampled)
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sampled = []
+        inputs = StepInputs([], [], [], [], [], [], [])
+        sampled: list[Sequence] = []
         for chunk in batch.chunks:
             seq = chunk.seq
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
             table = seq.block_table
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(chunk.num_tokens)
-            seq_lens.append(end)
-            tables.append(table)
+            inputs.ids.extend(seq.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.query_lens.append(chunk.num_tokens)
+            inputs.seq_lens.append(end)
+            inputs.tables.append(table)
             if chunk.samples:
-                logits_rows.append(len(ids) - 1)
+                inputs.logits_rows.append(len(inputs.ids) - 1)
                 sampled.append(seq)
+        return inputs, sampled
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """One eager forward; fp32 logits for inputs.logits_rows."""
         dev = self.device
-        if self.graphs is not None and len(ids) == len(sampled) == len(batch.chunks) \
-                and self.graphs.can_run(len(ids), max(len(t) for t in tables)):
-            # Pure decode: one token per sequence, each sampled.
-            logits = self.graphs.run(ids, positions, slots, seq_lens, tables)
-            self.num_graph_steps += 1
-            return self._sample(logits, sampled)
-        meta = AttentionMetadata.build(slots, query_lens, seq_lens, tables, bs, self.sliding_window, dev,
-                                       self.attention_backend)
-        logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_caches,
-                            torch.tensor(logits_rows, dtype=torch.long, device=dev))
-        if not sampled:
-            return []
-        return self._sample(logits, sampled)
+        meta = AttentionMetadata.build(inputs.slots, inputs.query_lens, inputs.seq_lens, inputs.tables,
+                                       self.block_size, self.sliding_window, dev, self.attention_backend)
+        return self.model(torch.tensor(inputs.ids, dtype=torch.long, device=dev),
+                          torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta, self.kv_caches,
+                          torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev))
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampled: list) -> list[int]:
