@@ -21,8 +21,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# The gateway on 127.0.0.1:$(PORT) with deploy/default.yaml (both demo engines in-process);
+# an embedded redis-server under .tokenyard/redis unless REDIS_URL is set.
+PORT ?= 8000
 serve: $(STAMP)
-	$(BIN)/tokenyard serve
+	@echo "Tokenyard base URL: http://127.0.0.1:$(PORT)/v1"
+	$(BIN)/tokenyard serve --config deploy/default.yaml --host 127.0.0.1 --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -1,0 +1,198 @@
+"""The online face of one engine: per-request async streams over a step loop off the event loop.
+
+    engine = AsyncEngine(Engine(...), name="demo-small"); await engine.start()
+    stream = engine.add_request("r1", prompt_ids, params)
+    async for out in stream: ...              # StepOutput, the last one has finished=True
+    engine.abort("r1")                        # the engine frees its blocks at its next step
+
+The step loop awaits `engine.step()` on an executor thread, so the event loop keeps serving
+HTTP while a batch runs. Torch engines all share `engines.executor.torch_executor()` (one
+thread): on a CPU, two engines stepping at once would fight over the same cores, so they take
+turns. Engines that set `uses_torch_executor = False` (the mock engine, whose step sleeps) get
+a thread of their own so they never hold up a real one.
+
+A step that raises fails every in-flight request with an "error" output (the reader sees it at
+once instead of hanging), and aborts them in the engine. After `max_consecutive_failures`
+failing steps in a row the engine is declared dead: new requests raise EngineDeadError.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import AsyncIterator, Protocol
+
+from .errors import EngineDeadError
+from .executor import torch_executor
+from .outputs import EngineStats, StepOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore(Protocol):
+    """The narrow interface both engines.Engine and engines.mock_engine.MockEngine provide."""
+
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class RequestStream:
+    """The outputs of one request, in order; iteration ends after the finished output."""
+
+    __slots__ = ("request_id", "_queue", "finished")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, out: StepOutput) -> None:
+        self._queue.put_nowait(out)
+
+    async def get(self) -> StepOutput:
+        out = await self._queue.get()
+        if out.finished:
+            self.finished = True
+        return out
+
+    def get_nowait(self) -> StepOutput | None:
+        try:
+            out = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if out.finished:
+            self.finished = True
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        while not self.finished:
+            yield await self.get()
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineCore, name: str = "engine", executor: Executor | None = None,
+                 max_consecutive_failures: int = 3) -> None:
+        self.engine = engine
+        self.name = name
+        self._own_executor = executor is None and not getattr(engine, "uses_torch_executor", True)
+        if executor is not None:
+            self._executor = executor
+        elif self._own_executor:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenyard-{name}")
+        else:
+            self._executor = torch_executor()
+        self._streams: dict[str, RequestStream] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stats = engine.stats()
+        self._max_failures = max_consecutive_failures
+        self.dead: str | None = None      # why the engine was declared dead
+        self.num_failed_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-loop-{self.name}")
+
+    async def stop(self) -> None:
+        """Abort everything in flight and stop the loop (the engine object stays usable)."""
+        for rid in list(self._streams):
+            self.abort(rid)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Validate and queue; raises RequestError (bad input) or EngineDeadError."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
+        if self._task is None:
+            raise EngineDeadError(f"engine {self.name} is not started")
+        stream = RequestStream(request_id)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+        self._streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: its stream ends with an "abort" output (waking a waiting reader) and
+        gets nothing more; the engine frees the request's blocks at its next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.engine.abort(request_id)
+            stream.put(StepOutput(request_id, [], finished=True, finish_reason="abort"))
+            if self._wake is not None:
+                self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """Taken on the step thread after the latest step, so it never races the scheduler."""
+        return self._stats
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            if not self._streams and not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs, self._stats = await loop.run_in_executor(self._executor, self._step)
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - any failure must reach the waiting readers
+                failures += 1
+                self.num_failed_steps += 1
+                log.exception("engine %s: step failed", self.name)
+                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                if failures >= self._max_failures:
+                    self.dead = f"{failures} steps failed in a row, the last with {type(e).__name__}"
+                    log.error("engine %s declared dead: %s", self.name, self.dead)
+                    return
+                await asyncio.sleep(0.01 * failures)  # do not spin on a broken engine
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted by its reader: nobody is listening
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.put(out)
+
+    def _step(self) -> tuple[list[StepOutput], EngineStats]:
+        outputs = self.engine.step()
+        return outputs, self.engine.stats()
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine is already failing; readers come first
+                pass
+            stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))

@@ -1,0 +1,196 @@
+"""The Starlette app: `create_app(deployment)` builds one gateway over its engines.
+
+State lives in one `Gateway` object (app.state.gateway) rather than in module globals, so a
+test can run several apps in one process. Engines load in a worker thread at startup (the
+lifespan), so the event loop is not blocked while weights are read.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import hmac
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .access_log import AccessLog
+from .chat_endpoint import chat_completions
+from .deployment import Deployment
+from .engine_pool import EngineHandle, load_engines
+from .errors import APIError, ServerError, Unauthorized, error_for_status
+from .metrics import GatewayMetrics
+from .openapi import openapi_schema
+from .routing import AUTO, Router
+from .usage import RecentUsage, UsageSink
+
+log = logging.getLogger("tokenyard.gateway")
+
+
+class Gateway:
+    """Everything the endpoints share: engines, router, metrics, key, drain state, Redis."""
+
+    def __init__(self, deployment: Deployment, handles: dict[str, EngineHandle] | None,
+                 usage_sink: UsageSink | None, dev_key: str) -> None:
+        self.deployment = deployment
+        self.handles: dict[str, EngineHandle] = handles or {}
+        self.router = Router(list(deployment.engines) or list(self.handles), deployment.routing)
+        self.metrics = GatewayMetrics(lambda: {n: h.engine for n, h in self.handles.items()})
+        self.usage = RecentUsage()
+        self.usage_sink: UsageSink = usage_sink or self.usage
+        self.dev_key = dev_key
+        self.draining = False
+        self.ready = False
+        self.redis: Any = None
+        self.redis_ok: bool | None = None   # None: no Redis configured
+        self.in_progress = 0                # HTTP requests being handled (drain waits for 0)
+
+    def check_auth(self, header: str | None) -> None:
+        # Until issue 10 (keys and tenants): one development key, compared in constant time.
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.dev_key.encode()):
+            raise Unauthorized("Incorrect API key provided. Send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+
+    def start_drain(self) -> None:
+        if not self.draining:
+            log.info("draining: /ready is false, new chat requests get 503")
+            self.draining = True
+
+    async def _watch_redis(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.redis.ping(), 2.0)
+                self.redis_ok = True
+            except Exception:  # noqa: BLE001 - any failure means "not reachable"
+                if self.redis_ok is not False:
+                    log.warning("redis at %s is not reachable", self.deployment.redis_url)
+                self.redis_ok = False
+            await asyncio.sleep(5.0)
+
+
+def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | None = None,
+               usage_sink: UsageSink | None = None, dev_key: str | None = None) -> Starlette:
+    """handles: engines already built (tests); otherwise the deployment's engines load at startup."""
+    key = dev_key or deployment.dev_key or "ty-dev-" + secrets.token_urlsafe(18)
+    gw = Gateway(deployment, handles, usage_sink, key)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not gw.handles:
+            gw.handles = await asyncio.to_thread(load_engines, deployment.engines)
+        for h in gw.handles.values():
+            await h.engine.start()
+        redis_task = None
+        if deployment.redis_url:
+            import redis.asyncio as aioredis
+            gw.redis = aioredis.Redis.from_url(deployment.redis_url, socket_connect_timeout=2, socket_timeout=2)
+            redis_task = asyncio.get_running_loop().create_task(gw._watch_redis())
+        # Everything loaded so far (torch, weights' Python objects) lives as long as the process:
+        # freezing it keeps the cyclic GC from rescanning it, which shows up as latency spikes.
+        gc.freeze()
+        gw.ready = True
+        try:
+            yield
+        finally:
+            gw.ready = False
+            if redis_task is not None:
+                redis_task.cancel()
+                await gw.redis.aclose()
+            for h in gw.handles.values():
+                await h.engine.stop()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/v1/models/{model}", _model, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/ready", _ready, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/openapi.json", _openapi, methods=["GET"]),
+    ]
+    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
+    # AccessLog sits inside Starlette's error middleware but outside the exception handlers, so
+    # it sees every API error's final status and stamps x-request-id on error responses too.
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=[Middleware(AccessLog, gateway=gw)])
+    app.state.gateway = gw
+    return app
+
+
+def _model_entry(h: EngineHandle) -> dict[str, Any]:
+    return {"id": h.name, "object": "model", "created": h.created, "owned_by": "tokenyard"}
+
+
+async def _models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    gw.check_auth(request.headers.get("authorization"))
+    created = min((h.created for h in gw.handles.values()), default=int(time.time()))
+    data = [{"id": AUTO, "object": "model", "created": created, "owned_by": "tokenyard"}]
+    data += [_model_entry(h) for h in gw.handles.values()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _model(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    gw.check_auth(request.headers.get("authorization"))
+    name = request.path_params["model"]
+    route = gw.router.pinned(name)  # NotFound for unknown names
+    if route is None:
+        created = min((h.created for h in gw.handles.values()), default=int(time.time()))
+        return JSONResponse({"id": AUTO, "object": "model", "created": created, "owned_by": "tokenyard"})
+    return JSONResponse(_model_entry(gw.handles[route.engine]))
+
+
+async def _health(request: Request) -> Response:
+    # Liveness: answers from the event loop alone (no engine or Redis round trip), so it stays
+    # fast while engines are saturated; Redis shows its last known state.
+    gw: Gateway = request.app.state.gateway
+    redis = "off" if gw.redis_ok is None and gw.redis is None else ("ok" if gw.redis_ok else "unreachable")
+    engines = {n: ("down" if h.engine.dead else "ok") for n, h in gw.handles.items()}
+    return JSONResponse({"status": "ok", "engines": engines, "redis": redis})
+
+
+async def _ready(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    ok = gw.ready and not gw.draining and all(not h.engine.dead for h in gw.handles.values())
+    body = {"ready": ok, "draining": gw.draining}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _openapi(request: Request) -> Response:
+    return JSONResponse(openapi_schema())
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    gw: Gateway = request.app.state.gateway
+    request.scope.setdefault("tokenyard", {})["error_code"] = exc.code
+    if request.url.path == "/v1/chat/completions":
+        gw.metrics.count_request("", exc.status, "")
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"Unknown path {request.url.path}", 405: f"Method {request.method} not allowed here"}
+    err = error_for_status(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+    return err.response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
+    return ServerError("Internal server error").response()

@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: body -> typed request -> route -> tokens -> engine -> response.
+
+The prompt is tokenised once, with the serving engine's tokenizer; that count is the one the
+context check, the router and the usage record all use.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from engines.chat_template import ChatTemplateError, apply_chat_template
+from engines.errors import EngineDeadError, RequestError
+from engines.sampling_params import SamplingParams
+from engines.tokenizer import Tokenizer
+
+from .chat_request import ChatRequest, parse_chat_request
+from .errors import BadRequest, PayloadTooLarge, ServerError, Unavailable, Unprocessable
+from .generation import EngineFailed, Generation
+from .streaming import SSEResponse, wait_disconnect
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+
+async def chat_completions(request: Request) -> Any:
+    gw: Gateway = request.app.state.gateway
+    arrival = time.perf_counter()
+    info = request.scope.setdefault("tokenyard", {})
+    if gw.draining:
+        raise Unavailable("The server is shutting down; retry on another instance", code="draining",
+                          headers={"retry-after": "1"})
+    gw.check_auth(request.headers.get("authorization"))
+    body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
+    req = parse_chat_request(body, gw.deployment.limits.max_messages)
+    route, prompt_ids = route_and_tokenize(gw, req)
+    handle = gw.handles[route.engine]
+    max_len = handle.engine.max_model_len
+    if len(prompt_ids) >= max_len:
+        raise BadRequest(f"This model's maximum context length is {max_len} tokens; the messages have "
+                         f"{len(prompt_ids)} tokens", param="messages", code="context_length_exceeded")
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = min(gw.deployment.limits.default_max_tokens, max_len - len(prompt_ids))
+    elif len(prompt_ids) + max_tokens > max_len:
+        raise BadRequest(f"This model's maximum context length is {max_len} tokens; you asked for "
+                         f"{len(prompt_ids)} prompt + {max_tokens} completion tokens. Lower max_tokens.",
+                         param="max_tokens", code="context_length_exceeded")
+    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                            stop=req.stop)
+    request_id = info.get("request_id") or secrets.token_hex(12)
+    engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
+    gen = Generation(handle, engine_rid, prompt_ids, params, req.model, route.reason, req.stream, arrival,
+                     time.time(), gw.metrics, gw.usage_sink)
+    try:
+        gen.start()
+    except EngineDeadError as e:
+        raise Unavailable(f"Engine {handle.name} is unavailable", code="engine_unavailable") from e
+    except RequestError as e:
+        raise BadRequest(str(e)) from e
+    info.update(engine=handle.name, route_reason=route.reason, generation=gen)
+    headers = {"x-tokenyard-engine": handle.name, "x-tokenyard-route-reason": route.reason}
+    completion_id = "chatcmpl-" + request_id
+    if req.stream:
+        lim = gw.deployment.limits
+        return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, headers,
+                           lim.stream_buffer_bytes, lim.stream_write_timeout_s)
+    return CompletionResponse(gen, completion_id, headers)
+
+
+def route_and_tokenize(gw: "Gateway", req: ChatRequest):
+    route = gw.router.pinned(req.model)
+    if route is not None:
+        return route, tokenize(gw.handles[route.engine].tokenizer, req.messages)
+    counting = gw.handles[gw.router.counting_engine].tokenizer
+    ids = tokenize(counting, req.messages)
+    route = gw.router.auto(len(ids))
+    serving = gw.handles[route.engine].tokenizer
+    return route, (ids if serving is counting else tokenize(serving, req.messages))
+
+
+def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        text = apply_chat_template(tok, messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise Unprocessable(f"The model's chat template rejected the conversation: {e}", param="messages",
+                            code="chat_template_error") from e
+    except RequestError as e:
+        raise BadRequest(str(e), param="messages") from e
+    return tok.encode(text, add_special_tokens=False)  # the template already wrote BOS
+
+
+async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"Request body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"Request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"Request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                         code="invalid_json") from e
+    except RecursionError as e:
+        raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep") from e
+    if _depth(body, max_depth) > max_depth:
+        raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep")
+    return body
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of objects/arrays, stopping early once past limit."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+class CompletionResponse:
+    """A non-streamed completion; a watcher aborts the engine request if the client leaves."""
+
+    def __init__(self, gen: Generation, completion_id: str, headers: dict[str, str]) -> None:
+        self.gen = gen
+        self.completion_id = completion_id
+        self.headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gen = self.gen
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        status, record_status = 200, None
+        try:
+            try:
+                async for _ in gen.deltas():
+                    pass
+            except EngineFailed:
+                status = 500
+            if gen.aborted == "client_disconnected":
+                status, record_status = 499, "client_disconnected"
+                return  # nobody to answer
+            if status == 500:
+                body = ServerError("The engine failed while generating this response", code="engine_error").body()
+            else:
+                body = {"id": self.completion_id, "object": "chat.completion", "created": int(time.time()),
+                        "model": gen.handle.name, "system_fingerprint": None,
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text,
+                                                             "refusal": None},
+                                     "logprobs": None, "finish_reason": gen.finish_reason}],
+                        "usage": gen.usage()}
+            data = json.dumps(body, ensure_ascii=False).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+            headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+            gen.finish(status, record_status)  # the usage record exists before the client sees the reply
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": data})
+        finally:
+            watcher.cancel()
+            gen.finish(status, record_status)
+
+    async def _watch(self, receive: Receive) -> None:
+        await wait_disconnect(receive)
+        self.gen.abort("client_disconnected")

@@ -1,0 +1,207 @@
+"""A /v1/chat/completions body, validated into a typed request.
+
+What the API defines but Tokenyard does not implement is refused with a 400 naming the
+parameter (never silently ignored): a client that asks for tools or logprobs must learn at
+once that it will not get them. A parameter set to its neutral value (n=1, logprobs=false,
+presence_penalty=0, logit_bias={}, ...) is accepted, since SDKs and proxies often send those.
+Names the API does not define at all are refused too, like OpenAI's "Unrecognized request
+argument".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import BadRequest
+
+MAX_STOP = 4
+ROLES = ("system", "developer", "user", "assistant")
+MAX_SEED = 2**63 - 1
+
+
+def _is_neutral(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v == x and type(v) is type(x) for x in values) or v is None
+
+
+# Parameter -> "is this value one we can honour by doing nothing?"
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": _is_neutral("none"),
+    "parallel_tool_calls": lambda v: v is None,
+    "functions": lambda v: v is None or v == [],
+    "function_call": _is_neutral("none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logprobs": _is_neutral(False),
+    "top_logprobs": lambda v: v is None,
+    "logit_bias": lambda v: v is None or v == {},
+    "presence_penalty": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0),
+    "frequency_penalty": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "service_tier": _is_neutral("auto", "default"),
+    "store": _is_neutral(False),
+    "verbosity": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None,
+}
+SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+             "seed", "stream", "stream_options", "user", "metadata")
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str
+    messages: list[dict[str, str]]           # {"role", "content"} with text content only
+    max_tokens: int | None = None            # None: the deployment's default, capped by the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for name in body:
+        if name in UNSUPPORTED:
+            if not UNSUPPORTED[name](body[name]):
+                raise BadRequest(f"'{name}' is not supported by Tokenyard", param=name, code="unsupported_parameter")
+        elif name not in SUPPORTED:
+            raise BadRequest(f"Unrecognized request argument supplied: {name}", param=name,
+                             code="unrecognized_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    req = ChatRequest(model=model, messages=_messages(body.get("messages"), max_messages))
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise BadRequest("only n=1 is supported" if _is_int(n) and n > 1 else "'n' must be 1", param="n",
+                         code="unsupported_parameter" if _is_int(n) and n > 1 else None)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise BadRequest(f"'{name}' must be an integer >= 1, got {value!r}", param=name)
+        if req.max_tokens is not None and req.max_tokens != value:
+            raise BadRequest("max_tokens and max_completion_tokens disagree; send one", param=name)
+        req.max_tokens = value
+    req.temperature = _number(body, "temperature", 1.0, lambda x: 0 <= x <= 2, "a number in [0, 2]")
+    req.top_p = _number(body, "top_p", 1.0, lambda x: 0 < x <= 1, "a number in (0, 1]")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -MAX_SEED - 1 <= seed <= MAX_SEED):
+        raise BadRequest(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
+    req.seed = seed
+    req.stop = _stop(body.get("stop"))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", param="stream")
+    req.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not req.stream:
+            raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise BadRequest("'stream_options' must be an object with 'include_usage'", param="stream_options")
+        include = options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise BadRequest("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
+        req.include_usage = include
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("'user' must be a string", param="user")
+    req.user = user
+    req.metadata = _metadata(body.get("metadata"))
+    return req
+
+
+def _messages(messages: Any, max_messages: int) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if len(messages) > max_messages:
+        raise BadRequest(f"'messages' has {len(messages)} entries; at most {max_messages}", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise BadRequest(f"{where} must be an object", param=where)
+        role = msg.get("role")
+        if role in ("tool", "function"):
+            raise BadRequest(f"{where}.role {role!r} needs tool calling, which Tokenyard does not support",
+                             param=f"{where}.role", code="unsupported_parameter")
+        if role not in ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        for key in msg:
+            if key in ("tool_calls", "function_call", "audio") and msg[key] is not None:
+                raise BadRequest(f"{where}.{key} is not supported by Tokenyard", param=f"{where}.{key}",
+                                 code="unsupported_parameter")
+            if key not in ("role", "content", "name", "tool_calls", "function_call", "audio", "refusal"):
+                raise BadRequest(f"{where}: unrecognized field {key!r}", param=f"{where}.{key}")
+        name = msg.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")
+        out.append({"role": role, "content": _content(msg.get("content"), where)})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or an array of text parts (joined); images and audio are not supported."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise BadRequest(f"{where}.content[{j}]: content type {kind!r} is not supported (text only)",
+                                     param=f"{where}.content", code="unsupported_parameter")
+                raise BadRequest(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": string}}",
+                                 param=f"{where}.content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where}.content must be a string or a non-empty array of text parts",
+                     param=f"{where}.content")
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or an array of non-empty strings", param="stop")
+    if len(stops) > MAX_STOP:
+        raise BadRequest(f"'stop' has {len(stops)} strings; at most {MAX_STOP}", param="stop")
+    return stops
+
+
+def _metadata(meta: Any) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if (not isinstance(meta, dict) or len(meta) > 16
+            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                       for k, v in meta.items())):
+        raise BadRequest("'metadata' must map at most 16 string keys (<= 64 chars) to strings (<= 512 chars)",
+                         param="metadata")
+    return dict(meta)
+
+
+def _number(body: dict[str, Any], name: str, default: float, ok: Callable[[float], bool], what: str) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise BadRequest(f"'{name}' must be {what}, got {value!r}", param=name)
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,62 @@
+"""The engines of a deployment, loaded and wrapped for the gateway.
+
+Each engine gets an `EngineHandle`: its AsyncEngine, the tokenizer the gateway encodes prompts
+with, its prices. Engines whose tokenizer files are byte-identical share one Tokenizer object,
+which lets the router reuse a prompt's ids across them (see routing.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.async_engine import AsyncEngine
+from engines.tokenizer import Tokenizer
+
+from .deployment import EngineSpec, Prices
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+@dataclass(slots=True)
+class EngineHandle:
+    name: str
+    type: str
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    prices: Prices
+    model_dir: Path
+    created: int                  # unix seconds, for /v1/models
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = model_dir / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
+    """Load every engine (blocking: model weights are read here). Call from a worker thread."""
+    tokenizers: dict[str, Tokenizer] = {}
+    handles: dict[str, EngineHandle] = {}
+    for name, spec in specs.items():
+        fp = tokenizer_fingerprint(spec.model)
+        tok = tokenizers.get(fp)
+        if tok is None:
+            tok = tokenizers[fp] = Tokenizer.from_dir(spec.model)
+        handles[name] = EngineHandle(name, spec.type, AsyncEngine(_build(spec), name), tok, spec.prices, spec.model,
+                                     int(time.time()))
+    return handles
+
+
+def _build(spec: EngineSpec):
+    if spec.type == "mock":
+        from engines.mock_engine import MockEngine
+        return MockEngine(spec.model, **spec.options)
+    from engines.engine import Engine
+    return Engine(spec.model, **{"progress": False, **spec.options})

@@ -1,0 +1,88 @@
+"""Typed API errors and the one place they become OpenAI-shaped JSON.
+
+Inside the gateway, code raises an `APIError` subclass; the edge turns it into
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+with its HTTP status. Nothing else ever reaches a client: unexpected exceptions become a 500
+with a generic message (the details go to the log, never a stack trace to the client).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import Response
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return json_error(self.status, self.body(), self.headers)
+
+
+class BadRequest(APIError):
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(APIError):
+    status, type = 401, "invalid_request_error"   # OpenAI's type for a bad key; code says which
+
+
+class Forbidden(APIError):
+    status, type = 403, "permission_error"
+
+
+class NotFound(APIError):
+    status, type = 404, "invalid_request_error"
+
+
+class PayloadTooLarge(APIError):
+    status, type = 413, "invalid_request_error"
+
+
+class Unprocessable(APIError):
+    status, type = 422, "invalid_request_error"
+
+
+class RateLimited(APIError):
+    status, type = 429, "rate_limit_error"
+
+
+class ServerError(APIError):
+    status, type = 500, "server_error"
+
+
+class Unavailable(APIError):
+    status, type = 503, "service_unavailable"
+
+
+_BY_STATUS: dict[int, type[APIError]] = {c.status: c for c in (
+    BadRequest, Unauthorized, Forbidden, NotFound, PayloadTooLarge, Unprocessable, RateLimited, ServerError,
+    Unavailable)}
+
+
+def error_for_status(status: int, message: str, code: str | None = None) -> APIError:
+    """An APIError for a status Starlette raised itself (404 route, 405 method, ...)."""
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        err = APIError(message, code=code)
+        err.status = status
+        err.type = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        return err
+    return cls(message, code=code)
+
+
+def json_error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")

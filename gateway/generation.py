@@ -1,0 +1,155 @@
+"""One chat request running on one engine: text deltas out; timings, usage and metrics kept.
+
+The engine speaks token ids; `engines.text_stream.TextStream` (the incremental detokeniser
+with stop strings) turns them into deltas that never split a UTF-8 character and never show
+part of a stop string. When a stop string ends the text, the engine request is aborted at once
+so at most one extra step runs.
+
+`finish()` runs exactly once however the request ends (done, client gone, slow reader, engine
+error, server shutdown): it aborts the engine request if it is still running, counts the
+tokens the engine had already produced, records metrics and hands a UsageRecord to the sink.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from engines.async_engine import RequestStream
+from engines.outputs import StepOutput
+from engines.sampling_params import SamplingParams
+from engines.text_stream import TextStream
+
+from .engine_pool import EngineHandle
+from .metrics import GatewayMetrics, prompt_bucket
+from .usage import UsageRecord, UsageSink
+
+
+class EngineFailed(Exception):
+    """The engine failed while serving this request (the step raised)."""
+
+
+class Generation:
+    def __init__(self, handle: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 requested_model: str, route_reason: str, stream: bool, arrival: float, arrival_wall: float,
+                 metrics: GatewayMetrics, sink: UsageSink) -> None:
+        self.handle = handle
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.requested_model = requested_model
+        self.route_reason = route_reason
+        self.stream = stream
+        self.arrival = arrival                 # perf_counter seconds
+        self.arrival_wall = arrival_wall       # unix seconds
+        self._metrics = metrics
+        self._sink = sink
+        self._bucket = prompt_bucket(len(prompt_ids))
+        self._text = TextStream(handle.tokenizer, params, prompt_ids)
+        self._engine_stream: RequestStream | None = None
+        self.num_cached_tokens = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.aborted: str | None = None        # why the request was cut short, if it was
+        self.error: str | None = None
+        self.record: UsageRecord | None = None
+
+    # -- running ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Hand the prompt to the engine (RequestError: bad input; EngineDeadError: engine down)."""
+        self._metrics.queue.labels(self.handle.name, self._bucket).observe(time.perf_counter() - self.arrival)
+        self._engine_stream = self.handle.engine.add_request(self.request_id, self.prompt_ids, self.params)
+        self._metrics.in_flight.inc()
+
+    @property
+    def done(self) -> bool:
+        return self._text.finished or self.aborted is not None or self.error is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._text.finish_reason
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self._text.token_ids)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas until the request ends; returns quietly when aborted, raises EngineFailed."""
+        while not self.done:
+            out = await self._engine_stream.get()
+            if out.finish_reason == "abort" and not out.new_token_ids:
+                self.aborted = self.aborted or "aborted"
+                return
+            if out.finish_reason == "error":
+                self.error = out.error or "engine error"
+                raise EngineFailed(self.error)
+            delta = self._feed(out)
+            if self._text.needs_abort:  # a stop string ended the text; the engine still runs it
+                self.handle.engine.abort(self.request_id)
+            if delta:
+                yield delta
+
+    def abort(self, why: str) -> None:
+        """Cut the request short (client gone, slow reader): the reader's deltas() ends promptly."""
+        if not self.done:
+            self.aborted = why
+            self.handle.engine.abort(self.request_id)
+
+    def _feed(self, out: StepOutput) -> str:
+        if out.new_token_ids:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None:
+                self._metrics.itl.labels(self.handle.name, self._bucket).observe(now - self.last_token_at)
+            self.last_token_at = now
+        self.num_cached_tokens = out.num_cached_tokens
+        return self._text.feed(out)
+
+    # -- the end ------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        p, c = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+    def finish(self, http_status: int, status: str | None = None) -> UsageRecord:
+        if self.record is not None:
+            return self.record
+        if self._engine_stream is not None and not self._text.finished:
+            self.abort(self.aborted or "unfinished")
+            # Tokens the engine made that nobody read still count: they were computed.
+            while (out := self._engine_stream.get_nowait()) is not None:
+                if out.new_token_ids and not self._text.finished:
+                    self._feed(out)
+        now = time.perf_counter()
+        name, m = self.handle.name, self._metrics
+        if self._engine_stream is not None:
+            m.in_flight.dec()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        if ttft is not None:
+            m.ttft.labels(name, self._bucket).observe(ttft)
+            n = self.num_completion_tokens
+            if n > 1 and self.last_token_at is not None:
+                m.tpot.labels(name, self._bucket).observe((self.last_token_at - self.first_token_at) / (n - 1))
+        end = self.last_token_at or now
+        m.e2e.labels(name, self._bucket).observe(end - self.arrival)
+        m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
+        m.cached_tokens.labels(name).inc(self.num_cached_tokens)
+        m.completion_tokens.labels(name).inc(self.num_completion_tokens)
+        m.count_request(name, http_status, self.route_reason)
+        status = status or ("error" if self.error else self.aborted or "ok")
+        p, cached, c = self.num_prompt_tokens, self.num_cached_tokens, self.num_completion_tokens
+        self.record = UsageRecord(
+            request_id=self.request_id, time=self.arrival_wall, engine=name, requested_model=self.requested_model,
+            route_reason=self.route_reason, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
+            cost_micros=self.handle.prices.cost(p, cached, c), status=status, finish_reason=self.finish_reason,
+            ttft_s=ttft, e2e_s=now - self.arrival, stream=self.stream)
+        self._sink(self.record)
+        return self.record

@@ -1,0 +1,96 @@
+"""Prometheus metrics of one gateway app (each app has its own CollectorRegistry, so tests can
+build several apps in one process). Every name is documented in the README ("Metrics").
+
+Latency histograms carry the labels engine and prompt_bucket (the prompt's token count in
+PROMPT_BUCKETS), because TTFT depends mostly on prompt length and on which engine served.
+Engine gauges are read from each AsyncEngine's latest stats snapshot at scrape time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engines.async_engine import AsyncEngine
+
+PROMPT_BUCKETS = ((128, "0-128"), (512, "129-512"), (2048, "513-2048"), (8192, "2049-8192"))
+LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PER_TOKEN_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def prompt_bucket(num_tokens: int) -> str:
+    for limit, label in PROMPT_BUCKETS:
+        if num_tokens <= limit:
+            return label
+    return "8193+"
+
+
+class GatewayMetrics:
+    def __init__(self, engines: Callable[[], dict[str, AsyncEngine]]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lab = ("engine", "prompt_bucket")
+        self.ttft = Histogram("tokenyard_time_to_first_token_seconds",
+                              "Arrival at the gateway to the first output token", lab, buckets=LATENCY_S, registry=r)
+        self.tpot = Histogram("tokenyard_time_per_output_token_seconds",
+                              "(E2E - TTFT) / (output tokens - 1), one sample per request", lab,
+                              buckets=PER_TOKEN_S, registry=r)
+        self.itl = Histogram("tokenyard_inter_token_latency_seconds",
+                             "Time between consecutive engine outputs of one request", lab,
+                             buckets=PER_TOKEN_S, registry=r)
+        self.e2e = Histogram("tokenyard_e2e_request_latency_seconds",
+                             "Arrival at the gateway to the last output token", lab, buckets=E2E_S, registry=r)
+        self.queue = Histogram("tokenyard_queue_time_seconds",
+                               "Arrival at the gateway to hand-off to the engine (gateway-side queueing)", lab,
+                               buckets=LATENCY_S, registry=r)
+        self.requests = Counter("tokenyard_requests", "Chat requests by engine, HTTP status and route reason",
+                                ("engine", "status", "route_reason"), registry=r)
+        self.prompt_tokens = Counter("tokenyard_prompt_tokens", "Prompt tokens sent to engines", ("engine",),
+                                     registry=r)
+        self.cached_tokens = Counter("tokenyard_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     ("engine",), registry=r)
+        self.completion_tokens = Counter("tokenyard_completion_tokens", "Output tokens generated", ("engine",),
+                                         registry=r)
+        self.in_flight = Gauge("tokenyard_in_flight_requests", "Chat requests being served now", registry=r)
+        r.register(_EngineCollector(engines))
+
+    def count_request(self, engine: str, status: int | str, route_reason: str) -> None:
+        self.requests.labels(engine or "none", str(status), route_reason or "none").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Engine state gauges, read from the stats snapshot each engine took after its last step."""
+
+    def __init__(self, engines: Callable[[], dict[str, AsyncEngine]]) -> None:
+        self._engines = engines
+
+    def describe(self) -> Iterable:
+        return []  # dynamic: collected at scrape time only
+
+    def collect(self) -> Iterable:
+        running = GaugeMetricFamily("tokenyard_engine_running_requests", "Sequences running in the engine",
+                                    labels=["engine"])
+        waiting = GaugeMetricFamily("tokenyard_engine_waiting_requests", "Requests waiting inside the engine",
+                                    labels=["engine"])
+        kv = GaugeMetricFamily("tokenyard_engine_kv_usage_ratio", "Fraction of KV-cache blocks in use",
+                               labels=["engine"])
+        hit = GaugeMetricFamily("tokenyard_engine_prefix_cache_hit_rate",
+                                "Prompt tokens served from the prefix cache / prompt tokens admitted",
+                                labels=["engine"])
+        pre = CounterMetricFamily("tokenyard_engine_preemptions", "Sequences preempted by the scheduler",
+                                  labels=["engine"])
+        fail = CounterMetricFamily("tokenyard_engine_failed_steps", "Engine steps that raised", labels=["engine"])
+        for name, eng in self._engines().items():
+            s = eng.stats()
+            running.add_metric([name], s.num_running)
+            waiting.add_metric([name], s.num_waiting)
+            kv.add_metric([name], s.kv_usage)
+            hit.add_metric([name], s.prefix_cache_hit_rate)
+            pre.add_metric([name], s.num_preemptions)
+            fail.add_metric([name], eng.num_failed_steps)
+        return [running, waiting, kv, hit, pre, fail]

@@ -1,0 +1,127 @@
+"""GET /openapi.json: a hand-written OpenAPI 3.1 description of every endpoint.
+
+Hand-written because the request body is validated by hand (chat_request.py) and this file is
+the place a reader checks what is accepted; tests compare its paths with the app's routes.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from .chat_request import MAX_STOP, ROLES, UNSUPPORTED
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): _json(_ERROR, "OpenAI-shaped error") for c in codes}
+
+
+@lru_cache(maxsize=1)
+def openapi_schema() -> dict[str, Any]:
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": text_part}]},
+        "name": {"type": "string"}}}
+    request = {
+        "type": "object", "required": ["model", "messages"], "additionalProperties": False,
+        "description": ("Parameters of OpenAI's API that Tokenyard does not implement are refused with 400 "
+                        "naming them (unless set to their neutral value): " + ", ".join(sorted(UNSUPPORTED))),
+        "properties": {
+            "model": {"type": "string", "description": "'auto' (the router decides) or an engine name"},
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+            "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2, "default": 1},
+            "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1, "default": 1},
+            "n": {"type": ["integer", "null"], "const": 1},
+            "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                               {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}},
+                               {"type": "null"}]},
+            "seed": {"type": ["integer", "null"]},
+            "stream": {"type": ["boolean", "null"], "default": False},
+            "stream_options": {"type": ["object", "null"],
+                               "properties": {"include_usage": {"type": "boolean"}}},
+            "user": {"type": ["string", "null"]},
+            "metadata": {"type": ["object", "null"], "maxProperties": 16,
+                         "additionalProperties": {"type": "string", "maxLength": 512}},
+        }}
+    usage = {"type": "object", "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+    completion = {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+        "model": {"type": "string", "description": "the engine that served"},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]},
+            "message": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                          "content": {"type": "string"}}}}}},
+        "usage": usage}}
+    chunk = {"type": "object", "description": "one `data:` event; the stream ends with `data: [DONE]`", "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion.chunk"}, "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", None]},
+            "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                        "content": {"type": "string"}}}}}},
+        "usage": {"oneOf": [usage, {"type": "null"}]}}}
+    error = {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    model = {"type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                              "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
+    auth = [{"bearer": []}]
+    headers = {"x-request-id": {"schema": {"type": "string"}, "description": "echoed or generated"},
+               "x-tokenyard-engine": {"schema": {"type": "string"}},
+               "x-tokenyard-route-reason": {"schema": {"type": "string"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Tokenyard gateway", "version": "0.1.0",
+                 "description": "OpenAI-compatible chat completions over Tokenyard's engines"},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"ChatCompletionRequest": request, "ChatCompletion": completion,
+                        "ChatCompletionChunk": chunk, "Error": error, "Model": model}},
+        "paths": {
+            "/v1/chat/completions": {"post": {
+                "summary": "Create a chat completion (streamed as server-sent events when stream is true)",
+                "security": auth,
+                "parameters": [{"name": "x-request-id", "in": "header", "required": False,
+                                "schema": {"type": "string", "maxLength": 128}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+                "responses": {
+                    "200": {"description": "a completion, or an event stream of chunks", "headers": headers,
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletion"}},
+                                        "text/event-stream": {"schema": {
+                                            "$ref": "#/components/schemas/ChatCompletionChunk"}}}},
+                    **_errors(400, 401, 403, 404, 413, 422, 429, 500, 503)}}},
+            "/v1/models": {"get": {"summary": "List models: 'auto' and every engine", "security": auth,
+                                   "responses": {"200": _json({"type": "object", "properties": {
+                                       "object": {"const": "list"},
+                                       "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
+                                       "the models"), **_errors(401)}}},
+            "/v1/models/{model}": {"get": {"summary": "One model", "security": auth,
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}],
+                                           "responses": {"200": _json({"$ref": "#/components/schemas/Model"}, "the model"),
+                                                         **_errors(401, 404)}}},
+            "/health": {"get": {"summary": "Liveness: the event loop answers; engine and Redis state",
+                                "responses": {"200": _json({"type": "object"}, "alive")}}},
+            "/ready": {"get": {"summary": "Readiness: engines loaded and not draining",
+                               "responses": {"200": _json({"type": "object"}, "ready"),
+                                             "503": _json({"type": "object"}, "starting, draining or an engine down")}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)",
+                                 "responses": {"200": {"description": "metrics",
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document",
+                                      "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+        },
+    }

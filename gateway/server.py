@@ -1,0 +1,89 @@
+"""Run a gateway under uvicorn with graceful drain.
+
+SIGTERM (or the first Ctrl-C) starts the drain: /ready turns false and new chat requests get
+503 with Retry-After, while requests in flight keep running; as soon as none is left, or when
+`server.drain_grace_s` has passed, uvicorn shuts down (closing idle connections, cancelling
+whatever still runs), the engines stop and the access log is flushed. A second signal exits at
+once. The process then exits with status 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from .app import create_app
+from .deployment import Deployment
+from .embedded_redis import EmbeddedRedis
+
+log = logging.getLogger("tokenyard.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway, grace_s: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.grace_s = grace_s
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in a signal handler: only set flags; on_tick (every 0.1 s) acts on them. Unlike
+        # uvicorn's own handler this does not record the signal, so it is not re-raised at exit.
+        if self._drain_requested:
+            self.should_exit = self.force_exit = True
+        self._drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self.gateway.start_drain()
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        while self.gateway.in_progress > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.gateway.in_progress:
+            log.warning("drain grace of %.1f s over; cutting %d request(s)", self.grace_s, self.gateway.in_progress)
+        self.should_exit = True
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("tokenyard.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int:
+    setup_logging()
+    embedded = None
+    if not dep.redis_url:
+        embedded = EmbeddedRedis(dep.redis_dir)
+        dep.redis_url = embedded.start()
+    try:
+        app = create_app(dep)
+        gw = app.state.gateway
+        config = uvicorn.Config(app, host=dep.host, port=dep.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=1, lifespan="on")
+        server = DrainingServer(config, gw, dep.drain_grace_s)
+        announce(f"tokenyard: serving {', '.join(dep.engines)} at http://{dep.host}:{dep.port}/v1")
+        announce(f"tokenyard: development API key: {gw.dev_key}")
+        announce(f"tokenyard: redis at {dep.redis_url}{' (embedded)' if embedded else ''}")
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        if embedded is not None:
+            embedded.stop()
+        for h in logging.getLogger("tokenyard.access").handlers:
+            h.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,102 @@
+"""A gateway on a free port in a background thread, for the test_gateway_* files."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.deployment import parse_deployment
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def mock_deployment(**engine_options: Any) -> dict[str, Any]:
+    """A deployment document with one mock engine named "mock"."""
+    return {"server": {"access_log": False},
+            "engines": {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small"), **engine_options}}}
+
+
+class Running:
+    def __init__(self, app, server: uvicorn.Server, port: int) -> None:
+        self.app = app
+        self.gateway = app.state.gateway
+        self.server = server
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def engine(self, name: str = "mock"):
+        return self.gateway.handles[name].engine
+
+    def request(self, method: str, path: str, body: bytes | str | dict | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        if isinstance(body, dict):
+            body = json.dumps(body)
+        if isinstance(body, str):
+            body = body.encode()
+        try:
+            conn.request(method, path, body=body, headers={**AUTH, **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def chat(self, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+        status, hdrs, data = self.request("POST", "/v1/chat/completions", body, headers)
+        return status, hdrs, json.loads(data) if data else None
+
+    def wait_idle(self, name: str = "mock", timeout: float = 5.0) -> Any:
+        """Wait until the engine runs nothing and every KV block is free; return its stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine(name).stats()
+            idle = (s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks
+                    and not self.engine(name).engine.has_unfinished())
+            if idle or time.monotonic() > deadline:
+                return s
+            time.sleep(0.01)
+
+
+@contextmanager
+def running_gateway(document: dict[str, Any], handles=None, usage_sink=None) -> Iterator[Running]:
+    dep = parse_deployment(document, base_dir=ROOT)
+    app = create_app(dep, handles=handles, usage_sink=usage_sink, dev_key=KEY)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test gateway did not start")
+        time.sleep(0.01)
+    try:
+        yield Running(app, server, port)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """Parse an SSE body into JSON objects (and the string "[DONE]")."""
+    events = []
+    for block in raw.decode("utf-8").split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
