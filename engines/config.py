@@ -33,6 +33,12 @@ class EngineConfig:
       "padded" runs the graphs' static, padded path eagerly (tests on CPU, needs triton attention).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
+    speculative_method: "none", "ngram" (prompt lookup) or "draft" (draft_model proposes).
+    num_speculative_tokens: tokens proposed per sequence and step (k).
+    draft_model: checkpoint folder of the draft; it must share the target's tokenizer.
+    ngram_min / ngram_max: the shortest / longest suffix that prompt lookup tries to match.
+    spec_max_batch: steps with more decoding sequences than this run without speculation (past
+      it the step is no longer bound by reading weights, so verifying k extra rows stops paying).
     tp_timeout_s: how long a collective or a worker's start-up may take before the engine is
       declared dead (a killed worker is usually detected at once: its sockets close).
     """
@@ -55,6 +61,12 @@ class EngineConfig:
     cuda_graph_max_batch: int = 128
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    spec_max_batch: int = 8
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -87,6 +99,16 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if not isinstance(self.tp_timeout_s, (int, float)) or self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
+        if self.speculative_method not in ("none", "ngram", "draft"):
+            raise ValueError(f"speculative_method must be none, ngram or draft, got {self.speculative_method!r}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method draft needs draft_model (a checkpoint folder)")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int) and 1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be a positive integer, got {self.spec_max_batch!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
 

@@ -76,6 +76,7 @@ class Engine:
             kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
             self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
                                       cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
+        self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -134,24 +135,37 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.chunks:
             return outputs
+        samples = [c.samples for c in batch.chunks]
         try:
-            tokens = iter(self.runner.execute(batch))
+            if self.spec is not None:
+                results = [(r.new_tokens, r.num_computed) for r in self.spec.execute(batch)]
+            else:
+                tokens = iter(self.runner.execute(batch))
+                results = [([next(tokens)] if s else [], c.num_tokens) for c, s in zip(batch.chunks, samples)]
         except Exception as exc:  # noqa: BLE001 - the step's state is unknown: fail everything
             return outputs + self._fail_all(exc)
-        for chunk in batch.chunks:
+        for chunk, sampled, (new_tokens, num_computed) in zip(batch.chunks, samples, results):
             seq = chunk.seq
-            samples = chunk.samples
-            seq.num_computed_tokens += chunk.num_tokens
-            self.blocks.cache_full_blocks(seq)
-            if not samples:
+            seq.num_computed_tokens += num_computed
+            if not sampled:
+                self.blocks.cache_full_blocks(seq)
                 continue
-            tok = next(tokens)
-            seq.token_ids.append(tok)
-            reason = self._stop_reason(seq, tok)
+            # Several tokens when speculation accepted drafts; stop at the first that ends it.
+            emitted: list[int] = []
+            reason = None
+            for tok in new_tokens:
+                seq.token_ids.append(tok)
+                emitted.append(tok)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    break
+            # K/V is valid for every token but the last emitted one.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.blocks.cache_full_blocks(seq)
             if reason is not None:
-                outputs.append(self._finish(seq, reason, [tok]))
+                outputs.append(self._finish(seq, reason, emitted))
             else:
-                outputs.append(StepOutput(seq.request_id, [tok], num_prompt_tokens=seq.num_prompt_tokens,
+                outputs.append(StepOutput(seq.request_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
                                           num_cached_tokens=seq.num_cached_tokens))
         self._num_steps += 1
         self._last_step_tokens = batch.num_tokens
@@ -168,7 +182,15 @@ class Engine:
             prefix_cache_hit_rate=self.blocks.hit_rate, prefix_cache_hit_tokens=self.blocks.hit_tokens,
             num_steps=self._num_steps, last_step_tokens=self._last_step_tokens,
             last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens)
+            max_num_batched_tokens=self.config.max_num_batched_tokens, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return dict(spec_proposer=st.proposer, spec_num_proposed=st.num_proposed,
+                    spec_num_accepted=st.num_accepted, spec_acceptance_rate=st.acceptance_rate,
+                    spec_mean_accepted_length=st.mean_accepted_length)
 
     def close(self) -> None:
         """Release what outlives the object: tensor-parallel workers. Idempotent."""
@@ -203,6 +225,21 @@ class Engine:
             group.close()
             raise
 
+    def _build_speculation(self, num_blocks: int) -> "SpeculativeDecoder":
+        from .spec_decode import SpeculativeDecoder
+
+        cfg = self.config
+        if cfg.speculative_method == "ngram":
+            from .ngram_proposer import NgramProposer
+            proposer = NgramProposer(cfg.ngram_min, cfg.ngram_max)
+        else:
+            from .draft_proposer import DraftProposer
+            # The draft gets as many (much smaller) blocks as the target, so it never runs out first.
+            proposer = DraftProposer(cfg.draft_model, self.model_config, self.dtype, self.device, self.max_model_len,
+                                     num_blocks, cfg.block_size, cfg.attention_backend)
+        return SpeculativeDecoder(self.runner, self.blocks, proposer, cfg.num_speculative_tokens,
+                                  cfg.spec_max_batch, self.max_model_len)
+
     def _fail_all(self, exc: Exception) -> list[StepOutput]:
         """A step raised: the KV and scheduler state of this step are unknown, so every in-flight
         request ends with an error and the engine refuses new work until it is replaced."""
@@ -216,6 +253,8 @@ class Engine:
         for seq in live:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
                 self.scheduler.remove(seq)
+            if self.spec is not None:
+                self.spec.release(seq)
             seq.finish_reason = "error"
             outs.append(StepOutput(seq.request_id, [], finished=True, finish_reason="error",
                                    num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
@@ -225,6 +264,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, new_tokens: list[int]) -> StepOutput:
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.finish_reason = reason
         with self._lock:
             self._live.pop(seq.request_id, None)

@@ -51,3 +51,8 @@ class EngineStats:
     last_step_seconds: float
     max_num_seqs: int
     max_num_batched_tokens: int
+    spec_proposer: str | None = None        # "ngram" or "draft" when speculation is on
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
+    spec_acceptance_rate: float = 0.0       # accepted / proposed draft tokens
+    spec_mean_accepted_length: float = 0.0  # tokens emitted per verification (1 .. k+1)

@@ -64,19 +64,26 @@ class _Chunk:
 _Q_TILE = 128
 
 
+# Chunks of at most this many queries (decode tokens, speculative verify chunks) are batched
+# like decodes; a per-chunk loop would pay a handful of small ops per chunk and per layer.
+_SHORT_QUERY = 16
+
+
 @dataclass(slots=True)
 class _DecodeGroup:
-    rows: torch.Tensor       # [B] row of each decode token in the flat query
+    """Sequences whose chunks have the same short query length n, attended in one SDPA call."""
+
+    rows: torch.Tensor       # [B * n] rows of the group's queries in the flat batch, sequence-major
     blocks: torch.Tensor     # [B, nb] block tables, padded with block 0
-    mask: torch.Tensor       # [B, 1, nb * block_size] additive (0 or -inf)
+    mask: torch.Tensor       # [B, 1, n, nb * block_size] additive (0 or -inf)
     gather: torch.Tensor | None = None  # row indices into the 2-D cache view; set by the first layer
 
 
 @dataclass(slots=True)
 class TorchAttentionPlan:
-    # Decode rows (query length 1) are batched: a padded gather of whole blocks and two batched
-    # matmuls per group. Rows are grouped by context length so short contexts are not padded to
-    # the longest one (padding is gathered and multiplied for nothing).
+    # Decode rows and other short chunks are batched: a padded gather of whole blocks and one
+    # SDPA per group of equal query length. Rows are grouped by context length so short contexts
+    # are not padded to the longest one (padding is gathered and multiplied for nothing).
     decode_groups: list[_DecodeGroup]
     chunks: list[_Chunk]                  # longer chunks, one SDPA each
 
@@ -87,12 +94,14 @@ class TorchAttentionPlan:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        decode_idx = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: -seq_lens[i])
-        groups = [_decode_group(g, starts, seq_lens, block_tables, block_size, sliding_window, device)
-                  for g in _length_buckets(decode_idx, seq_lens)]
+        groups = []
+        for n in sorted({n for n in query_lens if n <= _SHORT_QUERY}):
+            idx = sorted((i for i, m in enumerate(query_lens) if m == n), key=lambda i: -seq_lens[i])
+            groups += [_decode_group(g, n, starts, seq_lens, block_tables, block_size, sliding_window, device)
+                       for g in _length_buckets(idx, seq_lens)]
         chunks = []
         for i, n in enumerate(query_lens):
-            if n == 1:
+            if n <= _SHORT_QUERY:
                 continue
             length = seq_lens[i]
             pos = torch.arange(length, device=device)
@@ -136,7 +145,7 @@ def _tiles(n: int, length: int, sliding_window: int | None, device) -> list[_Til
     return tiles
 
 
-def _decode_group(idx: list[int], starts: list[int], seq_lens: list[int], block_tables: list[list[int]],
+def _decode_group(idx: list[int], n: int, starts: list[int], seq_lens: list[int], block_tables: list[list[int]],
                   block_size: int, sliding_window: int | None, device) -> _DecodeGroup:
     lens = torch.tensor([seq_lens[i] for i in idx], device=device)
     width = -(-int(lens.max()) // block_size)
@@ -145,13 +154,15 @@ def _decode_group(idx: list[int], starts: list[int], seq_lens: list[int], block_
         bt = block_tables[i][:width]
         table[row, :len(bt)] = torch.tensor(bt, dtype=torch.long)
     pos = torch.arange(width * block_size, device=device)
-    valid = pos[None, :] < lens[:, None]
+    # Query r of a chunk sits at position len - n + r and sees keys up to itself (causal).
+    q_pos = lens[:, None] - n + torch.arange(n, device=device)[None, :]          # [B, n]
+    valid = pos[None, None, :] <= q_pos[:, :, None]                               # [B, n, L]
     if sliding_window is not None:
-        valid &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
+        valid &= pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
     mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     mask.masked_fill_(~valid, float("-inf"))
-    rows = torch.tensor([starts[i] for i in idx], dtype=torch.long, device=device)
-    return _DecodeGroup(rows, table, mask[:, None, :])
+    rows = torch.tensor([starts[i] + r for i in idx for r in range(n)], dtype=torch.long, device=device)
+    return _DecodeGroup(rows, table, mask[:, None])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -163,6 +174,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     for g in plan.decode_groups:
         batch, width = g.blocks.shape
+        n = g.mask.shape[2]
         block_size = g.mask.shape[-1] // width
         # Gather whole blocks straight into [B, kvh, L, hd] and let SDPA's fused CPU kernel do
         # GQA and the masked softmax: ~1.6x faster than two batched matmuls at batch 32.
@@ -172,10 +184,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         idx = g.gather
         k = k_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
         v = v_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
-        qd = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, hd]
+        qd = q.index_select(0, g.rows).view(batch, n, num_heads, head_dim).transpose(1, 2)  # [B, H, n, hd]
         od = torch.nn.functional.scaled_dot_product_attention(
-            qd, k, v, attn_mask=g.mask.unsqueeze(1).to(q.dtype), scale=scale, enable_gqa=group > 1)
-        out.index_copy_(0, g.rows, od.squeeze(2))
+            qd, k, v, attn_mask=g.mask.to(q.dtype), scale=scale, enable_gqa=group > 1)
+        out.index_copy_(0, g.rows, od.transpose(1, 2).reshape(batch * n, num_heads, head_dim))
     for c in plan.chunks:
         n = c.q_end - c.q_start
         if c.gather is None:  # same for every layer: computed once per step

@@ -1,0 +1,137 @@
+"""Speculative decoding on the large demo model: prompt lookup and the small demo model as draft.
+
+    .venv/bin/python -m bench.spec_bench [--items 48] [--per-task 12] [--out bench/out/spec_bench.json]
+
+For each batch size (1, 4, 16) and method (none, ngram, draft) the same task-suite requests
+(greedy, chat template, test split) run through the Engine with at most `batch` sequences at
+once. Reported: output tokens/s, speed-up over no speculation, acceptance rate, tokens emitted
+per verification, and the speed-up predicted from those and the measured costs:
+
+    predicted = emitted per verification x t_decode / (t_propose + t_verify)
+
+t_decode: median time of a pure-decode step without speculation at that batch size;
+t_propose, t_verify: mean time per speculative step spent proposing and verifying (measured
+inside the engine). Then the per-task table at batch 1 (copy-like tasks are where prompt
+lookup shines; the draft's benefit depends on how often the small model agrees with the large).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from demo import task_suite
+from engines import Engine, SamplingParams
+from engines.chat_template import apply_chat_template
+from engines.tokenizer import Tokenizer
+
+LARGE = "models/demo-large"
+SMALL = "models/demo-small"
+METHODS = {"none": {}, "ngram": {"speculative_method": "ngram"},
+           "draft": {"speculative_method": "draft", "draft_model": SMALL}}
+
+
+def prompts_for(items: list[task_suite.TaskItem]) -> list[list[int]]:
+    tok = Tokenizer.from_dir(LARGE)
+    return [tok.encode(apply_chat_template(tok, list(it.messages)), add_special_tokens=False) for it in items]
+
+
+def run(prompts: list[list[int]], method: str, batch: int, k: int, max_tokens: int) -> dict:
+    eng = Engine(LARGE, max_num_seqs=batch, kv_cache_memory=64 << 20, progress=False, num_speculative_tokens=k,
+                 spec_max_batch=1024, **METHODS[method])  # forced on: this measures where it pays
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    tokens = 0
+    decode_steps: list[float] = []
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        s0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - s0
+        tokens += sum(len(o.new_token_ids) for o in outs)
+        st = eng.stats()
+        if method == "none" and 0 < st.last_step_tokens <= batch and st.num_waiting == 0:
+            decode_steps.append(dt)  # pure decode: one token per running sequence, nothing queued
+    wall = time.perf_counter() - t0
+    res = {"method": method, "batch": batch, "tokens": tokens, "seconds": wall, "tok_s": tokens / wall}
+    if method == "none":
+        res["t_decode_ms"] = 1e3 * statistics.median(decode_steps) if decode_steps else float("nan")
+    else:
+        sp = eng.spec.stats
+        steps = max(sp.num_spec_steps, 1)
+        res.update(acceptance=sp.acceptance_rate, emitted_per_verify=sp.mean_accepted_length,
+                   t_propose_ms=1e3 * sp.propose_seconds / steps, t_verify_ms=1e3 * sp.verify_seconds / steps,
+                   spec_steps=sp.num_spec_steps)
+    return res
+
+
+def add_predictions(rows: list[dict]) -> None:
+    base = {(r["batch"], r.get("task")): r for r in rows if r["method"] == "none"}
+    for r in rows:
+        b = base[(r["batch"], r.get("task"))]
+        r["speedup"] = r["tok_s"] / b["tok_s"]
+        if r["method"] != "none" and r["spec_steps"] == 0:
+            r["predicted"] = r["measured_vs_predicted"] = float("nan")  # nothing was ever proposed
+        elif r["method"] != "none":
+            r["predicted"] = r["emitted_per_verify"] * b["t_decode_ms"] / (r["t_propose_ms"] + r["t_verify_ms"])
+            r["measured_vs_predicted"] = r["speedup"] / r["predicted"]
+
+
+def table(rows: list[dict], key: str) -> str:
+    lines = [f"| {key} | method | tok/s | speed-up | acceptance | tokens/verify | t_propose ms | t_verify ms "
+             f"| predicted | measured/predicted |", "|" + " --- |" * 10]
+    for r in rows:
+        if r["method"] == "none":
+            lines.append(f"| {r[key]} | none | {r['tok_s']:.0f} | 1.00x | | | | decode {r['t_decode_ms']:.2f} | | |")
+        else:
+            lines.append(f"| {r[key]} | {r['method']} | {r['tok_s']:.0f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} "
+                         f"| {r['emitted_per_verify']:.2f} | {r['t_propose_ms']:.2f} | {r['t_verify_ms']:.2f} "
+                         f"| {r['predicted']:.2f}x | {r['measured_vs_predicted']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--items", type=int, default=48, help="requests per (batch, method) run")
+    ap.add_argument("--per-task", type=int, default=12, help="requests per task in the batch-1 task table")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--out", default="bench/out/spec_bench.json")
+    args = ap.parse_args(argv)
+    items = task_suite.generate_items("test", args.items, seed=7)
+    prompts = prompts_for(items)
+    run(prompts[:4], "draft", 4, args.k, 8)  # warm-up: first-call allocations, lazy imports
+    rows = []
+    jobs = [(b, m) for b in args.batches for m in METHODS]
+    for b, m in tqdm(jobs, desc="batch sizes"):
+        rows.append(run(prompts, m, b, args.k, args.max_tokens))
+    add_predictions(rows)
+    task_rows = []
+    by_task: dict[str, list[task_suite.TaskItem]] = {}
+    for it in task_suite.generate_items("test", args.per_task * 40, seed=8):
+        if len(by_task.setdefault(it.task, [])) < args.per_task:
+            by_task[it.task].append(it)
+    for task, its in tqdm(sorted(by_task.items()), desc="tasks at batch 1"):
+        p = prompts_for(its)
+        for m in METHODS:
+            r = run(p, m, 1, args.k, args.max_tokens)
+            r["task"] = task
+            task_rows.append(r)
+    add_predictions(task_rows)
+    print(table(rows, "batch"))
+    print()
+    print(table(task_rows, "task"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "by_batch": rows,
+                                          "by_task_batch1": task_rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
