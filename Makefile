@@ -22,7 +22,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 # The gateway on 127.0.0.1:$(PORT) with deploy/default.yaml (both demo engines in-process);
-# an embedded redis-server under .tokenyard/redis unless REDIS_URL is set.
+# an embedded redis-server under .tokenyard/redis unless REDIS_URL is set. On the first start it
+# prints a development admin API key (once); `tokenyard keys create` makes more.
 PORT ?= 8000
 serve: $(STAMP)
 	@echo "Tokenyard base URL: http://127.0.0.1:$(PORT)/v1"

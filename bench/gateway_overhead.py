@@ -3,8 +3,10 @@
 1. Added latency: one sequential client sends one-token chat requests (max_tokens=1) to the mock
    engine (no delays) through the gateway over HTTP (aiohttp, keep-alive), and the same number
    of one-token requests straight to the AsyncEngine in-process; the difference of the p50 and
-   p99 latencies is what the gateway adds (HTTP parsing, validation, auth, chat template and
-   tokenisation, detokenisation, JSON, metrics, access-log bookkeeping).
+   p99 latencies is what the gateway adds (HTTP parsing, validation, auth from the key cache,
+   the rate-limit reservation in Redis (one Lua round trip) and its refund, admission, chat
+   template and tokenisation, detokenisation, JSON, metrics, access-log bookkeeping).
+   `--no-limits` turns the Redis rate limits off, to see what they add on their own.
 2. Throughput: 32 concurrent clients (aiohttp) against one gateway worker, requests/s.
 3. Event-loop responsiveness: GET /health latency (p50, p99) every 20 ms while 32 clients keep
    the real demo-large torch engine saturated (issue 9: p99 <= 20 ms).
@@ -124,13 +126,19 @@ async def health_under_load(base: str, seconds: float, concurrency: int) -> tupl
     return lat, served
 
 
-def start_gateway(port: int, engine: str = "mock") -> subprocess.Popen:
+PREFIX = f"bench:overhead:{os.getpid()}:"
+
+
+def start_gateway(port: int, engine: str = "mock", limits: bool = True) -> subprocess.Popen:
     cfg = ROOT / "bench" / "out" / f"gateway_overhead_{engine}.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     engines = {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small")}}
     if engine != "mock":
         engines = {engine: {"type": "torch", "model": str(ROOT / "models" / engine), "kv_cache_memory": 128 << 20}}
+    # Limits on (high enough never to refuse): every request pays the reservation and the refund.
     cfg.write_text(json.dumps({"server": {"host": "127.0.0.1", "port": port, "access_log": False},
+                               "redis_prefix": PREFIX,
+                               "rate_limits": {"enabled": limits, "requests": 10**9, "tokens": 10**12},
                                "engines": engines}))
     env = {**os.environ, "TOKENYARD_DEV_KEY": KEY, "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")}
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
@@ -154,11 +162,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of the throughput run")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--health-seconds", type=float, default=8.0, help="0 skips the /health-under-load run")
+    ap.add_argument("--no-limits", action="store_true", help="rate limits off (auth and admission stay on)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start_gateway(port)
+    proc = start_gateway(port, limits=not args.no_limits)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         asyncio.run(gateway_latencies(url, 200))            # warm-up
@@ -187,11 +196,22 @@ def main() -> None:
         "added_p99_ms": (_pct(gw, 0.99) - _pct(direct, 0.99)) * ms,
         "gateway_mean_ms": statistics.fmean(gw) * ms,
         "concurrency": args.concurrency, "throughput_rps": rps, "throughput_errors": errors,
+        "rate_limits": not args.no_limits,
     }
     if health:
         result.update(health_samples=len(health), health_p50_ms=_pct(health, 0.5) * ms,
                       health_p99_ms=_pct(health, 0.99) * ms, saturated_requests_served=served)
+    _cleanup_redis()
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, indent=2))
+
+
+def _cleanup_redis() -> None:
+    import redis
+    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
+    names = list(client.scan_iter(match=PREFIX + "*"))
+    if names:
+        client.delete(*names)
+    client.close()
 
 
 if __name__ == "__main__":

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -23,12 +21,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .access_log import AccessLog
+from .admission import Admission
+from .api_keys import DEV_TENANT, KeyStore, new_record
 from .chat_endpoint import chat_completions
 from .deployment import Deployment
 from .engine_pool import EngineHandle, load_engines
-from .errors import APIError, ServerError, Unauthorized, error_for_status
+from .errors import APIError, ServerError, error_for_status
+from .gatekeeper import Gatekeeper
+from .key_cache import KeyCache
 from .metrics import GatewayMetrics
 from .openapi import openapi_schema
+from .rate_limiter import RateLimiter
+from .redis_guard import RedisGuard
 from .routing import AUTO, Router
 from .usage import RecentUsage, UsageSink
 
@@ -36,10 +40,10 @@ log = logging.getLogger("tokenyard.gateway")
 
 
 class Gateway:
-    """Everything the endpoints share: engines, router, metrics, key, drain state, Redis."""
+    """Everything the endpoints share: engines, router, metrics, keys, limits, admission, drain state, Redis."""
 
     def __init__(self, deployment: Deployment, handles: dict[str, EngineHandle] | None,
-                 usage_sink: UsageSink | None, dev_key: str) -> None:
+                 usage_sink: UsageSink | None, dev_key: str | None) -> None:
         self.deployment = deployment
         self.handles: dict[str, EngineHandle] = handles or {}
         self.router = Router(list(deployment.engines) or list(self.handles), deployment.routing)
@@ -52,13 +56,44 @@ class Gateway:
         self.redis: Any = None
         self.redis_ok: bool | None = None   # None: no Redis configured
         self.in_progress = 0                # HTTP requests being handled (drain waits for 0)
+        # Built for real in start_redis() / start_admission(); without Redis (tests that set no
+        # redis_url) keys come only from the dev key and limits are off.
+        self.guard = RedisGuard(self.metrics, deployment.rate_limits.redis_retry_s)
+        self.keys = KeyCache(None, deployment.redis_prefix, deployment.auth.key_cache_ttl_s, self.guard, self.metrics)
+        self.limiter = RateLimiter(None, deployment.redis_prefix, deployment.rate_limits, self.guard, self.metrics)
+        self.admission = Admission(deployment.admission, self.metrics, {})
+        self.gatekeeper = Gatekeeper(self.limiter, self.admission)
+        self._tasks: list[asyncio.Task] = []
+        self._pubsub_redis: Any = None
+        if dev_key:
+            self.keys.preload(new_record(dev_key, DEV_TENANT, name="dev", role="admin"))
 
-    def check_auth(self, header: str | None) -> None:
-        # Until issue 10 (keys and tenants): one development key, compared in constant time.
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.dev_key.encode()):
-            raise Unauthorized("Incorrect API key provided. Send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key")
+    async def start_redis(self) -> None:
+        import redis.asyncio as aioredis
+        dep = self.deployment
+        timeout = dep.redis_timeout_ms / 1000
+        self.redis = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        # The subscription sits idle between events: no read timeout on its connection.
+        self._pubsub_redis = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=2, socket_timeout=None)
+        self.keys.redis = self.redis
+        self.limiter = RateLimiter(self.redis, dep.redis_prefix, dep.rate_limits, self.guard, self.metrics)
+        self.gatekeeper.limiter = self.limiter
+        if self.dev_key:
+            try:   # the configured dev key becomes an admin key record (a revoked one stays revoked)
+                await asyncio.to_thread(_ensure_dev_key, dep.redis_url, dep.redis_prefix, self.dev_key)
+            except Exception as e:  # noqa: BLE001 - Redis down at start: the preloaded record serves
+                log.warning("could not store the development key's record in redis: %s", e)
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._watch_redis()), loop.create_task(self.keys.listen(self._pubsub_redis))]
+
+    async def stop_redis(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.limiter.drain()
+        for client in (self.redis, self._pubsub_redis):
+            if client is not None:
+                await client.aclose()
 
     def start_drain(self) -> None:
         if not self.draining:
@@ -77,11 +112,21 @@ class Gateway:
             await asyncio.sleep(5.0)
 
 
+def _ensure_dev_key(url: str, prefix: str, dev_key: str) -> None:
+    import redis
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        KeyStore(client, prefix).ensure_dev_key(dev_key)
+    finally:
+        client.close()
+
+
 def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | None = None,
                usage_sink: UsageSink | None = None, dev_key: str | None = None) -> Starlette:
-    """handles: engines already built (tests); otherwise the deployment's engines load at startup."""
-    key = dev_key or deployment.dev_key or "ty-dev-" + secrets.token_urlsafe(18)
-    gw = Gateway(deployment, handles, usage_sink, key)
+    """handles: engines already built (tests); otherwise the deployment's engines load at startup.
+    dev_key (else auth.dev_key / TOKENYARD_DEV_KEY): an admin key for tenant "dev" that this
+    gateway knows even before Redis answers."""
+    gw = Gateway(deployment, handles, usage_sink, dev_key or deployment.auth.dev_key)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -89,11 +134,11 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             gw.handles = await asyncio.to_thread(load_engines, deployment.engines)
         for h in gw.handles.values():
             await h.engine.start()
-        redis_task = None
+        gw.admission = Admission(deployment.admission, gw.metrics, {n: h.engine for n, h in gw.handles.items()})
+        gw.gatekeeper.admission = gw.admission
+        gw.metrics.admission = gw.admission.snapshot
         if deployment.redis_url:
-            import redis.asyncio as aioredis
-            gw.redis = aioredis.Redis.from_url(deployment.redis_url, socket_connect_timeout=2, socket_timeout=2)
-            redis_task = asyncio.get_running_loop().create_task(gw._watch_redis())
+            await gw.start_redis()
         # Everything loaded so far (torch, weights' Python objects) lives as long as the process:
         # freezing it keeps the cyclic GC from rescanning it, which shows up as latency spikes.
         gc.freeze()
@@ -102,9 +147,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             yield
         finally:
             gw.ready = False
-            if redis_task is not None:
-                redis_task.cancel()
-                await gw.redis.aclose()
+            await gw.admission.stop()
+            await gw.stop_redis()
             for h in gw.handles.values():
                 await h.engine.stop()
 
@@ -132,7 +176,7 @@ def _model_entry(h: EngineHandle) -> dict[str, Any]:
 
 async def _models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    gw.check_auth(request.headers.get("authorization"))
+    await gw.keys.authenticate(request.headers.get("authorization"))
     created = min((h.created for h in gw.handles.values()), default=int(time.time()))
     data = [{"id": AUTO, "object": "model", "created": created, "owned_by": "tokenyard"}]
     data += [_model_entry(h) for h in gw.handles.values()]
@@ -141,7 +185,7 @@ async def _models(request: Request) -> Response:
 
 async def _model(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    gw.check_auth(request.headers.get("authorization"))
+    await gw.keys.authenticate(request.headers.get("authorization"))
     name = request.path_params["model"]
     route = gw.router.pinned(name)  # NotFound for unknown names
     if route is None:

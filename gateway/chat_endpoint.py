@@ -1,7 +1,8 @@
-"""POST /v1/chat/completions: body -> typed request -> route -> tokens -> engine -> response.
+"""POST /v1/chat/completions: validate -> authenticate -> route (tokens) -> reserve limits -> admit
+-> engine -> response.
 
 The prompt is tokenised once, with the serving engine's tokenizer; that count is the one the
-context check, the router and the usage record all use.
+context check, the router, the rate limits and the usage record all use.
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ async def chat_completions(request: Request) -> Any:
     if gw.draining:
         raise Unavailable("The server is shutting down; retry on another instance", code="draining",
                           headers={"retry-after": "1"})
-    gw.check_auth(request.headers.get("authorization"))
     body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
     req = parse_chat_request(body, gw.deployment.limits.max_messages)
+    key = await gw.keys.authenticate(request.headers.get("authorization"))
+    info["tenant"] = key.tenant
     route, prompt_ids = route_and_tokenize(gw, req)
     handle = gw.handles[route.engine]
     max_len = handle.engine.max_model_len
@@ -53,18 +55,22 @@ async def chat_completions(request: Request) -> Any:
                          param="max_tokens", code="context_length_exceeded")
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                             stop=req.stop)
+    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
+    info.update(engine=handle.name, route_reason=route.reason)
+    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline)
     request_id = info.get("request_id") or secrets.token_hex(12)
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
     gen = Generation(handle, engine_rid, prompt_ids, params, req.model, route.reason, req.stream, arrival,
-                     time.time(), gw.metrics, gw.usage_sink)
+                     time.time(), gw.metrics, gw.usage_sink, priority=key.priority_class, tenant=key.tenant,
+                     on_end=admitted.end)
     try:
         gen.start()
     except EngineDeadError as e:
         raise Unavailable(f"Engine {handle.name} is unavailable", code="engine_unavailable") from e
     except RequestError as e:
         raise BadRequest(str(e)) from e
-    info.update(engine=handle.name, route_reason=route.reason, generation=gen)
-    headers = {"x-tokenyard-engine": handle.name, "x-tokenyard-route-reason": route.reason}
+    info["generation"] = gen
+    headers = {"x-tokenyard-engine": handle.name, "x-tokenyard-route-reason": route.reason, **admitted.headers}
     completion_id = "chatcmpl-" + request_id
     if req.stream:
         lim = gw.deployment.limits

@@ -1,6 +1,7 @@
 """The `tokenyard` command.
 
     tokenyard serve      the HTTP gateway (OpenAI-compatible) over the deployment's engines
+    tokenyard keys       create, list and revoke API keys
     tokenyard generate   stream one completion from a checkpoint to the terminal
     tokenyard demo       train / eval / plot the demo model pair
 """
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.set_defaults(func=_serve)
+    # --- keys (issue 10) ---
+    from . import keys_cli
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys_cli.add_arguments(keys)
+    # --- end keys ---
     from engines import generate_cli
     gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
     generate_cli.add_arguments(gen)

@@ -19,6 +19,7 @@ import yaml
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "deploy" / "default.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENGINE_TYPES = ("torch", "mock")
+_PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 class DeploymentError(ValueError):
@@ -69,6 +70,38 @@ class Routing:
 
 
 @dataclass(slots=True)
+class Auth:
+    """API keys (issue 10). Records live in Redis; each gateway caches them (gateway/key_cache.py)."""
+
+    dev_key: str | None = None             # None: TOKENYARD_DEV_KEY, else an admin key made on first start
+    key_cache_ttl_s: float = 30.0          # a cached key record is re-read from Redis after this long
+
+
+@dataclass(slots=True)
+class RateLimits:
+    """Per-tenant limits in Redis (gateway/rate_limiter.py); a key's own limits override these."""
+
+    enabled: bool = True
+    window_s: float = 60.0                 # the limits are "per window" (per minute); the burst is one window's worth
+    requests: int = 600                    # default requests per window per tenant (0: unlimited)
+    tokens: int = 1_000_000                # default tokens (prompt + max_tokens) per window per tenant (0: unlimited)
+    on_redis_error: str = "open"           # "open": admit without limits; "closed": refuse with 503
+    redis_retry_s: float = 1.0             # after a Redis error, skip Redis this long before trying again
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """The gateway-side queue in front of each engine (gateway/admission.py)."""
+
+    max_queue: int = 256                   # queued requests per engine; beyond: 503 queue_full
+    default_deadline_ms: int = 30_000      # when a request sends no x-request-deadline-ms
+    max_deadline_ms: int = 600_000         # larger x-request-deadline-ms values are capped here
+    max_concurrent_per_tenant: int = 64    # queued + running per tenant per gateway (0: unlimited); beyond: 429
+    max_running: int = 0                   # requests handed to each engine at once (0: the engine's max_num_seqs)
+    tick_ms: float = 5.0                   # how often a non-empty queue re-checks engine room
+
+
+@dataclass(slots=True)
 class Deployment:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -76,8 +109,12 @@ class Deployment:
     access_log: bool = True
     redis_url: str | None = None           # None: start an embedded redis-server
     redis_dir: Path = Path(".tokenyard/redis")
-    dev_key: str | None = None             # None: TOKENYARD_DEV_KEY, else a random key printed at start
+    redis_prefix: str = "tokenyard:"       # every Redis key this gateway writes starts with it
+    redis_timeout_ms: int = 250            # one Redis command longer than this counts as an error
+    auth: Auth = field(default_factory=Auth)
     limits: Limits = field(default_factory=Limits)
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     routing: Routing = field(default_factory=Routing)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
 
@@ -100,7 +137,8 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     """Validate a parsed YAML document. Relative paths are relative to base_dir (the file's folder)."""
     base = base_dir or Path.cwd()
     top = _mapping(data, "the document")
-    _only(top, "", {"server", "redis_url", "redis_dir", "auth", "limits", "routing", "engines"})
+    _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "auth", "limits",
+                    "rate_limits", "admission", "routing", "engines"})
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
     _only(server, "server.", {"host", "port", "drain_grace_s", "access_log"})
@@ -112,9 +150,16 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.access_log = _typed(server, "server.", "access_log", bool, dep.access_log)
     dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
     dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)
+    dep.redis_prefix = _typed(top, "", "redis_prefix", str, dep.redis_prefix)
+    if not _PREFIX.match(dep.redis_prefix):
+        raise DeploymentError("redis_prefix must be 1-64 of A-Z a-z 0-9 . _ : - (no braces: they are hash tags)")
+    dep.redis_timeout_ms = _positive_int(top, "", "redis_timeout_ms", dep.redis_timeout_ms)
     auth = _mapping(top.get("auth", {}), "auth")
-    _only(auth, "auth.", {"dev_key"})
-    dep.dev_key = _typed(auth, "auth.", "dev_key", str, None, nullable=True)
+    _only(auth, "auth.", {"dev_key", "key_cache_ttl_s"})
+    dep.auth.dev_key = _typed(auth, "auth.", "dev_key", str, None, nullable=True)
+    dep.auth.key_cache_ttl_s = _number(auth, "auth.", "key_cache_ttl_s", dep.auth.key_cache_ttl_s)
+    _rate_limits(_mapping(top.get("rate_limits", {}), "rate_limits"), dep.rate_limits)
+    _admission(_mapping(top.get("admission", {}), "admission"), dep.admission)
     limits = _mapping(top.get("limits", {}), "limits")
     _only(limits, "limits.", set(Limits.__slots__))
     for key in ("max_body_bytes", "max_json_depth", "max_messages", "default_max_tokens", "stream_buffer_bytes"):
@@ -141,13 +186,40 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     return dep
 
 
+def _rate_limits(section: dict[str, Any], rl: RateLimits) -> None:
+    _only(section, "rate_limits.", set(RateLimits.__slots__))
+    rl.enabled = _typed(section, "rate_limits.", "enabled", bool, rl.enabled)
+    rl.window_s = _number(section, "rate_limits.", "window_s", rl.window_s)
+    rl.redis_retry_s = _number(section, "rate_limits.", "redis_retry_s", rl.redis_retry_s)
+    for key in ("requests", "tokens"):
+        value = _typed(section, "rate_limits.", key, int, getattr(rl, key))
+        if value < 0:
+            raise DeploymentError(f"rate_limits.{key} must be an integer >= 0 (0: unlimited), got {value}")
+        setattr(rl, key, value)
+    rl.on_redis_error = _typed(section, "rate_limits.", "on_redis_error", str, rl.on_redis_error)
+    if rl.on_redis_error not in ("open", "closed"):
+        raise DeploymentError(f"rate_limits.on_redis_error must be open or closed, got {rl.on_redis_error!r}")
+
+
+def _admission(section: dict[str, Any], adm: AdmissionConfig) -> None:
+    _only(section, "admission.", set(AdmissionConfig.__slots__))
+    for key in ("max_queue", "default_deadline_ms", "max_deadline_ms"):
+        setattr(adm, key, _positive_int(section, "admission.", key, getattr(adm, key)))
+    for key in ("max_concurrent_per_tenant", "max_running"):
+        value = _typed(section, "admission.", key, int, getattr(adm, key))
+        if value < 0:
+            raise DeploymentError(f"admission.{key} must be an integer >= 0 (0: no cap of its own), got {value}")
+        setattr(adm, key, value)
+    adm.tick_ms = _number(section, "admission.", "tick_ms", adm.tick_ms)
+
+
 def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
     """REDIS_URL and TOKENYARD_DEV_KEY from the environment win over the file."""
     env = os.environ if env is None else env
     if env.get("REDIS_URL"):
         dep.redis_url = env["REDIS_URL"]
     if env.get("TOKENYARD_DEV_KEY"):
-        dep.dev_key = env["TOKENYARD_DEV_KEY"]
+        dep.auth.dev_key = env["TOKENYARD_DEV_KEY"]
     return dep
 
 
@@ -209,6 +281,13 @@ def _typed(section: dict[str, Any], prefix: str, key: str, kind: type, default: 
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise DeploymentError(f"{prefix}{key} must be {'a' if kind is not int else 'an'} {kind.__name__}"
                               f"{' or null' if nullable else ''}, got {value!r}")
+    return value
+
+
+def _positive_int(section: dict[str, Any], prefix: str, key: str, default: int) -> int:
+    value = _typed(section, prefix, key, int, default)
+    if value <= 0:
+        raise DeploymentError(f"{prefix}{key} must be a positive integer, got {value}")
     return value
 
 

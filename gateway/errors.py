@@ -8,6 +8,7 @@ with a generic message (the details go to the log, never a stack trace to the cl
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.responses import Response
@@ -82,6 +83,13 @@ def error_for_status(status: int, message: str, code: str | None = None) -> APIE
         err.type = "invalid_request_error" if 400 <= status < 500 else "server_error"
         return err
     return cls(message, code=code)
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    """Retry-After in whole seconds (what HTTP allows) and retry-after-ms (what the OpenAI SDKs read
+    first, so a client can come back after 200 ms rather than a rounded-up second)."""
+    seconds = min(max(seconds, 0.001), 3600.0) if seconds == seconds else 1.0   # finite, NaN-safe
+    return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(math.ceil(seconds * 1000))}
 
 
 def json_error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:

@@ -12,7 +12,7 @@ tokens the engine had already produced, records metrics and hands a UsageRecord 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from engines.async_engine import RequestStream
 from engines.outputs import StepOutput
@@ -31,7 +31,8 @@ class EngineFailed(Exception):
 class Generation:
     def __init__(self, handle: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  requested_model: str, route_reason: str, stream: bool, arrival: float, arrival_wall: float,
-                 metrics: GatewayMetrics, sink: UsageSink) -> None:
+                 metrics: GatewayMetrics, sink: UsageSink, priority: int = 0, tenant: str = "",
+                 on_end: Callable[[int | None], None] | None = None) -> None:
         self.handle = handle
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -43,6 +44,9 @@ class Generation:
         self.arrival_wall = arrival_wall       # unix seconds
         self._metrics = metrics
         self._sink = sink
+        self.priority = priority               # engine priority: 0 interactive, 1 batch
+        self.tenant = tenant
+        self._on_end = on_end                  # gets the tokens used (None: never ran): refund, free the slot
         self._bucket = prompt_bucket(len(prompt_ids))
         self._text = TextStream(handle.tokenizer, params, prompt_ids)
         self._engine_stream: RequestStream | None = None
@@ -57,7 +61,12 @@ class Generation:
     def start(self) -> None:
         """Hand the prompt to the engine (RequestError: bad input; EngineDeadError: engine down)."""
         self._metrics.queue.labels(self.handle.name, self._bucket).observe(time.perf_counter() - self.arrival)
-        self._engine_stream = self.handle.engine.add_request(self.request_id, self.prompt_ids, self.params)
+        try:
+            self._engine_stream = self.handle.engine.add_request(self.request_id, self.prompt_ids, self.params,
+                                                                 priority=self.priority, cache_salt=self.tenant or None)
+        except BaseException:
+            self._end(None)
+            raise
         self._metrics.in_flight.inc()
 
     @property
@@ -152,4 +161,10 @@ class Generation:
             cost_micros=self.handle.prices.cost(p, cached, c), status=status, finish_reason=self.finish_reason,
             ttft_s=ttft, e2e_s=now - self.arrival, stream=self.stream)
         self._sink(self.record)
+        self._end(p + c)
         return self.record
+
+    def _end(self, used_tokens: int | None) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(used_tokens)

@@ -7,17 +7,20 @@ Engine gauges are read from each AsyncEngine's latest stats snapshot at scrape t
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engines.async_engine import AsyncEngine
+if TYPE_CHECKING:   # engines/ pulls in torch: keep it out of processes that only need metrics
+    from engines.async_engine import AsyncEngine
+
 
 PROMPT_BUCKETS = ((128, "0-128"), (512, "129-512"), (2048, "513-2048"), (8192, "2049-8192"))
 LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PER_TOKEN_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REDIS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 E2E_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -54,7 +57,25 @@ class GatewayMetrics:
         self.completion_tokens = Counter("tokenyard_completion_tokens", "Output tokens generated", ("engine",),
                                          registry=r)
         self.in_flight = Gauge("tokenyard_in_flight_requests", "Chat requests being served now", registry=r)
+        # Admission, limits, keys, Redis (issue 10).
+        self.shed = Counter("tokenyard_admission_shed", "Requests turned away before reaching the engine, by reason",
+                            ("engine", "reason"), registry=r)
+        self.expired = Counter("tokenyard_admission_expired", "Queued requests whose deadline passed in the queue",
+                               ("engine", "priority"), registry=r)
+        self.rate_limited = Counter("tokenyard_rate_limited", "Requests refused by the tenant's rate limits",
+                                    ("engine", "reason"), registry=r)
+        self.rate_limit_fallbacks = Counter("tokenyard_rate_limit_redis_fallbacks",
+                                            "Requests whose limits could not be checked (Redis unreachable), "
+                                            "by the mode applied", ("engine", "mode"), registry=r)
+        self.auth_failures = Counter("tokenyard_auth_failures", "Refused API keys by reason", ("reason",),
+                                     registry=r)
+        self.redis_errors = Counter("tokenyard_redis_errors", "Failed Redis calls on the request path", ("op",),
+                                    registry=r)
+        self.redis_latency = Histogram("tokenyard_redis_latency_seconds", "Latency of Redis calls on the request path",
+                                       ("op",), buckets=REDIS_S, registry=r)
+        self.admission: Callable[[], dict[str, tuple[list[int], float]]] = dict
         r.register(_EngineCollector(engines))
+        r.register(_AdmissionCollector(lambda: self.admission()))
 
     def count_request(self, engine: str, status: int | str, route_reason: str) -> None:
         self.requests.labels(engine or "none", str(status), route_reason or "none").inc()
@@ -94,3 +115,24 @@ class _EngineCollector(Collector):
             pre.add_metric([name], s.num_preemptions)
             fail.add_metric([name], eng.num_failed_steps)
         return [running, waiting, kv, hit, pre, fail]
+
+
+class _AdmissionCollector(Collector):
+    """Queue depth per engine and class, and the predicted wait of a new request, at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, tuple[list[int], float]]]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        depth = GaugeMetricFamily("tokenyard_admission_queue_depth", "Requests queued in the gateway per engine",
+                                  labels=["engine", "priority"])
+        wait = GaugeMetricFamily("tokenyard_admission_predicted_wait_seconds",
+                                 "Predicted queue wait of a new batch request per engine", labels=["engine"])
+        for name, (by_class, predicted) in self._snapshot().items():
+            for cls, n in zip(("interactive", "batch"), by_class):
+                depth.add_metric([name, cls], n)
+            wait.add_metric([name], min(predicted, 3600.0))   # inf: batch is being shed outright
+        return [depth, wait]

@@ -80,7 +80,10 @@ def openapi_schema() -> dict[str, Any]:
     auth = [{"bearer": []}]
     headers = {"x-request-id": {"schema": {"type": "string"}, "description": "echoed or generated"},
                "x-tokenyard-engine": {"schema": {"type": "string"}},
-               "x-tokenyard-route-reason": {"schema": {"type": "string"}}}
+               "x-tokenyard-route-reason": {"schema": {"type": "string"}},
+               **{f"x-ratelimit-{k}": {"schema": {"type": "string"}} for k in (
+                   "limit-requests", "limit-tokens", "remaining-requests", "remaining-tokens", "reset-requests",
+                   "reset-tokens")}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "Tokenyard gateway", "version": "0.1.0",
@@ -94,7 +97,11 @@ def openapi_schema() -> dict[str, Any]:
                 "summary": "Create a chat completion (streamed as server-sent events when stream is true)",
                 "security": auth,
                 "parameters": [{"name": "x-request-id", "in": "header", "required": False,
-                                "schema": {"type": "string", "maxLength": 128}}],
+                                "schema": {"type": "string", "maxLength": 128}},
+                               {"name": "x-request-deadline-ms", "in": "header", "required": False,
+                                "description": "ms from arrival by which the request must start; else shed "
+                                               "(503 + Retry-After) or expired in the queue",
+                                "schema": {"type": "integer", "minimum": 1}}],
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
                 "responses": {

@@ -64,6 +64,27 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _dev_key(dep: Deployment, announce) -> str | None:
+    """The development admin key: the configured one, or one made (and shown) on the first start only."""
+    import redis
+
+    from .api_keys import KeyStore
+    client = redis.Redis.from_url(dep.redis_url, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        key, rec = KeyStore(client, dep.redis_prefix).ensure_dev_key(dep.auth.dev_key)
+    except redis.RedisError as e:
+        log.warning("redis at %s is not reachable (%s); only a configured dev key will work", dep.redis_url, e)
+        key, rec = dep.auth.dev_key, None
+    finally:
+        client.close()
+    if key:
+        announce(f"tokenyard: development admin API key: {key}")
+    elif rec is not None:
+        announce(f"tokenyard: development admin key {rec.key_id} was printed on the first start; make another with "
+                 f"`tokenyard keys create --tenant dev --admin`")
+    return key
+
+
 def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int:
     setup_logging()
     embedded = None
@@ -71,13 +92,13 @@ def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int
         embedded = EmbeddedRedis(dep.redis_dir)
         dep.redis_url = embedded.start()
     try:
-        app = create_app(dep)
+        dev_key = _dev_key(dep, announce)
+        app = create_app(dep, dev_key=dev_key)
         gw = app.state.gateway
         config = uvicorn.Config(app, host=dep.host, port=dep.port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=1, lifespan="on")
         server = DrainingServer(config, gw, dep.drain_grace_s)
         announce(f"tokenyard: serving {', '.join(dep.engines)} at http://{dep.host}:{dep.port}/v1")
-        announce(f"tokenyard: development API key: {gw.dev_key}")
         announce(f"tokenyard: redis at {dep.redis_url}{' (embedded)' if embedded else ''}")
         server.run()
         return 0 if server.started else 1

@@ -7,7 +7,8 @@ import re
 import pytest
 import redis
 
-from gateway.deployment import DeploymentError, Prices, apply_env, load_deployment, parse_deployment
+from gateway.deployment import (AdmissionConfig, DeploymentError, Prices, RateLimits, apply_env, load_deployment,
+                                parse_deployment)
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.metrics import GatewayMetrics
 from gateway_helpers import ROOT, mock_deployment, running_gateway
@@ -17,13 +18,13 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 def test_default_deployment_loads_and_is_safe():
     dep = load_deployment(ROOT / "deploy" / "default.yaml")
-    assert dep.host == "127.0.0.1" and dep.redis_url is None and dep.dev_key is None
+    assert dep.host == "127.0.0.1" and dep.redis_url is None and dep.auth.dev_key is None
     assert set(dep.engines) == {"demo-small", "demo-large"}
     assert dep.engines["demo-small"].model == (ROOT / "models" / "demo-small")
     assert dep.routing.small == "demo-small" and dep.routing.large == "demo-large"
     assert load_deployment(ROOT / "deploy" / "mock.yaml").engines["mock"].type == "mock"
     apply_env(dep, {"REDIS_URL": "redis://127.0.0.1:6379", "TOKENYARD_DEV_KEY": "k1"})
-    assert dep.redis_url == "redis://127.0.0.1:6379" and dep.dev_key == "k1"
+    assert dep.redis_url == "redis://127.0.0.1:6379" and dep.auth.dev_key == "k1"
 
 
 @pytest.mark.parametrize("patch, message", [
@@ -31,6 +32,11 @@ def test_default_deployment_loads_and_is_safe():
     ({"server": {"port": "80"}}, "server.port must be an int"),
     ({"limits": {"max_body_bytes": 0}}, "limits.max_body_bytes must be a positive integer"),
     ({"routing": {"small": "nope", "large": "mock"}}, "routing.small names engine 'nope'"),
+    ({"rate_limits": {"on_redis_error": "maybe"}}, "rate_limits.on_redis_error must be open or closed"),
+    ({"rate_limits": {"tokens": -1}}, "rate_limits.tokens must be an integer >= 0"),
+    ({"admission": {"max_queue": 0}}, "admission.max_queue must be a positive integer"),
+    ({"admission": {"bogus": 1}}, "unknown key(s) admission.bogus"),
+    ({"redis_prefix": "a{b}"}, "redis_prefix must be"),
     ({"engines": {}}, "at least one engine"),
     ({"engines": {"auto": {"type": "mock", "model": "models/demo-small"}}}, "not 'auto'"),
     ({"engines": {"e": {"type": "onnx", "model": "models/demo-small"}}}, "engines.e.type must be one of"),
@@ -130,7 +136,10 @@ def test_every_metric_and_deployment_key_is_documented():
                 "limits.max_messages", "limits.default_max_tokens", "limits.stream_buffer_bytes",
                 "limits.stream_write_timeout_s", "routing.small", "routing.large", "routing.long_prompt_tokens",
                 "engines.NAME.type", "engines.NAME.model", "engines.NAME.prices.input",
-                "engines.NAME.prices.cached_input", "engines.NAME.prices.output", "ttft_ms", "token_ms"):
+                "engines.NAME.prices.cached_input", "engines.NAME.prices.output", "ttft_ms", "token_ms",
+                "redis_prefix", "redis_timeout_ms", "auth.key_cache_ttl_s",
+                *(f"rate_limits.{k}" for k in RateLimits.__slots__),
+                *(f"admission.{k}" for k in AdmissionConfig.__slots__)):
         assert f"`{key}`" in README, f"deployment key {key} is not documented in README.md"
 
 

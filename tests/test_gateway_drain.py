@@ -13,7 +13,7 @@ import time
 
 import yaml
 
-from gateway_helpers import ROOT, sse_events
+from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, sse_events, unique_prefix
 
 
 def _free_port() -> int:
@@ -36,8 +36,9 @@ def _post(port: int, body: dict, key: str, timeout: float = 20) -> tuple[int, by
 def test_sigterm_drains_then_exits(tmp_path):
     port = _free_port()
     cfg = tmp_path / "deploy.yaml"
+    prefix = unique_prefix("drain")   # the dev key's record goes under it, removed at the end
     cfg.write_text(yaml.safe_dump({
-        "server": {"host": "127.0.0.1", "port": port, "drain_grace_s": 20},
+        "server": {"host": "127.0.0.1", "port": port, "drain_grace_s": 20}, "redis_prefix": prefix,
         "engines": {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small"), "token_ms": 25}}}))
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379", "TOKENYARD_DEV_KEY": "drain-key",
            "PYTHONPATH": str(ROOT)}
@@ -92,3 +93,4 @@ def test_sigterm_drains_then_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        delete_prefix(SHARED_REDIS, prefix)

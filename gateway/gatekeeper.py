@@ -1,0 +1,69 @@
+"""The admission steps of one request, in order, and their undoing in reverse.
+
+    p = await gatekeeper.enter(key_record, engine, prompt_tokens, max_tokens, deadline)  # 429 / 503
+    ...                                      # the engine runs the request
+    p.end(used_tokens)                       # or p.end(None) when it never ran
+
+Order (ARCHITECTURE.md): reserve limits, then admit. The limit is reserved first so a tenant over
+its limits is told so (429 with its own retry hint) instead of taking a queue place; a request
+that is then shed or expires in the queue gets its whole reservation back, since it cost
+nothing. A request that ran gives back the tokens it did not use (max_tokens it never reached).
+"""
+from __future__ import annotations
+
+import asyncio
+
+from .admission import Admission, Slot
+from .api_keys import KeyRecord
+from .rate_limiter import RateLimiter, Reservation
+from .shedding import shed
+
+
+class Pass:
+    __slots__ = ("_limiter", "reservation", "slot", "_ended")
+
+    def __init__(self, limiter: RateLimiter, reservation: Reservation, slot: Slot) -> None:
+        self._limiter = limiter
+        self.reservation = reservation
+        self.slot = slot
+        self._ended = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.reservation.headers
+
+    def end(self, used_tokens: int | None) -> None:
+        """Release the engine slot and refund what was not used; safe to call more than once."""
+        if self._ended:
+            return
+        self._ended = True
+        res = self.reservation
+        self.slot.release(served=used_tokens is not None)
+        if used_tokens is None:
+            self._limiter.refund(res, requests=1, tokens=res.tokens)
+        else:
+            self._limiter.refund(res, tokens=res.tokens - used_tokens)
+
+
+class Gatekeeper:
+    def __init__(self, limiter: RateLimiter, admission: Admission) -> None:
+        self.limiter = limiter
+        self.admission = admission
+
+    async def enter(self, rec: KeyRecord, engine: str, prompt_tokens: int, max_tokens: int,
+                    deadline: float) -> Pass:
+        res = await self.limiter.reserve(rec, prompt_tokens + max_tokens, engine)
+        try:
+            slot = await self.admission.admit(rec, engine, prompt_tokens, deadline)
+        except BaseException as e:
+            self.limiter.refund(res, requests=1, tokens=res.tokens)
+            if hasattr(e, "headers"):
+                e.headers = {**res.headers, **e.headers}
+            raise
+        if asyncio.get_running_loop().time() > deadline:
+            # Granted in time, but the deadline passed before this task resumed: still never started.
+            slot.release(served=False)
+            self.limiter.refund(res, requests=1, tokens=res.tokens)
+            self.admission.metrics.expired.labels(engine, rec.priority).inc()
+            raise shed("expired", engine, 0.001)
+        return Pass(self.limiter, res, slot)

@@ -1,0 +1,123 @@
+"""Authentication from key records cached in each gateway, kept fresh by Redis pub/sub.
+
+    rec = await cache.authenticate(request.headers.get("authorization"))   # KeyRecord, or 401/503
+
+A record read from Redis is trusted for `ttl_s`, then read again on its next use. Revocations
+and updates are pushed on `{prefix}keys:events`: the record is dropped at once, so the next use
+re-reads it (and sees it revoked). When the subscription drops, events may have been missed, so
+on every (re)subscribe all cached records are marked stale.
+
+While Redis is unreachable: a key whose record is cached (fresh or stale) still authenticates,
+since it was valid moments ago and revocations would have reached us; a key unknown to the cache
+is refused (503 auth_unavailable): failing open covers limits and spend, never authentication.
+Only records of real keys are cached, so random keys cannot fill the cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from .api_keys import KeyRecord, events_channel, hash_key, key_id_of, record_name
+from .errors import Unauthorized, Unavailable
+from .redis_guard import RedisGuard, RedisUnavailable
+
+log = logging.getLogger("tokenyard.keys")
+
+
+class _Entry:
+    __slots__ = ("record", "fetched")
+
+    def __init__(self, record: KeyRecord, fetched: float) -> None:
+        self.record = record
+        self.fetched = fetched
+
+
+class KeyCache:
+    def __init__(self, redis: Any, prefix: str, ttl_s: float, guard: RedisGuard | None, metrics: Any) -> None:
+        self.redis = redis              # redis.asyncio client; None: records only from preload() (tests)
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.guard = guard
+        self.metrics = metrics
+        self._entries: dict[str, _Entry] = {}
+
+    def preload(self, record: KeyRecord) -> None:
+        self._entries[record.key_id] = _Entry(record, time.monotonic())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def authenticate(self, header: str | None) -> KeyRecord:
+        scheme, _, token = (header or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise self._refuse("missing", "You didn't provide an API key. Send 'Authorization: Bearer <key>'.")
+        key_hash = hash_key(token)
+        key_id = key_id_of(key_hash)
+        entry = self._entries.get(key_id)
+        record = entry.record if entry is not None else None
+        fresh = entry is not None and time.monotonic() - entry.fetched < self.ttl_s
+        if self.redis is not None and not fresh:
+            try:
+                record = await self._fetch(key_id)
+            except RedisUnavailable:
+                if entry is None:
+                    self.metrics.auth_failures.labels("unavailable").inc()
+                    raise Unavailable("API keys cannot be verified right now; retry shortly", code="auth_unavailable",
+                                      headers={"retry-after": "1"}) from None
+                # Stale but known: keep serving it while Redis is away.
+        if record is None or not record.matches(key_hash):
+            raise self._refuse("invalid", "Incorrect API key provided.")
+        if record.revoked is not None:
+            raise self._refuse("revoked", "This API key has been revoked.")
+        return record
+
+    async def _fetch(self, key_id: str) -> KeyRecord | None:
+        raw = await self.guard.call("key_lookup", lambda: self.redis.hgetall(record_name(self.prefix, key_id)))
+        if not raw:
+            self._entries.pop(key_id, None)
+            return None
+        record = KeyRecord.from_redis(raw)
+        self._entries[key_id] = _Entry(record, time.monotonic())
+        return record
+
+    def _refuse(self, reason: str, message: str) -> Unauthorized:
+        self.metrics.auth_failures.labels(reason).inc()
+        return Unauthorized(message, code="invalid_api_key")
+
+    def forget(self, key_id: str) -> None:
+        self._entries.pop(key_id, None)
+
+    def mark_all_stale(self) -> None:
+        for entry in self._entries.values():
+            entry.fetched = float("-inf")
+
+    async def listen(self, pubsub_client: Any, reconnect_s: float = 1.0) -> None:
+        """Follow the key events channel until cancelled, resubscribing after any failure.
+
+        pubsub_client: a client without a read timeout (a subscription is idle most of the time)."""
+        channel = events_channel(self.prefix)
+        while True:
+            pubsub = pubsub_client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                self.mark_all_stale()   # whatever happened while we were not subscribed, re-read it
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    data = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+                    _, _, key_id = data.partition(" ")
+                    self.forget(key_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure: resubscribe later
+                log.warning("key events subscription lost (%s: %s); resubscribing", type(e).__name__, e)
+                self.mark_all_stale()
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001 - the connection is already broken
+                    pass
+            await asyncio.sleep(reconnect_s)
