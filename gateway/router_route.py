@@ -1,0 +1,124 @@
+"""Model "auto" through the learned router (issue 12), with the interim rule as the fallback.
+
+Deployment YAML (all keys optional; without `router.artifact` nothing changes):
+
+    router:
+      artifact: ../router_models/artifacts/demo_router.json  # relative to the YAML file
+      target_large_share: 0.3    # overrides the artifact's calibrated threshold (0..1), or
+      threshold: null            # a raw score threshold (0..1); at most one of the two
+      small: demo-small          # default: routing.small
+      large: demo-large          # default: routing.large
+
+Per request (gateway/chat_endpoint.py, once the prompt is tokenised with the counting engine):
+
+    decision = route_auto(gw.learned_router, gw.router, prompt_text(req.messages), len(ids))
+    # decision.engine, decision.reason ("router" or the interim "auto:..."), decision.score
+
+`route_auto` with no learned router (no `router.artifact` configured) is exactly the interim rule
+of gateway/routing.py (`Router.auto(prompt_tokens)`), with score None. The artifact is loaded
+once at start-up (`LearnedRouter.from_settings`); a missing, old or tampered file fails the
+start with `ArtifactError`'s message, never a request. Scoring is pure: text features, a dot
+product, no I/O, no engine calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from router_models.artifact import ArtifactError, load
+from router_models.features import prompt_text
+from router_models.scorer import Scorer
+
+from .routing import Router
+
+REASON = "router"
+__all__ = ["REASON", "RouterSettings", "RouterDecision", "LearnedRouter", "route_auto", "parse_router_settings",
+           "prompt_text", "ArtifactError"]
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    artifact: Path | None = None
+    target_large_share: float | None = None
+    threshold: float | None = None
+    small: str | None = None
+    large: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class RouterDecision:
+    engine: str
+    reason: str                 # "router", or the interim rule's reason when no artifact is configured
+    score: float | None         # P(small is enough); None without the learned router
+
+
+class LearnedRouter:
+    def __init__(self, scorer: Scorer, small: str, large: str) -> None:
+        self.scorer = scorer
+        self.small = small
+        self.large = large
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings, small: str | None = None,
+                      large: str | None = None) -> "LearnedRouter | None":
+        """None when no artifact is configured (the interim rule stays in charge)."""
+        if settings.artifact is None:
+            return None
+        small, large = settings.small or small, settings.large or large
+        if small is None or large is None:
+            raise ValueError("router: a learned router needs a small and a large engine "
+                             "(router.small/router.large or routing.small/routing.large)")
+        scorer = Scorer(load(settings.artifact), threshold=settings.threshold,
+                        target_large_share=settings.target_large_share)
+        return cls(scorer, small, large)
+
+    @property
+    def threshold(self) -> float:
+        return self.scorer.threshold
+
+    def decide(self, text: str, prompt_tokens: int, threshold: float | None = None) -> RouterDecision:
+        """`threshold` overrides for this request only (e.g. a policy rule's threshold)."""
+        score = self.scorer.score(text, prompt_tokens)
+        cut = self.scorer.threshold if threshold is None else threshold
+        return RouterDecision(self.large if score < cut else self.small, REASON, score)
+
+
+def route_auto(learned: LearnedRouter | None, interim: Router, text: str, prompt_tokens: int,
+               threshold: float | None = None) -> RouterDecision:
+    if learned is None:
+        route = interim.auto(prompt_tokens)
+        return RouterDecision(route.engine, route.reason, None)
+    return learned.decide(text, prompt_tokens, threshold)
+
+
+def parse_router_settings(data: Any, base_dir: Path, engines: Mapping[str, Any]) -> RouterSettings:
+    """The `router:` section of the deployment file; errors name the key path."""
+    if data is None:
+        return RouterSettings()
+    if not isinstance(data, dict):
+        raise ValueError("router must be a mapping")
+    extra = set(data) - {"artifact", "target_large_share", "threshold", "small", "large"}
+    if extra:
+        raise ValueError(f"router: unknown keys {', '.join(sorted(map(str, extra)))}")
+    out = RouterSettings()
+    if data.get("artifact") is not None:
+        if not isinstance(data["artifact"], str):
+            raise ValueError("router.artifact must be a path")
+        path = Path(data["artifact"])
+        out.artifact = path if path.is_absolute() else (base_dir / path).resolve()
+    for key in ("target_large_share", "threshold"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"router.{key} must be a number in [0, 1], got {value!r}")
+        setattr(out, key, float(value))
+    if out.target_large_share is not None and out.threshold is not None:
+        raise ValueError("router: set target_large_share or threshold, not both")
+    for key in ("small", "large"):
+        value = data.get(key)
+        if value is not None and value not in engines:
+            raise ValueError(f"router.{key} names engine {value!r}, which is not under engines")
+        setattr(out, key, value)
+    return out

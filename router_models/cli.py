@@ -1,0 +1,141 @@
+"""`tokenyard router train | eval`: train the learned router and measure it.
+
+    tokenyard router train                                   # from the suite label files
+    tokenyard router train --traffic labelled.jsonl          # operator traffic: {"prompt", "label"} per line
+    tokenyard router train --target-large-share 0.25         # or --target-quality 0.95 (PGR on calibration)
+    tokenyard router eval                                    # test split -> bench/router_eval.{json,png}
+
+Operator files without `prompt_tokens` are counted with --tokenizer's tokenizer (the serving
+model's folder); that import happens here, never in the scoring path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "router_models" / "data"
+ARTIFACT = ROOT / "router_models" / "artifacts" / "demo_router.json"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    sub = ap.add_subparsers(dest="router_command", required=True)
+    tr = sub.add_parser("train", help="train the router and calibrate its threshold")
+    src = tr.add_mutually_exclusive_group()
+    src.add_argument("--labels", default=str(DATA),
+                     help="folder with train.jsonl and calibration.jsonl (demo/router_labels.py); default: %(default)s")
+    src.add_argument("--traffic", help="JSONL of operator-labelled prompts: prompt, label (1: small is enough), "
+                                       "optional prompt_tokens; a stable hash holds out 25%% for calibration")
+    tr.add_argument("--tokenizer", default=str(ROOT / "models" / "demo-small"),
+                    help="checkpoint folder whose tokenizer counts prompts that lack prompt_tokens")
+    tr.add_argument("--out", default=str(ARTIFACT))
+    tr.add_argument("--C", type=float, default=None, help="inverse L2 strength (default: train.DEFAULT_C)")
+    target = tr.add_mutually_exclusive_group()
+    target.add_argument("--target-large-share", type=float, help="share of calls to send to the large model")
+    target.add_argument("--target-quality", type=float,
+                        help="fraction of the small-to-large quality gap to recover on calibration (e.g. 0.95)")
+    tr.set_defaults(func=run_train)
+    ev = sub.add_parser("eval", help="quality vs share of large calls on the test split; APGR, CPT")
+    ev.add_argument("--artifact", default=str(ARTIFACT))
+    ev.add_argument("--test", default=str(DATA / "test.jsonl"))
+    ev.add_argument("--json", default=str(ROOT / "bench" / "router_eval.json"))
+    ev.add_argument("--plot", default=str(ROOT / "bench" / "router_eval.png"))
+    ev.set_defaults(func=run_eval)
+
+
+def _count_missing(rows: list[dict], tokenizer_dir: str) -> None:
+    missing = [r for r in rows if "prompt_tokens" not in r]
+    if not missing:
+        return
+    from engines.tokenizer import Tokenizer  # offline only: training may use the engine's tokenizer
+
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    for r in missing:
+        r["prompt_tokens"] = tok.count_tokens(str(r.get("prompt", "")))
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .artifact import save
+    from .train import DEFAULT_C, from_rows, hash_split, load_labels, read_jsonl, train_router
+
+    C = DEFAULT_C if args.C is None else args.C
+    try:
+        if args.traffic:
+            rows = read_jsonl(args.traffic)
+            _count_missing(rows, args.tokenizer)
+            train, cal = hash_split(from_rows(rows, args.traffic))
+            source = {"source": "traffic", "file": args.traffic}
+        else:
+            folder = Path(args.labels)
+            train, cal = load_labels(folder / "train.jsonl"), load_labels(folder / "calibration.jsonl")
+            source = {"source": "suite", "folder": _rel(folder)}
+            manifest = folder / "manifest.json"
+            if manifest.is_file():
+                m = json.loads(manifest.read_text())
+                source.update(small=m.get("small"), large=m.get("large"), command=m.get("command"))
+        art, _ = train_router(train, cal, C=C, target_large_share=args.target_large_share,
+                              target_quality=args.target_quality, training=source)
+    except (OSError, ValueError) as e:
+        print(f"tokenyard router train: {e}", file=sys.stderr)
+        return 2
+    save(art, args.out)
+    print(f"wrote {args.out}: {len(train)} train / {len(cal)} calibration prompts, threshold "
+          f"{art.threshold:.4f} ({art.threshold_method} {art.threshold_target}), {len(art.indices)} weights")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from .artifact import ArtifactError, load
+    from .evaluation import evaluate, plot
+    from .train import load_labels
+
+    try:
+        art = load(args.artifact)
+        test = load_labels(args.test)
+        report, curves = evaluate(art, test)
+    except (OSError, ArtifactError, ValueError) as e:
+        print(f"tokenyard router eval: {e}", file=sys.stderr)
+        return 2
+    report = {"artifact": _rel(Path(args.artifact)), "test": _rel(Path(args.test)), **report}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(report, curves, args.plot)
+    print(format_summary(report))
+    return 0
+
+
+def format_summary(report: dict) -> str:
+    lines = [f"test prompts {report['test_prompts']}: small {report['quality_small']:.3f}, "
+             f"large {report['quality_large']:.3f}",
+             "| routing | APGR | CPT(50%) | CPT(80%) | CPT(95%) | best accuracy |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("router", "random", "random_draw", "oracle"):
+        s = report[name]
+        lines.append(f"| {name} | {s['apgr']:.3f} | {s['cpt_50'] * 100:.1f}% | {s['cpt_80'] * 100:.1f}% | "
+                     f"{s['cpt_95'] * 100:.1f}% | {s['max_quality']:.3f} |")
+    c = report["calibrated"]
+    lines.append(f"calibrated threshold {c['threshold']:.4f} ({c['method']} target {c['target']}): "
+                 f"{c['large_share'] * 100:.1f}% large calls on test, accuracy {c['quality']:.3f}")
+    return "\n".join(lines)
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenyard router")
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""Label generation without engines: split construction and the labelling rule."""
+from collections import Counter
+
+from demo import task_suite
+from demo.router_labels import draw_items, half_of, input_key, label_rows
+
+
+def test_splits_are_uniform_disjoint_and_hold_out_phrasing_3():
+    items = draw_items({"train": 96, "calibration": 64, "test": 64}, seed=3)
+    for name, its in items.items():
+        cells = Counter((it.task, it.level) for it in its)
+        assert len(cells) == 32 and set(cells.values()) <= {len(its) // 32, len(its) // 32 + 1}
+    assert all(it.phrasing != task_suite.HELD_OUT_PHRASING for it in items["train"])
+    assert all(it.split == "validation" for it in items["train"] + items["calibration"])
+    assert {half_of(it) for it in items["train"]} == {"train"}
+    assert {half_of(it) for it in items["calibration"]} == {"calibration"}
+    assert not {input_key(it) for it in items["train"]} & {input_key(it) for it in items["calibration"]}
+    assert draw_items({"train": 96}, seed=3)["train"] == items["train"]   # deterministic
+
+
+def test_input_key_ignores_wording():
+    a = task_suite.TaskItem("add", 2, 0, ({"role": "user", "content": "What is 12 + 30?"},), "42", "test")
+    b = task_suite.TaskItem("add", 2, 3, ({"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "What do you get if you add 12 to 30?"}),
+                            "42", "test")
+    assert input_key(a) == input_key(b)
+
+
+def test_label_is_one_when_small_is_as_good_as_large():
+    item = task_suite.TaskItem("add", 1, 0, ({"role": "user", "content": "What is 1 + 2?"},), "3", "test")
+    rows = label_rows("test", [item] * 4, ["3", "3", "4", "4"], ["3", "5", "3", "5"], [9] * 4)
+    assert [r["label"] for r in rows] == [1, 1, 0, 1]
+    assert rows[0]["prompt"] == "What is 1 + 2?" and rows[0]["prompt_tokens"] == 9
