@@ -57,6 +57,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     progress: bool = True
+    quantization: str = "none"
+    quant_group_size: int = 128
     cuda_graphs: str = "auto"
     cuda_graph_max_batch: int = 128
     tensor_parallel_size: int = 1
@@ -111,6 +113,12 @@ class EngineConfig:
             raise ValueError(f"spec_max_batch must be a positive integer, got {self.spec_max_batch!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
+            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: use one or the other")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -119,5 +127,5 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            return torch.bfloat16 if device.type == "cuda" or self.quantization != "none" else torch.float32
         return _DTYPES[self.dtype]

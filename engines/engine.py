@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .block_manager import BlockManager
-from .checkpoint import load_model
+from .quantization import load_engine_model
 from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
 from .errors import EngineDeadError, RequestError
@@ -61,7 +61,9 @@ class Engine:
         tp = cfg.tensor_parallel_size
         if tp > 1:
             check_divisible(mcfg, tp)  # before any worker starts
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, max_len, cfg.progress, mcfg)
+        # Plain, quantised at load (cfg.quantization), or a pre-quantised checkpoint as stored.
+        self.model, self.model_config = load_engine_model(model_dir, self.dtype, self.device, max_len, cfg.progress,
+                                                          mcfg, cfg.quantization, cfg.quant_group_size)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -2,6 +2,9 @@
 
     tokenyard serve      the HTTP gateway (OpenAI-compatible) over the deployment's engines
     tokenyard keys       create, list and revoke API keys
+    tokenyard router     train / eval the learned router behind model "auto"
+    tokenyard quantize   write an int8/int4 weight-only quantised checkpoint
+    tokenyard bench      serving benchmarks over HTTP (`tokenyard bench serve --scenario ...`)
     tokenyard generate   stream one completion from a checkpoint to the terminal
     tokenyard demo       train / eval / plot the demo model pair
 """
@@ -44,9 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
     generate_cli.add_arguments(gen)
     gen.set_defaults(func=generate_cli.run)
+    from engines import quantize_cli
+    quant = sub.add_parser("quantize", help="write an int8/int4 weight-only quantised checkpoint")
+    quantize_cli.add_arguments(quant)
+    quant.set_defaults(func=quantize_cli.run)
     from demo import cli as demo_cli
     demo = sub.add_parser("demo", help="train, evaluate and plot the demo model pair")
     demo_cli.add_arguments(demo)
+    # --- bench (issue 14) ---
+    from bench import serve_cli
+    bench = sub.add_parser("bench", help="benchmarks: `tokenyard bench serve` drives servers over HTTP")
+    serve_cli.add_arguments(bench)
+    bench.set_defaults(func=serve_cli.run)
+    # --- end bench ---
+    # --- router (issue 12) ---
+    from router_models import cli as router_cli
+    router = sub.add_parser("router", help="train and evaluate the learned router for model auto")
+    router_cli.add_arguments(router)
+    # --- end router ---
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,138 @@
+"""`QuantLinear`: a weight-only quantised stand-in for `nn.Linear`, repacked for its backend.
+
+It is built from a device-neutral layout (`kernels.quant_layout`: `Int8Weight` or `Int4Weight`)
+and keeps only what its backend reads:
+
+- "cpu": torch's packed weight-only CPU ops, which are fast only with bf16 activations, so the
+  input is cast to bf16 and the output back to the input's dtype.
+  int8: `aten._weight_int8pack_mm(x bf16 [M, K], w int8 [N, K], scales bf16 [N])` uses the
+  stored int8 values as they are (needs K % 16 == 0; other K give wrong results or crash).
+  int4: `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)` repacks the nibbles and
+  `aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_and_zero bf16 [K/g, N, 2])`
+  computes w = (q - 8) * scale + zero'. Ours is w = (q - z) * scale, so
+  zero' = (8 - z) * scale (needs N % 16 == 0: other N are padded with zero rows here).
+- "triton": `kernels.quant_matmul_triton` reads the stored layout directly (CUDA).
+- "torch": `kernels.quant_matmul_torch`, the reference (dequantises per call: slow, exact in
+  fp32); used where a packed op is missing or a shape does not suit it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import quant_matmul_torch as ref_ops
+from kernels.quant_layout import Int4Weight, Int8Weight, unpack_int4
+
+BACKENDS = ("auto", "cpu", "triton", "torch")
+
+
+def _cpu_op(name: str):
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_INT8_MM = _cpu_op("_weight_int8pack_mm")
+_INT4_PACK = _cpu_op("_convert_weight_to_int4pack_for_cpu")
+_INT4_MM = _cpu_op("_weight_int4pack_mm_for_cpu")
+
+
+def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: int) -> str:
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown quantised matmul backend {requested!r}; available: {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "triton" if k % 32 == 0 else "torch"
+    if device.type == "cpu":
+        if int4 and _INT4_PACK is not None and _INT4_MM is not None:
+            return "cpu"
+        if not int4 and _INT8_MM is not None and k % 16 == 0:
+            return "cpu"
+    return "torch"
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequantize(weight).T + bias, for x [..., K]; output in x's dtype."""
+
+    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None = None,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.int4 = isinstance(weight, Int4Weight)
+        if self.int4:
+            n, k = weight.packed.shape[0], weight.packed.shape[1] * 2
+            device = weight.packed.device
+            self.group_size = weight.group_size
+        else:
+            n, k = weight.w_q.shape
+            device = weight.w_q.device
+            self.group_size = 0
+        self.in_features, self.out_features = k, n
+        self.backend = _pick_backend(backend, device, self.int4, n, k)
+        self._n_padded = n
+        if self.backend == "cpu":
+            self._pack_cpu(weight)
+        elif self.int4:
+            self.register_buffer("packed", weight.packed.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
+            self.register_buffer("zeros", weight.zeros.contiguous(), persistent=False)
+        else:
+            self.register_buffer("w_q", weight.w_q.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    @property
+    def mode(self) -> str:
+        return "int4" if self.int4 else "int8"
+
+    def _pack_cpu(self, weight: Int8Weight | Int4Weight) -> None:
+        if not self.int4:
+            self.register_buffer("w_q", weight.w_q.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.to(torch.bfloat16).contiguous(), persistent=False)
+            return
+        q = unpack_int4(weight.packed).to(torch.int32)
+        scales = weight.scales.float()
+        shifted_zero = (8.0 - weight.zeros.float()) * scales
+        pad = -self.out_features % 16
+        if pad:  # zero rows: q = 0, scale = 0, zero' = 0 -> w = 0; the extra outputs are sliced off
+            q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+            scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            shifted_zero = torch.cat([shifted_zero, shifted_zero.new_zeros(pad, scales.shape[1])])
+        self._n_padded = self.out_features + pad
+        self.register_buffer("packed", _INT4_PACK(q.contiguous(), 1), persistent=False)
+        sz = torch.stack([scales, shifted_zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("scale_zero", sz.to(torch.bfloat16), persistent=False)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.int4 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{g}, "
+                f"backend={self.backend}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.backend == "cpu":
+            y = self._forward_cpu(x2).to(x.dtype)
+        elif self.backend == "triton":
+            from kernels import quant_matmul_triton as triton_ops  # imported only on CUDA
+            if self.int4:
+                y = triton_ops.int4_matmul(x2, self.packed, self.scales, self.zeros, self.group_size)
+            else:
+                y = triton_ops.int8_matmul(x2, self.w_q, self.scales)
+        elif self.int4:
+            y = ref_ops.int4_matmul(x2, self.packed, self.scales, self.zeros, self.group_size)
+        else:
+            y = ref_ops.int8_matmul(x2, self.w_q, self.scales)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _forward_cpu(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.shape[0] == 0:  # e.g. a prefill-only step samples no row
+            return x2.new_empty(0, self.out_features, dtype=torch.bfloat16)
+        xb = x2.to(torch.bfloat16).contiguous()
+        if not self.int4:
+            return _INT8_MM(xb, self.w_q, self.scales)
+        y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
+        return y[:, :self.out_features] if self._n_padded != self.out_features else y
