@@ -1,0 +1,158 @@
+"""Reading the `rules` section: ordered rules, each a match (conditions) and an action.
+
+Split from validation.py, which reads the rest of the document; problems go to the same
+Reader, so positions, key paths and allowed values look the same everywhere.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from yaml.nodes import Node, SequenceNode
+
+from .schema import AUTO, PRIORITIES, Action, Match, Rule, TimeRange, TokenRange
+from .yaml_nodes import Reader
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")           # engines, rules, classes (as deployment.py)
+TENANT = re.compile(r"^(\*|[A-Za-z0-9][A-Za-z0-9._:@-]{0,127})$")
+_TIME = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])-(?:([01][0-9]|2[0-3]):([0-5][0-9])|(24):(00))$")
+MAX_TOKENS_LIMIT = 10_000_000
+
+RULE_KEYS = ("name", "match", "action")
+MATCH_KEYS = ("tenants", "keys", "models", "prompt_tokens", "tags", "time_utc")
+ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade")
+RANGE_KEYS = ("min", "max")
+
+
+def read_rules(r: Reader, node: Node, priced: tuple[str, ...]) -> tuple[Rule, ...] | None:
+    """The rules in document order (order is priority); priced: the engine names a pin may use."""
+    items = r.sequence(node, "rules")
+    if items is None:
+        return None
+    rules: list[Rule] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        path = f"rules[{i}]"
+        m = r.mapping(item, path, RULE_KEYS, required=("name", "action"))
+        if m is None:
+            continue
+        name = r.string(m["name"], f"{path}.name", pattern=NAME,
+                        what="a rule name (letters, digits, '.', '_' or '-', at most 64)") if "name" in m else None
+        if name is not None:
+            if name in seen:
+                r.problem(m["name"], f"{path}.name", f"duplicate rule name (also rules[{seen[name]}])")
+            seen[name] = i
+        match = _match(r, m["match"], f"{path}.match", priced) if "match" in m and not r.is_null(m["match"]) \
+            else Match()
+        action = _action(r, m["action"], f"{path}.action", priced) if "action" in m else None
+        if name is not None and match is not None and action is not None:
+            rules.append(Rule(name=name, match=match, action=action))
+    return tuple(rules)
+
+
+def _match(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Match | None:
+    m = r.mapping(node, path, MATCH_KEYS)
+    if m is None:
+        return None
+    ok = True
+
+    def many(key: str, **kw: Any) -> tuple[str, ...]:
+        nonlocal ok
+        if key not in m:
+            return ()
+        got = r.strings(m[key], f"{path}.{key}", **kw)
+        ok = ok and got is not None
+        return got or ()
+
+    tenants = many("tenants", pattern=TENANT, what="a tenant name")
+    keys = many("keys")
+    models = many("models", allowed=(AUTO, *priced))
+    tokens = None
+    if "prompt_tokens" in m:
+        tokens = _range(r, m["prompt_tokens"], f"{path}.prompt_tokens")
+        ok = ok and tokens is not None
+    tags: list[tuple[str, tuple[str, ...]]] = []
+    if "tags" in m:
+        tm = r.mapping(m["tags"], f"{path}.tags")
+        if tm is None:
+            ok = False
+        for tag, value in (tm or {}).items():
+            values = r.strings(value, f"{path}.tags.{tag}")
+            if values is None:
+                ok = False
+            else:
+                tags.append((tag, values))
+    times: list[TimeRange] = []
+    if "time_utc" in m:
+        tnode = m["time_utc"]
+        if isinstance(tnode, SequenceNode):
+            pairs = [(n, f"{path}.time_utc[{i}]") for i, n in enumerate(tnode.value)]
+            if not pairs:
+                r.problem(tnode, f"{path}.time_utc", "must not be an empty list")
+                ok = False
+        else:
+            pairs = [(tnode, f"{path}.time_utc")]
+        for n, p in pairs:
+            text = r.string(n, p, pattern=_TIME, what="a UTC time range HH:MM-HH:MM (e.g. 22:00-06:00)")
+            if text is None:
+                ok = False
+                continue
+            start, end = _minutes(text)
+            if start == end:
+                r.problem(n, p, f"empty time range {text!r}: start must differ from end")
+                ok = False
+            else:
+                times.append(TimeRange(start, end))
+    if not ok:
+        return None
+    return Match(tenants=tenants, keys=keys, models=models, prompt_tokens=tokens,
+                 tags=tuple(sorted(tags)), time_utc=tuple(times))
+
+
+def _minutes(text: str) -> tuple[int, int]:
+    g = _TIME.match(text)
+    assert g is not None
+    end = 24 * 60 if g[5] else int(g[3]) * 60 + int(g[4])     # 24:00 ends at midnight
+    return int(g[1]) * 60 + int(g[2]), end
+
+
+def _range(r: Reader, node: Node, path: str) -> TokenRange | None:
+    m = r.mapping(node, path, RANGE_KEYS)
+    if m is None:
+        return None
+    if not m:
+        r.problem(node, path, "must set min, max or both", RANGE_KEYS)
+        return None
+    low = r.integer(m["min"], f"{path}.min", 0) if "min" in m else None
+    high = r.integer(m["max"], f"{path}.max", 0) if "max" in m else None
+    if ("min" in m and low is None) or ("max" in m and high is None):
+        return None
+    if low is not None and high is not None and low > high:
+        r.problem(m["max"], f"{path}.max", f"must be >= min ({low}), got {high}")
+        return None
+    return TokenRange(low, high)
+
+
+def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action | None:
+    m = r.mapping(node, path, ACTION_KEYS)
+    if m is None:
+        return None
+    if not m:
+        r.problem(node, path, "must set at least one of the keys", ACTION_KEYS)
+        return None
+    n = len(r.problems)
+    pin = r.string(m["pin"], f"{path}.pin", priced) if "pin" in m else None
+    router = bool(r.boolean(m["router"], f"{path}.router")) if "router" in m else False
+    deny = r.string(m["deny"], f"{path}.deny", what="a message") if "deny" in m else None
+    if deny is not None and not deny.strip():
+        r.problem(m["deny"], f"{path}.deny", "the deny message must not be empty")
+    priority = r.string(m["priority"], f"{path}.priority", PRIORITIES) if "priority" in m else None
+    cap = r.integer(m["max_tokens"], f"{path}.max_tokens", 1, MAX_TOKENS_LIMIT) if "max_tokens" in m else None
+    degrade = r.boolean(m["degrade"], f"{path}.degrade") if "degrade" in m else None
+    routes = [k for k in ("pin", "router", "deny") if k in m]
+    if len(routes) > 1:
+        r.problem(m[routes[1]], f"{path}.{routes[1]}",
+                  f"a rule routes one way: set only one of pin, router, deny (found {', '.join(routes)})")
+    if len(r.problems) != n:
+        return None
+    return Action(pin=pin, router=router, deny=deny, priority=priority, max_tokens=cap, degrade=degrade)

@@ -1,0 +1,255 @@
+"""Policy documents in, a valid Policy out, or a PolicyError listing every problem.
+
+    load_policy(text)          YAML text (an editor's file, the PUT body, the stored version)
+    load_policy_file(path)
+    build_policy(mapping)      plain Python data (a JSON body already parsed); no line numbers
+    check_policy(text)         the problems without raising (the operator page's "validate")
+
+Unknown keys are errors, not warnings: a misspelt `per_mnth` silently ignored would be a budget
+nobody enforces. Each problem carries line/column, the key path and, where there is a closed
+set, the allowed values. Cross references (rule pins, engine roles, rate classes) are checked
+against the same document, so a policy is valid or not on its own.
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode
+
+from .errors import PolicyError, Problem
+from .rule_validation import NAME, TENANT, read_rules
+from .schema import (AT_LIMIT, DEFAULT_TENANT, PRIORITIES, ROLES, SCHEMA_VERSION, Budget, EngineRoles, Overflow,
+                     Policy, Prices, RateClass, RouterSettings, TenantPolicy)
+from .yaml_nodes import Reader, compose
+
+TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",
+            "rate_classes", "tenants", "overflow")
+PRICE_KEYS = ("input", "cached_input", "output")
+ROUTER_KEYS = ("threshold", "target_large_share", "without_score")
+RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
+TENANT_KEYS = ("rate_class", "budget")
+BUDGET_KEYS = ("per_day", "per_month", "at_limit")
+OVERFLOW_KEYS = ("enabled", "degrade", "upgrade", "degrade_pinned", "shed")
+
+
+def load_policy(text: str) -> Policy:
+    reader = Reader()
+    root = compose(text, reader)
+    policy = _policy(reader, root) if root is not None else None
+    if reader.problems or policy is None:
+        raise PolicyError(_in_document_order(reader.problems))
+    return policy
+
+
+def _in_document_order(problems: list[Problem]) -> list[Problem]:
+    # Sections are read in dependency order (prices before rules); report in text order.
+    return sorted(problems, key=lambda p: (p.line is None, p.line or 0, p.column or 0))
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError([Problem("", f"cannot read policy file {str(path)!r}: {exc}")]) from None
+    return load_policy(text)
+
+
+def check_policy(text: str) -> list[Problem]:
+    try:
+        load_policy(text)
+    except PolicyError as exc:
+        return exc.problems
+    return []
+
+
+def build_policy(data: Mapping[str, Any]) -> Policy:
+    """Validate already-parsed data (e.g. a JSON body). Decimal and str money stay exact; a
+    float is read through its shortest repr (0.05 -> "0.05"), so prefer strings."""
+    dumper = yaml.SafeDumper(io.StringIO())
+    dumper.add_representer(Decimal, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", str(v)))
+    try:
+        root = dumper.represent_data(data)
+    except yaml.representer.RepresenterError as exc:
+        raise PolicyError([Problem("", f"cannot represent the data: {exc}")]) from None
+    reader = Reader()
+    policy = _policy(reader, root)
+    if reader.problems or policy is None:
+        raise PolicyError(_in_document_order(reader.problems))
+    return policy
+
+
+def _policy(r: Reader, root: Node) -> Policy | None:
+    top = r.mapping(root, "", TOP_KEYS, required=("version", "engines", "prices"))
+    if top is None:
+        return None
+    if "version" in top:
+        v = r.integer(top["version"], "version")
+        if v is not None and v != SCHEMA_VERSION:
+            r.problem(top["version"], "version", f"unsupported policy format version {v}", (str(SCHEMA_VERSION),))
+    description = ""
+    if "description" in top and not r.is_null(top["description"]):
+        description = r.string(top["description"], "description") or ""
+    prices = _prices(r, top["prices"]) if "prices" in top else {}
+    # Engines are "declared" by having a prices entry, valid or not: a bad price is reported
+    # once, not again at every rule or role that names the engine.
+    priced = _declared(top["prices"]) if "prices" in top else ()
+    roles = _roles(r, top["engines"], priced) if "engines" in top else None
+    default_priority = "interactive"
+    if "default_priority" in top:
+        default_priority = r.string(top["default_priority"], "default_priority", PRIORITIES) or default_priority
+    router = _router(r, top["router"]) if "router" in top else RouterSettings()
+    rules = read_rules(r, top["rules"], priced) if "rules" in top and not r.is_null(top["rules"]) else ()
+    classes = (_rate_classes(r, top["rate_classes"])
+               if "rate_classes" in top and not r.is_null(top["rate_classes"]) else {})
+    tenants = (_tenants(r, top["tenants"], tuple(classes or {}))
+               if "tenants" in top and not r.is_null(top["tenants"]) else {})
+    overflow = _overflow(r, top["overflow"]) if "overflow" in top else Overflow()
+    if r.problems or roles is None or prices is None or router is None or rules is None \
+            or classes is None or tenants is None or overflow is None:
+        return None
+    return Policy(engines=roles, prices=prices, version=SCHEMA_VERSION, description=description,
+                  default_priority=default_priority, router=router, rules=rules, rate_classes=classes,
+                  tenants=tenants, overflow=overflow)
+
+
+def _declared(node: Node) -> tuple[str, ...]:
+    if not isinstance(node, MappingNode):
+        return ()
+    return tuple(k.value for k, _ in node.value if isinstance(k, ScalarNode) and NAME.match(k.value))
+
+
+def _prices(r: Reader, node: Node) -> dict[str, Prices] | None:
+    m = r.mapping(node, "prices")
+    if m is None:
+        return None
+    if not m:
+        r.problem(node, "prices", "must price at least one engine")
+    out: dict[str, Prices] = {}
+    for engine, value in m.items():
+        path = f"prices.{engine}"
+        if not NAME.match(engine):
+            r.problem(value, path, "engine names are letters, digits, '.', '_' or '-' (at most 64)")
+            continue
+        fields = r.mapping(value, path, PRICE_KEYS, required=PRICE_KEYS)
+        if fields is None:
+            continue
+        amounts = {k: r.money(fields[k], f"{path}.{k}") for k in PRICE_KEYS if k in fields}
+        if len(amounts) == len(PRICE_KEYS) and None not in amounts.values():
+            out[engine] = Prices(**amounts)
+    return out
+
+
+def _roles(r: Reader, node: Node, priced: tuple[str, ...]) -> EngineRoles | None:
+    m = r.mapping(node, "engines", ROLES, required=ROLES)
+    if m is None:
+        return None
+    names = {role: r.string(m[role], f"engines.{role}", priced) for role in ROLES if role in m}
+    if len(names) != 2 or None in names.values():
+        return None
+    if names["small"] == names["large"]:
+        r.problem(m["large"], "engines.large", "must differ from engines.small")
+        return None
+    return EngineRoles(small=names["small"], large=names["large"])
+
+
+def _router(r: Reader, node: Node) -> RouterSettings | None:
+    if r.is_null(node):
+        return RouterSettings()
+    m = r.mapping(node, "router", ROUTER_KEYS)
+    if m is None:
+        return None
+    threshold = share = None
+    if "threshold" in m and not r.is_null(m["threshold"]):
+        threshold = r.number(m["threshold"], "router.threshold", 0.0, 1.0)
+    if "target_large_share" in m and not r.is_null(m["target_large_share"]):
+        share = r.number(m["target_large_share"], "router.target_large_share", 0.0, 1.0)
+    if threshold is not None and share is not None:
+        r.problem(m["target_large_share"], "router.target_large_share",
+                  "set router.threshold or router.target_large_share, not both")
+        return None
+    without = "large"
+    if "without_score" in m:
+        without = r.string(m["without_score"], "router.without_score", ROLES) or without
+    return RouterSettings(threshold=threshold, target_large_share=share, without_score=without)
+
+
+def _rate_classes(r: Reader, node: Node) -> dict[str, RateClass] | None:
+    m = r.mapping(node, "rate_classes")
+    if m is None:
+        return None
+    out: dict[str, RateClass] = {}
+    for name, value in m.items():
+        path = f"rate_classes.{name}"
+        if not NAME.match(name):
+            r.problem(value, path, "class names are letters, digits, '.', '_' or '-' (at most 64)")
+            continue
+        f = r.mapping(value, path, RATE_KEYS, required=("requests_per_min", "tokens_per_min"))
+        if f is None:
+            continue
+        rpm = r.integer(f["requests_per_min"], f"{path}.requests_per_min", 1) if "requests_per_min" in f else None
+        tpm = r.integer(f["tokens_per_min"], f"{path}.tokens_per_min", 1) if "tokens_per_min" in f else None
+        burst = r.integer(f["burst"], f"{path}.burst", 1) if "burst" in f else rpm
+        if rpm is not None and tpm is not None and burst is not None:
+            out[name] = RateClass(requests_per_min=rpm, tokens_per_min=tpm, burst=burst)
+    return out
+
+
+def _tenants(r: Reader, node: Node, classes: tuple[str, ...]) -> dict[str, TenantPolicy] | None:
+    m = r.mapping(node, "tenants")
+    if m is None:
+        return None
+    out: dict[str, TenantPolicy] = {}
+    for name, value in m.items():
+        path = f"tenants.{name}"
+        if not TENANT.match(name):
+            r.problem(value, path, f"tenant names are letters, digits, '.', '_', ':', '@' or '-', "
+                                   f"or {DEFAULT_TENANT!r} for every other tenant")
+            continue
+        f = r.mapping(value, path, TENANT_KEYS)
+        if f is None:
+            continue
+        n = len(r.problems)
+        rate_class = None
+        if "rate_class" in f and not r.is_null(f["rate_class"]):
+            rate_class = r.string(f["rate_class"], f"{path}.rate_class", classes or ("(no rate_classes defined)",))
+        budget = _budget(r, f["budget"], f"{path}.budget") if "budget" in f and not r.is_null(f["budget"]) else None
+        if len(r.problems) == n:
+            out[name] = TenantPolicy(rate_class=rate_class, budget=budget)
+    return out
+
+
+def _budget(r: Reader, node: Node, path: str) -> Budget | None:
+    m = r.mapping(node, path, BUDGET_KEYS)
+    if m is None:
+        return None
+    if "per_day" not in m and "per_month" not in m:
+        r.problem(node, path, "must set per_day, per_month or both", ("per_day", "per_month"))
+        return None
+    n = len(r.problems)
+    day = r.money(m["per_day"], f"{path}.per_day") if "per_day" in m and not r.is_null(m["per_day"]) else None
+    month = r.money(m["per_month"], f"{path}.per_month") \
+        if "per_month" in m and not r.is_null(m["per_month"]) else None
+    at_limit = r.string(m["at_limit"], f"{path}.at_limit", AT_LIMIT) if "at_limit" in m else "deny"
+    if len(r.problems) != n or at_limit is None:
+        return None
+    if day is None and month is None:
+        r.problem(node, path, "must set per_day, per_month or both", ("per_day", "per_month"))
+        return None
+    return Budget(per_day=day, per_month=month, at_limit=at_limit)
+
+
+def _overflow(r: Reader, node: Node) -> Overflow | None:
+    if r.is_null(node):
+        return Overflow()
+    m = r.mapping(node, "overflow", OVERFLOW_KEYS)
+    if m is None:
+        return None
+    values = {k: r.boolean(v, f"overflow.{k}") for k, v in m.items()}
+    if None in values.values():
+        return None
+    return Overflow(**values)
