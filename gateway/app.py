@@ -24,17 +24,23 @@ from .access_log import AccessLog
 from .admission import Admission
 from .api_keys import DEV_TENANT, KeyStore, new_record
 from .chat_endpoint import chat_completions
+from . import dashboard
 from .deployment import Deployment
 from .engine_pool import EngineHandle, load_engines
 from .errors import APIError, ServerError, error_for_status
 from .gatekeeper import Gatekeeper
 from .key_cache import KeyCache
 from .metrics import GatewayMetrics
+from .metrics_access import check_metrics_access
 from .openapi import openapi_schema
 from .rate_limiter import RateLimiter
 from .redis_guard import RedisGuard
+from .replica_metrics import ReplicaCollector
 from .routing import AUTO, Router
-from .usage import RecentUsage, UsageSink
+from .sessions import SessionStore
+from .spend_ledger import SpendLedger
+from .spend_routes import spend_report, spend_requests
+from .usage import FanOut, RecentUsage, UsageRecord, UsageSink
 
 log = logging.getLogger("tokenyard.gateway")
 
@@ -48,8 +54,16 @@ class Gateway:
         self.handles: dict[str, EngineHandle] = handles or {}
         self.router = Router(list(deployment.engines) or list(self.handles), deployment.routing)
         self.metrics = GatewayMetrics(lambda: {n: h.engine for n, h in self.handles.items()})
+        self.metrics.registry.register(ReplicaCollector(lambda: self.handles))   # issue 16: replica pools
         self.usage = RecentUsage()
-        self.usage_sink: UsageSink = usage_sink or self.usage
+        # Every record goes to memory (access log, tests), to a caller's sink if given, and to the
+        # spend ledger once Redis is up (issue 11).
+        self.ledger: SpendLedger | None = None
+        self.usage_sink: UsageSink = FanOut(self.usage, usage_sink, self._to_ledger)
+        self.baseline_engine = deployment.baseline_engine
+        spec = deployment.engines.get(self.baseline_engine)
+        self.baseline_prices = spec.prices if spec is not None else None
+        self.sessions = SessionStore(None, deployment.redis_prefix, deployment.web.dashboard.session_ttl_s)
         self.dev_key = dev_key
         self.draining = False
         self.ready = False
@@ -68,6 +82,10 @@ class Gateway:
         if dev_key:
             self.keys.preload(new_record(dev_key, DEV_TENANT, name="dev", role="admin"))
 
+    def _to_ledger(self, record: UsageRecord) -> None:
+        if self.ledger is not None:
+            self.ledger(record)
+
     async def start_redis(self) -> None:
         import redis.asyncio as aioredis
         dep = self.deployment
@@ -76,6 +94,10 @@ class Gateway:
         # The subscription sits idle between events: no read timeout on its connection.
         self._pubsub_redis = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=2, socket_timeout=None)
         self.keys.redis = self.redis
+        self.sessions = SessionStore(self.redis, dep.redis_prefix, dep.web.dashboard.session_ttl_s)
+        if dep.web.spend.enabled:
+            self.ledger = SpendLedger(dep.redis_url, dep.redis_prefix, dep.web.spend, self.metrics)
+            await self.ledger.start()      # replays what an earlier run left in the spool
         self.limiter = RateLimiter(self.redis, dep.redis_prefix, dep.rate_limits, self.guard, self.metrics)
         self.gatekeeper.limiter = self.limiter
         if self.dev_key:
@@ -91,6 +113,8 @@ class Gateway:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.limiter.drain()
+        if self.ledger is not None:
+            await self.ledger.stop()       # what is still queued goes to Redis, else to the spool
         for client in (self.redis, self._pubsub_redis):
             if client is not None:
                 await client.aclose()
@@ -160,7 +184,11 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
         Route("/ready", _ready, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/openapi.json", _openapi, methods=["GET"]),
+        Route("/v1/spend/report", spend_report, methods=["GET"]),
+        Route("/v1/spend/requests", spend_requests, methods=["GET"]),
     ]
+    if deployment.web.dashboard.enabled:
+        routes += dashboard.routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     # AccessLog sits inside Starlette's error middleware but outside the exception handlers, so
     # it sees every API error's final status and stamps x-request-id on error responses too.
@@ -212,6 +240,7 @@ async def _ready(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    await check_metrics_access(gw, request)
     return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

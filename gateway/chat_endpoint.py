@@ -24,6 +24,7 @@ from .chat_request import ChatRequest, parse_chat_request
 from .errors import BadRequest, PayloadTooLarge, ServerError, Unavailable, Unprocessable
 from .generation import EngineFailed, Generation
 from .streaming import SSEResponse, wait_disconnect
+from .usage import RecordContext
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -55,14 +56,20 @@ async def chat_completions(request: Request) -> Any:
                          param="max_tokens", code="context_length_exceeded")
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                             stop=req.stop)
-    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
+    elapsed = time.perf_counter() - arrival
+    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), elapsed)
+    deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
     info.update(engine=handle.name, route_reason=route.reason)
     admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline)
     request_id = info.get("request_id") or secrets.token_hex(12)
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
+    # Everything the usage record needs besides the engine's counts (issue 11; issue 13 replays it).
+    context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id, tags=req.metadata,
+                            user=req.user, router_score=getattr(route, "score", None), deadline_ms=deadline_ms,
+                            baseline_engine=gw.baseline_engine, baseline_prices=gw.baseline_prices)
     gen = Generation(handle, engine_rid, prompt_ids, params, req.model, route.reason, req.stream, arrival,
                      time.time(), gw.metrics, gw.usage_sink, priority=key.priority_class, tenant=key.tenant,
-                     on_end=admitted.end)
+                     on_end=admitted.end, context=context)
     try:
         gen.start()
     except EngineDeadError as e:

@@ -2,8 +2,10 @@
 
     tokenyard serve      the HTTP gateway (OpenAI-compatible) over the deployment's engines
     tokenyard keys       create, list and revoke API keys
+    tokenyard spend      spend reports from the ledger (`tokenyard spend report --by model --since 7d`)
     tokenyard router     train / eval the learned router behind model "auto"
     tokenyard quantize   write an int8/int4 weight-only quantised checkpoint
+    tokenyard engine     one engine as a replica process (`tokenyard engine serve --engine NAME --port P`)
     tokenyard bench      serving benchmarks over HTTP (`tokenyard bench serve --scenario ...`)
     tokenyard generate   stream one completion from a checkpoint to the terminal
     tokenyard demo       train / eval / plot the demo model pair
@@ -43,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_cli.add_arguments(keys)
     # --- end keys ---
+    # --- spend (issue 11) ---
+    from . import spend_cli
+    spend = sub.add_parser("spend", help="spend reports from the ledger (`tokenyard spend report --by model`)")
+    spend_cli.add_arguments(spend)
+    # --- end spend ---
     from engines import generate_cli
     gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
     generate_cli.add_arguments(gen)
@@ -60,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     serve_cli.add_arguments(bench)
     bench.set_defaults(func=serve_cli.run)
     # --- end bench ---
+    # --- engine (issue 16) ---
+    from . import engine_cli
+    engine = sub.add_parser("engine", help="run one engine as a replica process (`tokenyard engine serve`)")
+    engine_cli.add_arguments(engine)
+    # --- end engine ---
     # --- router (issue 12) ---
     from router_models import cli as router_cli
     router = sub.add_parser("router", help="train and evaluate the learned router for model auto")

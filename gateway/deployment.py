@@ -16,6 +16,9 @@ from typing import Any
 
 import yaml
 
+from .replica_config import ReplicaSet, parse_replica_keys
+from .spend_config import WebSettings, parse_web_settings
+
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "deploy" / "default.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENGINE_TYPES = ("torch", "mock")
@@ -48,6 +51,7 @@ class EngineSpec:
     model: Path                   # checkpoint folder (mock: where its tokenizer comes from)
     options: dict[str, Any]       # EngineConfig / MockConfig keys
     prices: Prices
+    replicas: ReplicaSet | None = None   # issue 16: `replicas:` / `replica_pool:` (None: one in-process engine)
 
 
 @dataclass(slots=True)
@@ -117,6 +121,17 @@ class Deployment:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     routing: Routing = field(default_factory=Routing)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
+    web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access (issue 11)
+
+    @property
+    def baseline_engine(self) -> str:
+        """The "large" engine savings are priced against: spend.baseline_engine, else routing.large, else the
+        engine with the highest output price (the first such in the file)."""
+        if self.web.spend.baseline_engine:
+            return self.web.spend.baseline_engine
+        if self.routing.large:
+            return self.routing.large
+        return max(self.engines.values(), key=lambda e: (e.prices.output, e.prices.input)).name if self.engines else ""
 
 
 def load_deployment(path: str | Path | None = None) -> Deployment:
@@ -138,7 +153,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     base = base_dir or Path.cwd()
     top = _mapping(data, "the document")
     _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "auth", "limits",
-                    "rate_limits", "admission", "routing", "engines"})
+                    "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics"})
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
     _only(server, "server.", {"host", "port", "drain_grace_s", "access_log"})
@@ -183,6 +198,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
         setattr(dep.routing, key, value)
     dep.routing.long_prompt_tokens = _typed(routing, "routing.", "long_prompt_tokens", int,
                                             dep.routing.long_prompt_tokens)
+    dep.web = parse_web_settings(top, base, list(dep.engines), DeploymentError)
     return dep
 
 
@@ -237,6 +253,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     model_dir = _path(model, base)
     if not model_dir.is_dir():
         raise DeploymentError(f"{where}.model: {model_dir} is not a folder")
+    replicas = parse_replica_keys(spec, where, DeploymentError)   # issue 16
     prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
     _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
     prices = Prices()
@@ -254,7 +271,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
             MockConfig.from_options(dict(spec))
     except (TypeError, ValueError) as e:
         raise DeploymentError(f"{where}: {e}") from e
-    return EngineSpec(name, kind, model_dir, spec, prices)
+    return EngineSpec(name, kind, model_dir, spec, prices, replicas)
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:

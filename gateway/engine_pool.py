@@ -49,8 +49,12 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
         tok = tokenizers.get(fp)
         if tok is None:
             tok = tokenizers[fp] = Tokenizer.from_dir(spec.model)
-        handles[name] = EngineHandle(name, spec.type, AsyncEngine(_build(spec), name), tok, spec.prices, spec.model,
-                                     int(time.time()))
+        if spec.replicas is not None:   # issue 16: remote and/or local replicas behind one pool
+            from .replica_pool import build_pool
+            engine = build_pool(name, spec, _build, fp)
+        else:
+            engine = AsyncEngine(_build(spec), name)
+        handles[name] = EngineHandle(name, spec.type, engine, tok, spec.prices, spec.model, int(time.time()))
     return handles
 
 

@@ -21,7 +21,7 @@ from engines.text_stream import TextStream
 
 from .engine_pool import EngineHandle
 from .metrics import GatewayMetrics, prompt_bucket
-from .usage import UsageRecord, UsageSink
+from .usage import RecordContext, UsageRecord, UsageSink
 
 
 class EngineFailed(Exception):
@@ -32,7 +32,7 @@ class Generation:
     def __init__(self, handle: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  requested_model: str, route_reason: str, stream: bool, arrival: float, arrival_wall: float,
                  metrics: GatewayMetrics, sink: UsageSink, priority: int = 0, tenant: str = "",
-                 on_end: Callable[[int | None], None] | None = None) -> None:
+                 on_end: Callable[[int | None], None] | None = None, context: RecordContext | None = None) -> None:
         self.handle = handle
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -46,6 +46,7 @@ class Generation:
         self._sink = sink
         self.priority = priority               # engine priority: 0 interactive, 1 batch
         self.tenant = tenant
+        self.context = context or RecordContext(tenant=tenant)
         self._on_end = on_end                  # gets the tokens used (None: never ran): refund, free the slot
         self._bucket = prompt_bucket(len(prompt_ids))
         self._text = TextStream(handle.tokenizer, params, prompt_ids)
@@ -155,11 +156,17 @@ class Generation:
         m.count_request(name, http_status, self.route_reason)
         status = status or ("error" if self.error else self.aborted or "ok")
         p, cached, c = self.num_prompt_tokens, self.num_cached_tokens, self.num_completion_tokens
+        ctx, prices = self.context, self.handle.prices
+        baseline = ctx.baseline_prices or prices
         self.record = UsageRecord(
             request_id=self.request_id, time=self.arrival_wall, engine=name, requested_model=self.requested_model,
             route_reason=self.route_reason, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
-            cost_micros=self.handle.prices.cost(p, cached, c), status=status, finish_reason=self.finish_reason,
-            ttft_s=ttft, e2e_s=now - self.arrival, stream=self.stream)
+            cost_micros=prices.cost(p, cached, c), status=status, finish_reason=self.finish_reason,
+            ttft_s=ttft, e2e_s=now - self.arrival, stream=self.stream, tenant=ctx.tenant or self.tenant,
+            key_id=ctx.key_id, client_request_id=ctx.client_request_id, router_score=ctx.router_score,
+            tags=dict(ctx.tags), user=ctx.user, deadline_ms=ctx.deadline_ms, max_tokens=self.params.max_tokens,
+            prices=[prices.input, prices.cached_input, prices.output],
+            baseline_engine=ctx.baseline_engine or name, baseline_cost_micros=baseline.cost(p, cached, c))
         self._sink(self.record)
         self._end(p + c)
         return self.record

@@ -74,6 +74,22 @@ class KeyCache:
             raise self._refuse("revoked", "This API key has been revoked.")
         return record
 
+    async def lookup(self, key_id: str) -> KeyRecord | None:
+        """The record of a key id (a dashboard session holds the id, never the key): the cached one
+        while fresh, else re-read from Redis; a stale cached one while Redis is unreachable."""
+        entry = self._entries.get(key_id)
+        if entry is not None and (self.redis is None or time.monotonic() - entry.fetched < self.ttl_s):
+            return entry.record
+        if self.redis is None:
+            return None
+        try:
+            return await self._fetch(key_id)
+        except RedisUnavailable:
+            if entry is None:
+                raise Unavailable("API keys cannot be verified right now; retry shortly", code="auth_unavailable",
+                                  headers={"retry-after": "1"}) from None
+            return entry.record
+
     async def _fetch(self, key_id: str) -> KeyRecord | None:
         raw = await self.guard.call("key_lookup", lambda: self.redis.hgetall(record_name(self.prefix, key_id)))
         if not raw:

@@ -73,6 +73,15 @@ class GatewayMetrics:
                                     registry=r)
         self.redis_latency = Histogram("tokenyard_redis_latency_seconds", "Latency of Redis calls on the request path",
                                        ("op",), buckets=REDIS_S, registry=r)
+        # Spend ledger and dashboard (issue 11).
+        self.spend_records = Counter("tokenyard_spend_records",
+                                     "Usage records by outcome: stored, duplicate, spooled, replayed, lost",
+                                     ("outcome",), registry=r)
+        self.spend_write_errors = Counter("tokenyard_spend_write_errors",
+                                          "Failed writes of usage records to Redis (the batch went to the spool)",
+                                          registry=r)
+        self.dashboard_logins = Counter("tokenyard_dashboard_logins", "Dashboard sign-in attempts by outcome",
+                                        ("outcome",), registry=r)
         self.admission: Callable[[], dict[str, tuple[list[int], float]]] = dict
         r.register(_EngineCollector(engines))
         r.register(_AdmissionCollector(lambda: self.admission()))

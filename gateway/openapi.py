@@ -125,10 +125,84 @@ def openapi_schema() -> dict[str, Any]:
             "/ready": {"get": {"summary": "Readiness: engines loaded and not draining",
                                "responses": {"200": _json({"type": "object"}, "ready"),
                                              "503": _json({"type": "object"}, "starting, draining or an engine down")}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)",
+            "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format); who may read it: "
+                                            "metrics.access (default: loopback clients, else admin keys)",
                                  "responses": {"200": {"description": "metrics",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+                                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                               **_errors(401, 403)}}},
             "/openapi.json": {"get": {"summary": "This document",
                                       "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+            **_spend_paths(auth),
+            **_dashboard_paths(),
         },
+    }
+
+
+def _q(name: str, description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "description": description,
+            "schema": schema or {"type": "string"}}
+
+
+def _spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 11: the spend ledger (money in integer micro-units)."""
+    window = [_q("start", "unix seconds, ISO 8601, or a span before now (7d, 12h); default: end - 7 days"),
+              _q("end", "unix seconds or ISO 8601; default: now"),
+              _q("tenant", "admin keys: one tenant; a tenant key may only name its own")]
+    row = {"type": "object", "properties": {k: {"type": ["integer", "null"]} for k in (
+        "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "cost_micros",
+        "baseline_cost_micros", "savings_micros", "cost_per_million_tokens_micros", "errors")}}
+    report = {"type": "object", "properties": {
+        "object": {"const": "spend.report"}, "start": {"type": "string"}, "end": {"type": "string"},
+        "group_by": {"type": "array", "items": {"enum": ["model", "tenant", "day", "hour"]}},
+        "baseline_engine": {"type": "string"}, "tenant": {"type": ["string", "null"]},
+        "data": {"type": "array", "items": row}, "total": row}}
+    page = {"type": "object", "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
+        "next_cursor": {"type": ["string", "null"]}, "has_more": {"type": "boolean"}}}
+    return {
+        "/v1/spend/report": {"get": {
+            "summary": ("Spend and tokens from the hourly rollups, grouped; JSON or CSV (format=csv or "
+                        "Accept: text/csv)"),
+            "security": auth,
+            "parameters": [*window, _q("group_by", "model, tenant, day or hour, or several comma-separated"),
+                           _q("format", "json (default) or csv", {"enum": ["json", "csv"]})],
+            "responses": {"200": {"description": "the report", "content": {
+                "application/json": {"schema": report}, "text/csv": {"schema": {"type": "string"}}}},
+                **_errors(400, 401, 403, 503)}}},
+        "/v1/spend/requests": {"get": {
+            "summary": "Usage records, newest first, paged by cursor (no prompt text)", "security": auth,
+            "parameters": [*window, _q("limit", "1..1000 (default 100)", {"type": "integer", "minimum": 1,
+                                                                          "maximum": 1000}),
+                           _q("cursor", "next_cursor of the previous page")],
+            "responses": {"200": _json(page, "a page of records"), **_errors(400, 401, 403, 503)}}},
+    }
+
+
+def _dashboard_paths() -> dict[str, Any]:
+    """Issue 11: the dashboard pages (session cookie, CSRF token on every form)."""
+    html = {"description": "an HTML page", "content": {"text/html": {"schema": {"type": "string"}}}}
+    redirect = {"description": "redirect (sign-in page, or the dashboard)"}
+    form = {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": {
+        "type": "object", "required": ["csrf_token"],
+        "properties": {"csrf_token": {"type": "string"}, "api_key": {"type": "string"}}}}}}
+    days = _q("days", "1, 7, 30 or 90 (default 7)", {"enum": ["1", "7", "30", "90"]})
+    return {
+        "/dashboard": {"get": {"summary": "The spend dashboard (signed in)", "parameters": [
+            days, _q("tenant", "admins: one tenant")], "responses": {"200": html, "303": redirect,
+                                                                     **_errors(400, 403, 503)}}},
+        "/dashboard/login": {
+            "get": {"summary": "Sign-in form", "responses": {"200": html, "303": redirect}},
+            "post": {"summary": "Sign in with an API key: sets the session cookie", "requestBody": form,
+                     "responses": {"303": redirect, "401": html, **_errors(400, 403, 413)}}},
+        "/dashboard/logout": {"post": {"summary": "Sign out", "requestBody": form,
+                                       "responses": {"303": redirect, **_errors(400, 403, 413)}}},
+        "/dashboard/spend.csv": {"get": {"summary": "The report as CSV (signed in)", "parameters": [
+            days, _q("tenant", "admins: one tenant"), _q("group_by", "default day,model")], "responses": {
+            "200": {"description": "CSV", "content": {"text/csv": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 403, 503)}}},
+        "/dashboard/live": {"get": {"summary": "Live engine stats (signed in)", "responses": {
+            "200": _json({"type": "object"}, "engines"), **_errors(401)}}},
+        "/dashboard/static/{name}": {"get": {"summary": "dashboard.css or dashboard.js", "parameters": [
+            {"name": "name", "in": "path", "required": True, "schema": {"enum": ["dashboard.css", "dashboard.js"]}}],
+            "responses": {"200": {"description": "the file"}, **_errors(404)}}},
     }

@@ -69,6 +69,16 @@ class Running:
 
 @contextmanager
 def running_gateway(document: dict[str, Any], handles=None, usage_sink=None) -> Iterator[Running]:
+    if "spool_dir" not in (document.get("spend") or {}):
+        # Records spooled during a test's Redis outage must never land in the repository's
+        # .tokenyard/ (and be replayed later by another run): a throwaway folder per gateway.
+        import tempfile
+        document = {**document, "spend": {**(document.get("spend") or {}),
+                                          "spool_dir": tempfile.mkdtemp(prefix="tytest-spool-")}}
+    if document.get("redis_url") and "redis_prefix" not in document and "enabled" not in document["spend"]:
+        # A test on the shared Redis without a prefix of its own is not about spend: keep its usage
+        # records out of the shared "tokenyard:" keys (spend tests use unique_prefix()).
+        document = {**document, "spend": {**document["spend"], "enabled": False}}
     dep = parse_deployment(document, base_dir=ROOT)
     app = create_app(dep, handles=handles, usage_sink=usage_sink, dev_key=KEY)
     # proto IPPROTO_TCP, as uvicorn's own bind gets it from getaddrinfo: asyncio sets TCP_NODELAY
@@ -136,14 +146,22 @@ def delete_prefix(url: str, prefix: str) -> None:
 class PrivateRedis:
     """A redis-server of the test's own on a free port, so it can be stopped (never the shared one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_dir: Path | None = None, port: int | None = None) -> None:
+        """data_dir: run with an append-only file there (so a restart on the same port keeps the data)."""
         import subprocess
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.data_dir = data_dir
+        if data_dir is not None:
+            data_dir.mkdir(parents=True, exist_ok=True)
         self.url = f"redis://127.0.0.1:{self.port}"
+        persist = ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir)] if data_dir else \
+            ["--appendonly", "no"]
         self.proc = subprocess.Popen(["/usr/bin/redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"],
+                                      "--save", "", *persist],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
         deadline = time.monotonic() + 10
@@ -161,3 +179,24 @@ class PrivateRedis:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+    def restart(self) -> "PrivateRedis":
+        """Start again on the same port and data folder (the append-only file brings the data back)."""
+        self.stop()
+        return PrivateRedis(self.data_dir, self.port)
+
+
+# --- spend ledger (issue 11) --------------------------------------------------------------------
+def wait_ledger(srv: Running, timeout: float = 15.0, spool_empty: bool = True) -> None:
+    """Wait until every usage record handed to the ledger is in Redis (or, with spool_empty False,
+    at least durable somewhere: Redis or the spool)."""
+    ledger = srv.gateway.ledger
+    deadline = time.monotonic() + timeout
+    while True:
+        settled = ledger.pending == 0 and (not spool_empty or (not ledger.redis_down and not ledger.spool.pending()))
+        if settled:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"ledger not settled: pending={ledger.pending} down={ledger.redis_down} "
+                                 f"spooled={ledger.spool.pending()}")
+        time.sleep(0.02)

@@ -1,0 +1,227 @@
+"""The dashboard pages: sign in with an API key, then spend, tokens, savings, latency, live engine stats.
+
+    GET  /dashboard                 the dashboard (signed in), ?days=1|7|30|90&tenant= (admins)
+    GET  /dashboard/login           the sign-in form
+    POST /dashboard/login           api_key + csrf_token -> a session cookie, redirect to /dashboard
+    POST /dashboard/logout          csrf_token -> session deleted, cookie cleared
+    GET  /dashboard/spend.csv       the report as CSV (signed in), same parameters + group_by
+    GET  /dashboard/live            live engine stats as JSON (signed in; dashboard.js polls it)
+    GET  /dashboard/static/{name}   dashboard.css, dashboard.js
+
+Rendered by Jinja2 templates (gateway/templates, autoescaped) on the server; the only script is a
+static file from this origin. Every response here carries a Content-Security-Policy without
+'unsafe-inline' (no inline script or style anywhere), X-Frame-Options DENY plus frame-ancestors
+'none', nosniff, Referrer-Policy same-origin (not no-referrer: with it Chromium sends "Origin: null" on
+our own form posts, which the CSRF origin check must refuse) and no-store. Sessions: gateway/sessions.py;
+CSRF: gateway/csrf.py.
+"""
+from __future__ import annotations
+
+import time
+from functools import wraps
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from urllib.parse import parse_qs
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from . import csrf, dashboard_view
+from .api_keys import KeyRecord
+from .errors import APIError, BadRequest, PayloadTooLarge, Unauthorized, Unavailable
+from .sessions import COOKIE, Session, cookie_header
+from .spend_reports import parse_group_by
+from .spend_routes import build_report, csv_response, visible_tenants
+from .spend_store import all_tenants
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+HERE = Path(__file__).resolve().parent
+STATIC = {"dashboard.css": "text/css; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8"}
+DAYS = (1, 7, 30, 90)
+MAX_FORM_BYTES = 8192
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+SECURITY_HEADERS = {"content-security-policy": CSP, "x-frame-options": "DENY", "x-content-type-options": "nosniff",
+                    "referrer-policy": "same-origin", "cache-control": "no-store"}
+_env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+
+
+def routes() -> list[Route]:
+    return [Route("/dashboard", page, methods=["GET"]),
+            Route("/dashboard/login", login_page, methods=["GET"]),
+            Route("/dashboard/login", login, methods=["POST"]),
+            Route("/dashboard/logout", logout, methods=["POST"]),
+            Route("/dashboard/spend.csv", spend_csv, methods=["GET"]),
+            Route("/dashboard/live", live, methods=["GET"]),
+            Route("/dashboard/static/{name}", static, methods=["GET"])]
+
+
+def _secured(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Security headers on every dashboard response, errors included."""
+    @wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            resp = await fn(request)
+        except APIError as e:
+            resp = e.response()
+        for k, v in SECURITY_HEADERS.items():
+            resp.headers.setdefault(k, v)
+        return resp
+    return wrapper
+
+
+def _gw(request: Request) -> "Gateway":
+    return request.app.state.gateway
+
+
+def _secure_cookie(request: Request) -> bool:
+    mode = _gw(request).deployment.web.dashboard.cookie_secure
+    return mode == "always" or (mode == "auto" and request.url.scheme == "https")
+
+
+def _with_cookie(request: Request, resp: Response, session: Session | None) -> Response:
+    resp.headers.append("set-cookie", cookie_header(session, _secure_cookie(request),
+                                                    _gw(request).deployment.web.dashboard.session_ttl_s))
+    return resp
+
+
+def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    return HTMLResponse(_env.get_template(name).render(**ctx), status_code=status)
+
+
+async def _signed_in(request: Request) -> tuple[Session, KeyRecord] | None:
+    """The session and its key's current record; None when not signed in or the key is gone/revoked."""
+    gw = _gw(request)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    if session is None or not session.signed_in:
+        return None
+    rec = await gw.keys.lookup(session.key_id)
+    if rec is None or rec.revoked is not None:
+        await gw.sessions.delete(session.id)
+        return None
+    return session, rec
+
+
+def _days(request: Request) -> int:
+    raw = request.query_params.get("days", "7")
+    if not raw.isdigit() or int(raw) not in DAYS:
+        raise BadRequest(f"days must be one of {', '.join(map(str, DAYS))}", param="days", code="invalid_days")
+    return int(raw)
+
+
+async def _form(request: Request) -> dict[str, str]:
+    if not request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
+        raise BadRequest("Expected a form (application/x-www-form-urlencoded)", code="invalid_form")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise PayloadTooLarge("Form too large", code="body_too_large")
+    try:
+        parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=8)
+    except (UnicodeDecodeError, ValueError):
+        raise BadRequest("Malformed form", code="invalid_form") from None
+    return {k: v[0] for k, v in parsed.items()}
+
+
+@_secured
+async def page(request: Request) -> Response:
+    auth = await _signed_in(request)
+    if auth is None:
+        return RedirectResponse("/dashboard/login", status_code=303)
+    session, key = auth
+    gw = _gw(request)
+    tenant = request.query_params.get("tenant") or None
+    tenants = await visible_tenants(gw, key, tenant)
+    days = _days(request)
+    try:
+        view = await dashboard_view.build(gw, tenants, days)
+        choices = await all_tenants(gw.ledger.redis, gw.deployment.redis_prefix) if key.is_admin else []
+    except (RedisError, OSError) as e:
+        raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
+                          headers={"retry-after": "1"}) from e
+    csv_query = f"days={days}&group_by=day,model" + (f"&tenant={tenant}" if tenant else "")
+    return _render("dashboard.html", key=key, session=session, csrf_field=csrf.FIELD, view=view, day_choices=DAYS,
+                   tenant=tenant, tenant_choices=choices, csv_query=csv_query)
+
+
+@_secured
+async def login_page(request: Request) -> Response:
+    gw = _gw(request)
+    if await _signed_in(request) is not None:
+        return RedirectResponse("/dashboard", status_code=303)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    if session is None:                  # keep an existing anonymous session (and its token) across reloads
+        session = await gw.sessions.create()
+    return _with_cookie(request, _render("login.html", session=session, csrf_field=csrf.FIELD, error=None), session)
+
+
+@_secured
+async def login(request: Request) -> Response:
+    gw = _gw(request)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    form = await _form(request)
+    try:
+        csrf.check(request, session, form.get(csrf.FIELD))
+    except APIError:
+        gw.metrics.dashboard_logins.labels("csrf_failed").inc()
+        raise
+    try:
+        key = await gw.keys.authenticate("Bearer " + form.get("api_key", "").strip())
+    except Unauthorized:
+        gw.metrics.dashboard_logins.labels("bad_key").inc()
+        return _render("login.html", status=401, session=session, csrf_field=csrf.FIELD,
+                       error="That key was not accepted.")
+    await gw.sessions.delete(session.id)     # a new id on sign-in: no session fixation
+    new = await gw.sessions.create(key_id=key.key_id, tenant=key.tenant, role=key.role)
+    gw.metrics.dashboard_logins.labels("ok").inc()
+    return _with_cookie(request, RedirectResponse("/dashboard", status_code=303), new)
+
+
+@_secured
+async def logout(request: Request) -> Response:
+    gw = _gw(request)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    form = await _form(request)
+    csrf.check(request, session, form.get(csrf.FIELD))
+    await gw.sessions.delete(session.id)
+    return _with_cookie(request, RedirectResponse("/dashboard/login", status_code=303), None)
+
+
+@_secured
+async def spend_csv(request: Request) -> Response:
+    auth = await _signed_in(request)
+    if auth is None:
+        raise Unauthorized("Sign in at /dashboard/login first", code="not_signed_in")
+    gw = _gw(request)
+    try:
+        group_by = parse_group_by(request.query_params.get("group_by") or "day,model")
+    except ValueError as e:
+        raise BadRequest(str(e), param="group_by", code="invalid_group_by") from None
+    days = _days(request)
+    tenants = await visible_tenants(gw, auth[1], request.query_params.get("tenant") or None)
+    end = time.time()
+    report = await build_report(gw, tenants, end - days * 86400, end, group_by)
+    return csv_response(report, f"spend-{days}d.csv")
+
+
+@_secured
+async def live(request: Request) -> Response:
+    if await _signed_in(request) is None:
+        raise Unauthorized("Sign in at /dashboard/login first", code="not_signed_in")
+    return JSONResponse({"engines": dashboard_view.live_stats(_gw(request))})
+
+
+@_secured
+async def static(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in STATIC:
+        return JSONResponse({"error": {"message": "Not found", "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=404)
+    return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
+                    headers={"cache-control": "no-cache"})

@@ -1,0 +1,48 @@
+"""`tokenyard engine serve`: one engine of a deployment as a replica process (issue 16).
+
+    tokenyard engine serve --engine demo-large --port 9000 [--config deploy.yaml] [--host 0.0.0.0]
+
+The engine is built from the deployment's engine spec (type, model and engine keys; its
+`replicas`/`replica_pool`/`prices` keys are the gateway's business and are ignored here) and
+served by engines/replica_server.py. Gateways list the replica under `engines.NAME.replicas`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    sub = ap.add_subparsers(dest="engine_command", required=True)
+    serve = sub.add_parser("serve", help="serve one engine of the deployment as a replica over internal HTTP")
+    serve.add_argument("--engine", required=True, help="engine name under `engines` in the deployment file")
+    serve.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, required=True, help="listen port")
+    serve.add_argument("--drain-grace-s", type=float, default=None,
+                       help="on SIGTERM, how long requests in flight may take (default: server.drain_grace_s)")
+    serve.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .deployment import DeploymentError, load_deployment
+
+    try:
+        dep = load_deployment(args.config)
+    except DeploymentError as e:
+        print(f"tokenyard: {e}", file=sys.stderr)
+        return 2
+    spec = dep.engines.get(args.engine)
+    if spec is None:
+        print(f"tokenyard: no engine {args.engine!r} in the deployment (known: {', '.join(dep.engines)})",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engines.async_engine import AsyncEngine
+    from engines.replica_server import serve
+
+    from .engine_pool import _build, tokenizer_fingerprint
+    engine = AsyncEngine(_build(spec), spec.name)
+    grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
+    return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model))

@@ -1,0 +1,91 @@
+"""`tokenyard spend report`: the spend ledger's rollups as a table (or CSV / JSON) in the terminal.
+
+    tokenyard spend report --by model --since 7d
+    tokenyard spend report --by day,model --since 2026-11-01 --until 2026-12-01 --tenant acme --format csv
+
+Reads the deployment's Redis directly (like `tokenyard keys`: --redis-url, else REDIS_URL, else the
+deployment's redis_url, else the embedded redis-server under redis_dir) with every tenant visible:
+whoever can run it can read that Redis anyway. Money is printed in currency units from integer
+micro-units (integer arithmetic; "1.234567" is 1234567 micro-units).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+from . import spend_reports as reports
+from . import spend_store as store
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    ap.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
+    sub = ap.add_subparsers(dest="spend_command", required=True)
+    rep = sub.add_parser("report", help="spend, tokens, cost per 1M tokens and savings, grouped")
+    rep.add_argument("--by", default="model", help="model, tenant, day or hour; several comma-separated")
+    rep.add_argument("--since", default="7d", help="7d, 12h, 30m, 2w before now, or unix seconds / ISO 8601")
+    rep.add_argument("--until", help="end (unix seconds / ISO 8601; default: now)")
+    rep.add_argument("--tenant", help="only this tenant")
+    rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    # Also accepted after `report` (SUPPRESS: not given there keeps the value given before it).
+    rep.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    rep.add_argument("--redis-url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    ap.set_defaults(func=run)
+
+
+async def _report(url: str, prefix: str, tenant: str | None, start: float, end: float,
+                  group_by: list[str]) -> tuple[list, dict]:
+    import redis.asyncio as aioredis
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        tenants = [tenant] if tenant else await store.all_tenants(client, prefix)
+        rows = await store.rollups(client, prefix, tenants, *reports.hour_range(start, end))
+    finally:
+        await client.aclose()
+    return reports.aggregate(rows, group_by), reports.totals(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    import redis
+
+    from .deployment import DeploymentError, load_deployment
+    from .embedded_redis import EmbeddedRedis
+    try:
+        group_by = reports.parse_group_by(args.by)
+        now = time.time()
+        end = reports.parse_time(args.until) if args.until else now
+        start = reports.parse_since(args.since, now)
+        dep = load_deployment(args.config)
+    except (ValueError, DeploymentError) as e:
+        print(f"tokenyard: {e}", file=sys.stderr)
+        return 2
+    if start >= end:
+        print("tokenyard: --since must be before --until", file=sys.stderr)
+        return 2
+    url = args.redis_url or os.environ.get("REDIS_URL") or dep.redis_url
+    embedded = None
+    try:
+        if not url:
+            embedded = EmbeddedRedis(dep.redis_dir)
+            url = embedded.start()
+        data, total = asyncio.run(_report(url, dep.redis_prefix, args.tenant, start, end, group_by))
+    except (redis.RedisError, OSError) as e:
+        print(f"tokenyard: redis: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    if args.format == "csv":
+        sys.stdout.write(reports.to_csv(data, group_by))
+    elif args.format == "json":
+        print(json.dumps({"start": reports.iso(start), "end": reports.iso(end), "group_by": group_by,
+                          "baseline_engine": dep.baseline_engine, "data": data, "total": total}, indent=2))
+    else:
+        print(f"spend {reports.iso(start)} .. {reports.iso(end)} (whole hours, UTC); money in currency units; "
+              f"savings vs {dep.baseline_engine}")
+        sys.stdout.write(reports.table(data, group_by, total))
+    return 0

@@ -1,0 +1,128 @@
+"""Deployment sections of the spend ledger, the dashboard and /metrics access (issue 11).
+
+    spend:      {enabled, baseline_engine, rollup_retention_days, stream_max_len, stream_retention_days,
+                 spool_dir, spool_fsync, replay_interval_s}
+    dashboard:  {enabled, session_ttl_s, cookie_secure}
+    metrics:    {access}
+
+Kept apart from deployment.py so that file stays about the engines and the request path; every
+key is documented in the README ("Deployment file").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FSYNC = ("always", "never")
+COOKIE_SECURE = ("auto", "always", "never")
+METRICS_ACCESS = ("loopback", "open", "admin")
+
+
+@dataclass(slots=True)
+class SpendConfig:
+    enabled: bool = True                    # write usage records to Redis (needs redis_url or the embedded Redis)
+    baseline_engine: str | None = None      # savings are measured against this engine; None: routing.large, else
+                                            # the engine with the highest output price
+    rollup_retention_days: int = 400        # TTL of the hourly rollups (refreshed by every write to the hour)
+    stream_max_len: int = 100_000           # per-tenant request stream, trimmed approximately (XADD MAXLEN ~)
+    stream_retention_days: int = 30         # stream entries older than this are trimmed (XTRIM MINID ~);
+                                            # also how long a request id is remembered for idempotency
+    spool_dir: Path = Path(".tokenyard/spool")   # records wait here (JSONL) while Redis is unreachable
+    spool_fsync: str = "always"             # "always": fsync after every append; "never": leave it to the OS
+    replay_interval_s: float = 2.0          # how often a non-empty spool is retried against Redis
+
+
+@dataclass(slots=True)
+class DashboardConfig:
+    enabled: bool = True
+    session_ttl_s: int = 8 * 3600           # a signed-in session lasts this long (no sliding renewal)
+    cookie_secure: str = "auto"             # "auto": Secure when the request came over https
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    access: str = "loopback"                # who may GET /metrics: loopback clients (or admin keys), anyone, admins
+
+
+@dataclass(slots=True)
+class WebSettings:
+    spend: SpendConfig = field(default_factory=SpendConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], error: type[Exception]) -> WebSettings:
+    """The three sections from the parsed YAML document; `error` is DeploymentError (no import cycle)."""
+    out = WebSettings()
+    spend = _mapping(top.get("spend", {}), "spend", error)
+    _only(spend, "spend.", set(SpendConfig.__slots__), error)
+    sp = out.spend
+    sp.enabled = _typed(spend, "spend.", "enabled", bool, sp.enabled, error)
+    sp.baseline_engine = _typed(spend, "spend.", "baseline_engine", str, None, error, nullable=True)
+    if sp.baseline_engine is not None and sp.baseline_engine not in engines:
+        raise error(f"spend.baseline_engine names engine {sp.baseline_engine!r}, which is not under engines")
+    for key in ("rollup_retention_days", "stream_max_len", "stream_retention_days"):
+        value = _typed(spend, "spend.", key, int, getattr(sp, key), error)
+        if value <= 0:
+            raise error(f"spend.{key} must be a positive integer, got {value}")
+        setattr(sp, key, value)
+    spool = _typed(spend, "spend.", "spool_dir", str, str(sp.spool_dir), error)
+    p = Path(spool).expanduser()
+    sp.spool_dir = (p if p.is_absolute() else base / p).resolve()
+    sp.spool_fsync = _choice(spend, "spend.", "spool_fsync", FSYNC, sp.spool_fsync, error)
+    interval = spend.get("replay_interval_s", sp.replay_interval_s)
+    if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
+        raise error(f"spend.replay_interval_s must be a number > 0, got {interval!r}")
+    sp.replay_interval_s = float(interval)
+
+    dash = _mapping(top.get("dashboard", {}), "dashboard", error)
+    _only(dash, "dashboard.", set(DashboardConfig.__slots__), error)
+    out.dashboard.enabled = _typed(dash, "dashboard.", "enabled", bool, out.dashboard.enabled, error)
+    ttl = _typed(dash, "dashboard.", "session_ttl_s", int, out.dashboard.session_ttl_s, error)
+    if ttl <= 0:
+        raise error(f"dashboard.session_ttl_s must be a positive integer, got {ttl}")
+    out.dashboard.session_ttl_s = ttl
+    out.dashboard.cookie_secure = _choice(dash, "dashboard.", "cookie_secure", COOKIE_SECURE,
+                                          out.dashboard.cookie_secure, error)
+
+    metrics = _mapping(top.get("metrics", {}), "metrics", error)
+    _only(metrics, "metrics.", set(MetricsConfig.__slots__), error)
+    out.metrics.access = _choice(metrics, "metrics.", "access", METRICS_ACCESS, out.metrics.access, error)
+    return out
+
+
+def _mapping(value: Any, where: str, error: type[Exception]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise error(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _only(section: dict[str, Any], prefix: str, known: set[str], error: type[Exception]) -> None:
+    unknown = sorted(str(k) for k in section if k not in known)
+    if unknown:
+        raise error(f"unknown key(s) {', '.join(prefix + k for k in unknown)}; known: "
+                    f"{', '.join(sorted(prefix + k for k in known))}")
+
+
+def _typed(section: dict[str, Any], prefix: str, key: str, kind: type, default: Any, error: type[Exception],
+           nullable: bool = False) -> Any:
+    if key not in section:
+        return default
+    value = section[key]
+    if value is None and nullable:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise error(f"{prefix}{key} must be {'an' if kind is int else 'a'} {kind.__name__}"
+                    f"{' or null' if nullable else ''}, got {value!r}")
+    return value
+
+
+def _choice(section: dict[str, Any], prefix: str, key: str, allowed: tuple[str, ...], default: str,
+            error: type[Exception]) -> str:
+    value = section.get(key, default)
+    if value not in allowed:
+        raise error(f"{prefix}{key} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
