@@ -32,7 +32,7 @@ class PoolConfig:
     policy: str = "cache_aware"           # cache_aware | least_loaded | round_robin
     affinity_blocks: int = 32             # leading prompt blocks hashed for prefix affinity
     affinity_index_size: int = 16384      # prefix hashes remembered per replica (LRU)
-    affinity_weight: float = 4.0          # a full prefix match is worth this many queued requests
+    affinity_weight: float = 16.0         # a full prefix match is worth this many queued requests
     kv_weight: float = 4.0                # a full KV cache costs this many queued requests
     health_interval_s: float = 1.0        # GET /health of each remote replica this often
     health_timeout_s: float = 1.0         # a health check slower than this fails

@@ -15,7 +15,7 @@ Choice of replica (`replica_pool.policy`):
   where load is the requests it has (this gateway's in flight, or the replica's own running +
   waiting, whichever is larger) and the affinity comes from prefix_affinity.AffinityIndex. A
   prompt whose prefix went to a replica goes there again unless that replica is more than
-  about affinity_weight requests busier; unseen prefixes go to the least loaded replica (ties
+  about affinity_weight (16) requests busier; unseen prefixes go to the least loaded replica (ties
   in turn), so distinct prefixes spread evenly.
 - least_loaded: the same without affinity; round_robin: in turn.
 
