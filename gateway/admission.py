@@ -161,12 +161,13 @@ class EngineQueue:
 class Slot:
     """A request's place on an engine; release() exactly once when it ends."""
 
-    __slots__ = ("_admission", "_queue", "tenant", "granted_at", "_released")
+    __slots__ = ("_admission", "_queue", "tenant", "priority", "granted_at", "_released")
 
-    def __init__(self, admission: "Admission", queue: EngineQueue, tenant: str) -> None:
+    def __init__(self, admission: "Admission", queue: EngineQueue, tenant: str, priority: int = 0) -> None:
         self._admission = admission
         self._queue = queue
         self.tenant = tenant
+        self.priority = priority
         self.granted_at = time.perf_counter()
         self._released = False
 
@@ -196,7 +197,10 @@ class Admission:
             ms = min(int(header), self.cfg.max_deadline_ms)
         return asyncio.get_running_loop().time() + ms / 1000 - elapsed_s
 
-    async def admit(self, rec: KeyRecord, engine: str, prompt_tokens: int, deadline: float) -> Slot:
+    async def admit(self, rec: KeyRecord, engine: str, prompt_tokens: int, deadline: float,
+                    priority: int | None = None) -> Slot:
+        """priority: the admission class index (a policy rule may set it); None: the key's class."""
+        priority = rec.priority_class if priority is None else priority
         q = self.queues[engine]
         cap = self.cfg.max_concurrent_per_tenant if rec.max_concurrent is None else rec.max_concurrent
         held = self.tenants.get(rec.tenant, 0)
@@ -207,11 +211,11 @@ class Admission:
         blocks = math.ceil((prompt_tokens + 1) / block_size)
         self.tenants[rec.tenant] = held + 1
         try:
-            await q.acquire(rec.tenant, rec.priority_class, deadline, blocks)
+            await q.acquire(rec.tenant, priority, deadline, blocks)
         except BaseException:
             self._leave(rec.tenant)
             raise
-        return Slot(self, q, rec.tenant)
+        return Slot(self, q, rec.tenant, priority)
 
     def _leave(self, tenant: str) -> None:
         n = self.tenants.get(tenant, 0) - 1

@@ -41,6 +41,10 @@ from .sessions import SessionStore
 from .spend_ledger import SpendLedger
 from .spend_routes import spend_report, spend_requests
 from .usage import FanOut, RecentUsage, UsageRecord, UsageSink
+from . import policy_page, policy_routes
+from .budget import BudgetReader
+from .policy_state import PolicyState
+from .router_route import ArtifactError, LearnedRouter, RouterSettings
 
 log = logging.getLogger("tokenyard.gateway")
 
@@ -77,6 +81,11 @@ class Gateway:
         self.limiter = RateLimiter(None, deployment.redis_prefix, deployment.rate_limits, self.guard, self.metrics)
         self.admission = Admission(deployment.admission, self.metrics, {})
         self.gatekeeper = Gatekeeper(self.limiter, self.admission)
+        # Issue 12: the learned router behind model "auto" (None: the interim rule of routing.py).
+        self.learned_router = load_learned_router(deployment)
+        # Issue 13: the routing policy in force (kept equal to Redis's current version) and budgets.
+        self.policy = PolicyState(deployment, self.metrics, self.learned_router)
+        self.budgets = BudgetReader(None, deployment.redis_prefix, self.guard, self.metrics)
         self._tasks: list[asyncio.Task] = []
         self._pubsub_redis: Any = None
         if dev_key:
@@ -100,6 +109,8 @@ class Gateway:
             await self.ledger.start()      # replays what an earlier run left in the spool
         self.limiter = RateLimiter(self.redis, dep.redis_prefix, dep.rate_limits, self.guard, self.metrics)
         self.gatekeeper.limiter = self.limiter
+        self.budgets.redis = self.redis
+        await self.policy.start_redis(self.redis, self._pubsub_redis)
         if self.dev_key:
             try:   # the configured dev key becomes an admin key record (a revoked one stays revoked)
                 await asyncio.to_thread(_ensure_dev_key, dep.redis_url, dep.redis_prefix, self.dev_key)
@@ -109,6 +120,7 @@ class Gateway:
         self._tasks += [loop.create_task(self._watch_redis()), loop.create_task(self.keys.listen(self._pubsub_redis))]
 
     async def stop_redis(self) -> None:
+        await self.policy.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -134,6 +146,19 @@ class Gateway:
                     log.warning("redis at %s is not reachable", self.deployment.redis_url)
                 self.redis_ok = False
             await asyncio.sleep(5.0)
+
+
+class StartupError(RuntimeError):
+    """The gateway cannot start as configured (e.g. a bad router artifact); the message says why."""
+
+
+def load_learned_router(deployment: Deployment) -> LearnedRouter | None:
+    settings = deployment.router or RouterSettings()
+    routing = deployment.routing
+    try:
+        return LearnedRouter.from_settings(settings, routing.small, routing.large)
+    except (ArtifactError, ValueError, OSError) as e:
+        raise StartupError(f"router.artifact {settings.artifact}: {e}") from e
 
 
 def _ensure_dev_key(url: str, prefix: str, dev_key: str) -> None:
@@ -163,6 +188,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
         gw.metrics.admission = gw.admission.snapshot
         if deployment.redis_url:
             await gw.start_redis()
+        else:
+            gw.policy.start_local()
         # Everything loaded so far (torch, weights' Python objects) lives as long as the process:
         # freezing it keeps the cyclic GC from rescanning it, which shows up as latency spikes.
         gc.freeze()
@@ -189,6 +216,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     ]
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
+    routes += policy_routes.routes() + policy_page.routes()     # issue 13: admin API and operator page
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     # AccessLog sits inside Starlette's error middleware but outside the exception handlers, so
     # it sees every API error's final status and stamps x-request-id on error responses too.

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: validate -> authenticate -> route (tokens) -> reserve limits -> admit
--> engine -> response.
+"""POST /v1/chat/completions: validate -> authenticate -> policy and route (tokens, router, budget,
+overflow: gateway/policy_route.py) -> reserve limits -> admit -> engine -> response.
 
 The prompt is tokenised once, with the serving engine's tokenizer; that count is the one the
 context check, the router, the rate limits and the usage record all use.
@@ -23,6 +23,7 @@ from engines.tokenizer import Tokenizer
 from .chat_request import ChatRequest, parse_chat_request
 from .errors import BadRequest, PayloadTooLarge, ServerError, Unavailable, Unprocessable
 from .generation import EngineFailed, Generation
+from .policy_route import plan_route
 from .streaming import SSEResponse, wait_disconnect
 from .usage import RecordContext
 
@@ -41,13 +42,18 @@ async def chat_completions(request: Request) -> Any:
     req = parse_chat_request(body, gw.deployment.limits.max_messages)
     key = await gw.keys.authenticate(request.headers.get("authorization"))
     info["tenant"] = key.tenant
-    route, prompt_ids = route_and_tokenize(gw, req)
+    elapsed = time.perf_counter() - arrival
+    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), elapsed)
+    deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
+    # Policy and route (issue 13): rules, the learned router, budget, overflow; may refuse here.
+    route = await plan_route(gw, req, key, deadline)
+    prompt_ids = route.prompt_ids
     handle = gw.handles[route.engine]
     max_len = handle.engine.max_model_len
     if len(prompt_ids) >= max_len:
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; the messages have "
                          f"{len(prompt_ids)} tokens", param="messages", code="context_length_exceeded")
-    max_tokens = req.max_tokens
+    max_tokens = route.max_tokens          # the client's, capped by a policy rule
     if max_tokens is None:
         max_tokens = min(gw.deployment.limits.default_max_tokens, max_len - len(prompt_ids))
     elif len(prompt_ids) + max_tokens > max_len:
@@ -56,19 +62,21 @@ async def chat_completions(request: Request) -> Any:
                          param="max_tokens", code="context_length_exceeded")
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                             stop=req.stop)
-    elapsed = time.perf_counter() - arrival
-    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), elapsed)
-    deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
     info.update(engine=handle.name, route_reason=route.reason)
-    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline)
+    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline, route.priority,
+                                         route.rate)
     request_id = info.get("request_id") or secrets.token_hex(12)
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
     # Everything the usage record needs besides the engine's counts (issue 11; issue 13 replays it).
     context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id, tags=req.metadata,
-                            user=req.user, router_score=getattr(route, "score", None), deadline_ms=deadline_ms,
-                            baseline_engine=gw.baseline_engine, baseline_prices=gw.baseline_prices)
+                            user=req.user, router_score=route.score, deadline_ms=deadline_ms,
+                            baseline_engine=gw.baseline_engine,
+                            baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
+                            requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
+                            prices=route.prices, policy_version=route.policy_version)
+    priority = key.priority_class if route.priority is None else route.priority
     gen = Generation(handle, engine_rid, prompt_ids, params, req.model, route.reason, req.stream, arrival,
-                     time.time(), gw.metrics, gw.usage_sink, priority=key.priority_class, tenant=key.tenant,
+                     time.time(), gw.metrics, gw.usage_sink, priority=priority, tenant=key.tenant,
                      on_end=admitted.end, context=context)
     try:
         gen.start()
@@ -77,7 +85,10 @@ async def chat_completions(request: Request) -> Any:
     except RequestError as e:
         raise BadRequest(str(e)) from e
     info["generation"] = gen
-    headers = {"x-tokenyard-engine": handle.name, "x-tokenyard-route-reason": route.reason, **admitted.headers}
+    headers = {"x-tokenyard-engine": handle.name, "x-tokenyard-route-reason": route.reason,
+               "x-tokenyard-policy-version": str(route.policy_version), **admitted.headers}
+    if route.score is not None:
+        headers["x-tokenyard-router-score"] = f"{route.score:.6f}"
     completion_id = "chatcmpl-" + request_id
     if req.stream:
         lim = gw.deployment.limits

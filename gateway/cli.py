@@ -3,6 +3,7 @@
     tokenyard serve      the HTTP gateway (OpenAI-compatible) over the deployment's engines
     tokenyard keys       create, list and revoke API keys
     tokenyard spend      spend reports from the ledger (`tokenyard spend report --by model --since 7d`)
+    tokenyard policy     routing policies in Redis: apply, show, history, rollback, simulate, validate
     tokenyard router     train / eval the learned router behind model "auto"
     tokenyard quantize   write an int8/int4 weight-only quantised checkpoint
     tokenyard engine     one engine as a replica process (`tokenyard engine serve --engine NAME --port P`)
@@ -29,7 +30,12 @@ def _serve(args: argparse.Namespace) -> int:
         dep.host = args.host
     if args.port is not None:
         dep.port = args.port
-    return serve(dep)
+    from .app import StartupError
+    try:
+        return serve(dep)
+    except StartupError as e:
+        print(f"tokenyard: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     spend = sub.add_parser("spend", help="spend reports from the ledger (`tokenyard spend report --by model`)")
     spend_cli.add_arguments(spend)
     # --- end spend ---
+    # --- policy (issue 13) ---
+    from . import policy_cli
+    pol = sub.add_parser("policy", help="routing policies: apply, show, history, rollback, simulate, validate")
+    policy_cli.add_arguments(pol)
+    # --- end policy ---
     from engines import generate_cli
     gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
     generate_cli.add_arguments(gen)

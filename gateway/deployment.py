@@ -122,6 +122,8 @@ class Deployment:
     routing: Routing = field(default_factory=Routing)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access (issue 11)
+    router: Any = None                     # issue 12: router_route.RouterSettings (the `router:` section)
+    policy_file: Path | None = None        # issue 13: policy imported when Redis holds none (`policy:`)
 
     @property
     def baseline_engine(self) -> str:
@@ -153,7 +155,8 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     base = base_dir or Path.cwd()
     top = _mapping(data, "the document")
     _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "auth", "limits",
-                    "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics"})
+                    "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics",
+                    "router", "policy"})
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
     _only(server, "server.", {"host", "port", "drain_grace_s", "access_log"})
@@ -199,7 +202,24 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.routing.long_prompt_tokens = _typed(routing, "routing.", "long_prompt_tokens", int,
                                             dep.routing.long_prompt_tokens)
     dep.web = parse_web_settings(top, base, list(dep.engines), DeploymentError)
+    _router_and_policy(top, base, dep)
     return dep
+
+
+def _router_and_policy(top: dict[str, Any], base: Path, dep: Deployment) -> None:
+    """`router:` (the learned router, issue 12) and `policy:` (a policy file to import, issue 13)."""
+    from .router_route import parse_router_settings   # imports routing.py, which imports this module
+    try:
+        dep.router = parse_router_settings(top.get("router"), base, dep.engines)
+    except ValueError as e:
+        raise DeploymentError(str(e)) from e
+    if dep.router.artifact is not None and not dep.router.artifact.is_file():
+        raise DeploymentError(f"router.artifact: {dep.router.artifact} is not a file")
+    policy = _typed(top, "", "policy", str, None, nullable=True)
+    if policy is not None:
+        dep.policy_file = _path(policy, base)
+        if not dep.policy_file.is_file():
+            raise DeploymentError(f"policy: {dep.policy_file} is not a file")
 
 
 def _rate_limits(section: dict[str, Any], rl: RateLimits) -> None:

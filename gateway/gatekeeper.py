@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from .admission import Admission, Slot
-from .api_keys import KeyRecord
+from .api_keys import PRIORITIES, KeyRecord
 from .rate_limiter import RateLimiter, Reservation
 from .shedding import shed
 
@@ -51,10 +51,11 @@ class Gatekeeper:
         self.admission = admission
 
     async def enter(self, rec: KeyRecord, engine: str, prompt_tokens: int, max_tokens: int,
-                    deadline: float) -> Pass:
-        res = await self.limiter.reserve(rec, prompt_tokens + max_tokens, engine)
+                    deadline: float, priority: int | None = None, rate: tuple[int, int, int] | None = None) -> Pass:
+        """priority (admission class index) and rate (limits) come from the policy when it sets them."""
+        res = await self.limiter.reserve(rec, prompt_tokens + max_tokens, engine, rate)
         try:
-            slot = await self.admission.admit(rec, engine, prompt_tokens, deadline)
+            slot = await self.admission.admit(rec, engine, prompt_tokens, deadline, priority)
         except BaseException as e:
             self.limiter.refund(res, requests=1, tokens=res.tokens)
             if hasattr(e, "headers"):
@@ -64,6 +65,6 @@ class Gatekeeper:
             # Granted in time, but the deadline passed before this task resumed: still never started.
             slot.release(served=False)
             self.limiter.refund(res, requests=1, tokens=res.tokens)
-            self.admission.metrics.expired.labels(engine, rec.priority).inc()
+            self.admission.metrics.expired.labels(engine, PRIORITIES[slot.priority]).inc()
             raise shed("expired", engine, 0.001)
         return Pass(self.limiter, res, slot)

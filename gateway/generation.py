@@ -156,7 +156,8 @@ class Generation:
         m.count_request(name, http_status, self.route_reason)
         status = status or ("error" if self.error else self.aborted or "ok")
         p, cached, c = self.num_prompt_tokens, self.num_cached_tokens, self.num_completion_tokens
-        ctx, prices = self.context, self.handle.prices
+        ctx = self.context
+        prices = ctx.prices or self.handle.prices      # the policy's prices win over the deployment's
         baseline = ctx.baseline_prices or prices
         self.record = UsageRecord(
             request_id=self.request_id, time=self.arrival_wall, engine=name, requested_model=self.requested_model,
@@ -166,7 +167,9 @@ class Generation:
             key_id=ctx.key_id, client_request_id=ctx.client_request_id, router_score=ctx.router_score,
             tags=dict(ctx.tags), user=ctx.user, deadline_ms=ctx.deadline_ms, max_tokens=self.params.max_tokens,
             prices=[prices.input, prices.cached_input, prices.output],
-            baseline_engine=ctx.baseline_engine or name, baseline_cost_micros=baseline.cost(p, cached, c))
+            baseline_engine=ctx.baseline_engine or name, baseline_cost_micros=baseline.cost(p, cached, c),
+            key_name=ctx.key_name, requested_max_tokens=ctx.requested_max_tokens, engine_state=ctx.engine_state,
+            policy_version=ctx.policy_version)
         self._sink(self.record)
         self._end(p + c)
         return self.record

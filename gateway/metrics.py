@@ -82,6 +82,21 @@ class GatewayMetrics:
                                           registry=r)
         self.dashboard_logins = Counter("tokenyard_dashboard_logins", "Dashboard sign-in attempts by outcome",
                                         ("outcome",), registry=r)
+        # Routing policies and the learned router (issues 12, 13).
+        self.policy_version = Gauge("tokenyard_policy_version",
+                                    "Policy version in force in this gateway (0: the built-in default)", registry=r)
+        self.policy_decisions = Counter("tokenyard_policy_decisions",
+                                        "Requests decided under a policy, by action (pin, router, requested, deny, "
+                                        "budget_deny, downgrade, degrade, shed)", ("action",), registry=r)
+        self.budget_checks = Counter("tokenyard_budget_checks",
+                                     "Tenant budget checks by outcome: within, reached, unavailable (fail-open)",
+                                     ("outcome",), registry=r)
+        self.router_score = Histogram("tokenyard_router_score",
+                                      "Learned router score P(small is enough) of each chat request",
+                                      buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+        self.policy_updates = Counter("tokenyard_policy_updates",
+                                      "Policy versions installed in this gateway, by source (redis, file)",
+                                      ("source",), registry=r)
         self.admission: Callable[[], dict[str, tuple[list[int], float]]] = dict
         r.register(_EngineCollector(engines))
         r.register(_AdmissionCollector(lambda: self.admission()))

@@ -134,6 +134,7 @@ def openapi_schema() -> dict[str, Any]:
                                       "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
             **_spend_paths(auth),
             **_dashboard_paths(),
+            **_policy_paths(auth),
         },
     }
 
@@ -205,4 +206,87 @@ def _dashboard_paths() -> dict[str, Any]:
         "/dashboard/static/{name}": {"get": {"summary": "dashboard.css or dashboard.js", "parameters": [
             {"name": "name", "in": "path", "required": True, "schema": {"enum": ["dashboard.css", "dashboard.js"]}}],
             "responses": {"200": {"description": "the file"}, **_errors(404)}}},
+    }
+
+
+def _policy_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 13: the routing-policy admin API (admin keys only) and the operator page."""
+    doc = {"required": True, "content": {
+        "application/yaml": {"schema": {"type": "string", "description": "a policy document (policies/README.md)"}},
+        "application/json": {"schema": {"type": "object", "description": "the same document as JSON"}}}}
+    version = {"type": "object", "properties": {
+        "version": {"type": "integer"}, "hash": {"type": "string"}, "author": {"type": "string"},
+        "applied_at": {"type": "string"}, "document": {"type": "string"}, "diff": {"type": "string"},
+        "note": {"type": "string"}, "applied": {"type": "boolean"}}}
+    problems = _json({"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "code": {"const": "invalid_policy"}, "problems": {"type": "array", "items": {"type": "object", "properties": {
+            "line": {"type": ["integer", "null"]}, "column": {"type": ["integer", "null"]}, "path": {"type": "string"},
+            "message": {"type": "string"}, "allowed": {"type": "array", "items": {"type": "string"}}}}}}}}},
+        "invalid policy: every problem with line, column, key path and allowed values")
+    window = [_q("start", "unix seconds, ISO 8601, or a span before now (7d, 12h); default: end - 7 days"),
+              _q("end", "unix seconds or ISO 8601; default: now"),
+              _q("limit", "most recorded requests replayed (newest first), 1..100000, default 10000",
+                 {"type": "integer", "minimum": 1, "maximum": 100000}),
+              _q("tenant", "replay one tenant's traffic only")]
+    html = {"description": "an HTML page", "content": {"text/html": {"schema": {"type": "string"}}}}
+    redirect = {"description": "redirect"}
+    form = {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": {
+        "type": "object", "required": ["csrf_token"], "properties": {
+            "csrf_token": {"type": "string"}, "api_key": {"type": "string"}, "document": {"type": "string"},
+            "action": {"enum": ["validate", "simulate", "apply"]}, "since": {"enum": ["1d", "7d", "30d"]},
+            "version": {"type": "string"}}}}}}
+    return {
+        "/admin/policy": {
+            "get": {"summary": "The policy in force (JSON; ?format=yaml or Accept: application/yaml: the document)",
+                    "security": auth, "parameters": [_q("format", "json or yaml", {"enum": ["json", "yaml"]})],
+                    "responses": {"200": {"description": "the current version", "content": {
+                        "application/json": {"schema": version}, "application/yaml": {"schema": {"type": "string"}}}},
+                        **_errors(401, 403, 404)}},
+            "put": {"summary": "Apply a policy document: validated, stored as a new version in Redis, announced to "
+                               "every gateway", "security": auth, "requestBody": doc,
+                    "parameters": [_q("expected_version", "refuse with 409 unless this is the current version",
+                                      {"type": "integer"})],
+                    "responses": {"200": _json(version, "the new (or, unchanged, the current) version"),
+                                  "422": problems, **_errors(400, 401, 403, 409, 413, 503)}}},
+        "/admin/policy/history": {"get": {
+            "summary": "Every version, newest first, with author, time, hash and diff", "security": auth,
+            "parameters": [_q("limit", "newest N versions", {"type": "integer", "minimum": 1})],
+            "responses": {"200": _json({"type": "object", "properties": {
+                "current": {"type": "integer"}, "data": {"type": "array", "items": version}}}, "the history"),
+                **_errors(400, 401, 403, 503)}}},
+        "/admin/policy/rollback/{version}": {"post": {
+            "summary": "Restore a version's exact document as a new version", "security": auth,
+            "parameters": [{"name": "version", "in": "path", "required": True, "schema": {"type": "integer"}}],
+            "responses": {"200": _json(version, "the new version"), "422": problems,
+                          **_errors(400, 401, 403, 404, 409, 503)}}},
+        "/admin/policy/validate": {"post": {
+            "summary": "Check a document without applying it", "security": auth, "requestBody": doc,
+            "responses": {"200": _json({"type": "object", "properties": {
+                "valid": {"type": "boolean"}, "problems": {"type": "array"}, "hash": {"type": "string"},
+                "diff": {"type": "string"}}}, "valid or not, with every problem"), **_errors(400, 401, 403, 413)}}},
+        "/admin/policy/simulate": {"post": {
+            "summary": "Replay recorded traffic (spend records: features and token counts, no text) under the "
+                       "document and under the policy in force", "security": auth, "requestBody": doc,
+            "parameters": window,
+            "responses": {"200": _json({"type": "object", "properties": {
+                "records": {"type": "integer"}, "current": {"type": ["object", "null"]},
+                "proposed": {"type": "object"}, "delta": {"type": ["object", "null"]},
+                "text": {"type": ["string", "null"]}}}, "the comparison (money in micro-units)"),
+                "422": problems, **_errors(400, 401, 403, 413, 503)}}},
+        "/admin": {"get": {"summary": "The operator page (signed in with an admin key)",
+                           "responses": {"200": html, "303": redirect}}},
+        "/admin/login": {
+            "get": {"summary": "Operator sign-in form", "responses": {"200": html, "303": redirect}},
+            "post": {"summary": "Sign in with an admin key", "requestBody": form,
+                     "responses": {"303": redirect, "401": html, **_errors(400, 403, 413)}}},
+        "/admin/logout": {"post": {"summary": "Sign out", "requestBody": form,
+                                   "responses": {"303": redirect, **_errors(400, 403)}}},
+        "/admin/policy-form": {"post": {"summary": "The page's editor: validate, simulate or apply", "requestBody": form,
+                                        "responses": {"200": html, "303": redirect, "422": html,
+                                                      **_errors(400, 401, 403, 413)}}},
+        "/admin/rollback": {"post": {"summary": "The page's rollback button", "requestBody": form,
+                                     "responses": {"303": redirect, "422": html, **_errors(400, 401, 403)}}},
+        "/admin/static/{name}": {"get": {"summary": "dashboard.css or admin.css", "parameters": [
+            {"name": "name", "in": "path", "required": True, "schema": {"enum": ["dashboard.css", "admin.css"]}}],
+            "responses": {"200": {"description": "the file"}, "404": {"description": "not found"}}}},
     }

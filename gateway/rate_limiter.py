@@ -58,6 +58,7 @@ class Reservation:
     enforced: bool
     headers: dict[str, str] = field(default_factory=dict)
     now_us: int = 0               # Redis server time of the reservation (0: not checked)
+    window_us: int = 0            # the window it was reserved under (0: rate_limits.window_s)
 
 
 class RateLimiter:
@@ -83,11 +84,15 @@ class RateLimiter:
     def _keys(self, tenant: str) -> list[str]:
         return [f"{self.prefix}rl:{{{tenant}}}:req", f"{self.prefix}rl:{{{tenant}}}:tok"]
 
-    async def reserve(self, rec: KeyRecord, tokens: int, engine: str) -> Reservation:
-        req_limit, tok_limit = self.limits_for(rec)
+    async def reserve(self, rec: KeyRecord, tokens: int, engine: str,
+                      rate: tuple[int, int, int] | None = None) -> Reservation:
+        """rate: (request_limit, token_limit, window_us) from the policy's rate class for the tenant
+        (issue 13); None: the key's own limits, else the deployment's."""
+        req_limit, tok_limit = self.limits_for(rec) if rate is None else rate[:2]
+        window_us = self.window_us if rate is None else rate[2]
         if not self.active or (req_limit == 0 and tok_limit == 0):
             return Reservation(rec.tenant, req_limit, tok_limit, tokens, enforced=False)
-        args = [req_limit, tok_limit, self.window_us, 1, tokens]
+        args = [req_limit, tok_limit, window_us, 1, tokens]
         try:
             r = await self.guard.call("rate_limit", lambda: self._reserve(keys=self._keys(rec.tenant), args=args))
         except RedisUnavailable as e:
@@ -103,17 +108,18 @@ class RateLimiter:
                             "x-ratelimit-remaining-tokens": str(max(0, trem)),
                             "x-ratelimit-reset-tokens": format_reset(treset)})
         if allowed:
-            return Reservation(rec.tenant, req_limit, tok_limit, tokens, enforced=True, headers=headers, now_us=now_us)
+            return Reservation(rec.tenant, req_limit, tok_limit, tokens, enforced=True, headers=headers, now_us=now_us,
+                               window_us=window_us)
         if too_large:
             self.metrics.rate_limited.labels(engine, "request_too_large").inc()
             raise RateLimited(f"Request too large: {tokens} tokens (prompt + max_tokens) is more than the limit of "
-                              f"{tok_limit} tokens per {self.cfg.window_s:g} s for tenant {rec.tenant}. Lower "
+                              f"{tok_limit} tokens per {window_us / 1e6:g} s for tenant {rec.tenant}. Lower "
                               f"max_tokens or shorten the prompt.", code="request_too_large", headers=headers)
         which = "requests" if rretry >= tretry else "tokens"
         wait_s = max(rretry, tretry) / 1_000_000
         self.metrics.rate_limited.labels(engine, which).inc()
         limit = req_limit if which == "requests" else tok_limit
-        raise RateLimited(f"Rate limit reached for tenant {rec.tenant} on {which} per {self.cfg.window_s:g} s: "
+        raise RateLimited(f"Rate limit reached for tenant {rec.tenant} on {which} per {window_us / 1e6:g} s: "
                           f"limit {limit}. Retry in {wait_s * 1000:.0f} ms.", code="rate_limit_exceeded",
                           headers={**headers, **retry_headers(wait_s)})
 
@@ -132,7 +138,7 @@ class RateLimiter:
         lost to a Redis error only makes the tenant's limit stricter for a moment."""
         if not res.enforced or (requests <= 0 and tokens <= 0):
             return
-        args = [res.request_limit, res.token_limit, self.window_us, max(0, requests), max(0, tokens)]
+        args = [res.request_limit, res.token_limit, res.window_us or self.window_us, max(0, requests), max(0, tokens)]
         task = asyncio.get_running_loop().create_task(self._do_refund(res.tenant, args))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

@@ -31,6 +31,12 @@ class RecordContext:
     deadline_ms: int | None = None     # the request's start deadline budget
     baseline_engine: str = ""          # the "large" engine savings are measured against
     baseline_prices: Any = None        # its deployment.Prices
+    # Issue 13: what the policy decided with, so the what-if replay sees the same features.
+    key_name: str = ""
+    requested_max_tokens: int | None = None   # what the client asked (None: not set); max_tokens is what ran
+    engine_state: dict[str, dict[str, Any]] | None = None   # {engine: {predicted_ttft_ms, healthy}} at decision
+    prices: Any = None                 # deployment.Prices from the policy in force (None: the engine's own)
+    policy_version: int = 0            # the policy version that routed and priced it (0: built-in, no policy)
 
 
 @dataclass(slots=True)
@@ -60,6 +66,10 @@ class UsageRecord:
     prices: list[int] = field(default_factory=list)   # [input, cached_input, output] per 1M tokens, as charged
     baseline_engine: str = ""
     baseline_cost_micros: int = 0  # the same tokens at the baseline (large) engine's prices
+    key_name: str = ""
+    requested_max_tokens: int | None = None
+    engine_state: dict[str, dict[str, Any]] | None = None
+    policy_version: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -68,7 +68,9 @@ class UsageFeatures:
         """From a spend record's JSON: time as ISO 8601 or epoch seconds; engine_state as
         {engine: {"predicted_ttft_ms": ..., "healthy": ...}}. Unknown fields are ignored (the
         ledger record carries more: cost, status, latencies). Accepts the gateway's UsageRecord
-        spelling too: cached_tokens for cached_prompt_tokens, max_tokens 0 for "not set"."""
+        spelling too: cached_tokens for cached_prompt_tokens, max_tokens 0 for "not set", and
+        requested_max_tokens (what the client asked, None: not set) over max_tokens (what was
+        granted) when the record has it."""
         t = d["time"]
         time = datetime.fromtimestamp(t, timezone.utc) if isinstance(t, (int, float)) else datetime.fromisoformat(t)
         states = d.get("engine_state")
@@ -77,7 +79,8 @@ class UsageFeatures:
                    cached_prompt_tokens=int(d.get("cached_prompt_tokens", d.get("cached_tokens")) or 0), key_id=d.get("key_id"),
                    key_name=d.get("key_name"), requested_model=d.get("requested_model") or AUTO,
                    tags={str(k): str(v) for k, v in (d.get("tags") or {}).items()},
-                   max_tokens=d.get("max_tokens") or None, router_score=d.get("router_score"),
+                   max_tokens=(d["requested_max_tokens"] if "requested_max_tokens" in d else d.get("max_tokens"))
+                   or None, router_score=d.get("router_score"),
                    deadline_ms=d.get("deadline_ms"), engine=d.get("engine"),
                    engine_state=None if states is None else {
                        k: EngineState(float(v.get("predicted_ttft_ms", 0.0)), bool(v.get("healthy", True)))

@@ -137,7 +137,8 @@ def test_every_metric_and_deployment_key_is_documented():
                 "limits.stream_write_timeout_s", "routing.small", "routing.large", "routing.long_prompt_tokens",
                 "engines.NAME.type", "engines.NAME.model", "engines.NAME.prices.input",
                 "engines.NAME.prices.cached_input", "engines.NAME.prices.output", "ttft_ms", "token_ms",
-                "redis_prefix", "redis_timeout_ms", "auth.key_cache_ttl_s",
+                "redis_prefix", "redis_timeout_ms", "auth.key_cache_ttl_s", "router.artifact",
+                "router.target_large_share", "router.threshold", "router.small", "router.large", "policy",
                 *(f"rate_limits.{k}" for k in RateLimits.__slots__),
                 *(f"admission.{k}" for k in AdmissionConfig.__slots__)):
         assert f"`{key}`" in README, f"deployment key {key} is not documented in README.md"

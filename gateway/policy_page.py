@@ -1,0 +1,263 @@
+"""The operator page for routing policies: view, edit, validate, simulate, apply, history, roll back.
+
+    GET  /admin                 the page (signed in with an admin key); ?since=1d|7d|30d
+    GET  /admin/login           sign-in form          POST /admin/login   api_key + csrf_token
+    POST /admin/logout          csrf_token
+    POST /admin/policy-form     csrf_token, document, since, action = validate | simulate | apply
+    POST /admin/rollback        csrf_token, version
+    GET  /admin/static/{name}   dashboard.css, admin.css
+
+The same session scheme as the dashboard (gateway/sessions.py: a random id in the HttpOnly,
+SameSite=Strict `ty_session` cookie, the session in Redis; gateway/csrf.py: a synchronizer token
+on every form plus the Origin/Referer check), but only admin keys may sign in here, and every
+request re-checks that the session's key is still an admin key that is not revoked. Server-
+rendered Jinja2 (autoescaped); no script at all, so the CSP allows none; the dashboard's security
+headers on every response. Validate and simulate re-render the page with the edited text kept;
+apply and rollback redirect back (303) to the page showing the new version.
+"""
+from __future__ import annotations
+
+import time
+from functools import wraps
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from urllib.parse import parse_qs
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from policies import PolicyError, diff
+
+from . import csrf
+from .api_keys import KeyRecord
+from .errors import APIError, BadRequest, PayloadTooLarge, Unauthorized
+from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
+from .policy_routes import author_of, run_simulation
+from .policy_store import NoSuchVersion, PolicyConflict
+from .sessions import COOKIE, Session, cookie_header
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+HERE = Path(__file__).resolve().parent
+STATIC = {"dashboard.css": "text/css; charset=utf-8", "admin.css": "text/css; charset=utf-8"}
+SECURITY_HEADERS = {"content-security-policy": ("default-src 'self'; script-src 'none'; style-src 'self'; "
+                                                "img-src 'self'; object-src 'none'; base-uri 'none'; "
+                                                "form-action 'self'; frame-ancestors 'none'"),
+                    "x-frame-options": "DENY", "x-content-type-options": "nosniff",
+                    "referrer-policy": "same-origin", "cache-control": "no-store"}
+SINCE = {"1d": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
+MAX_FORM_BYTES = 512 * 1024
+_env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+
+
+def routes() -> list[Route]:
+    return [Route("/admin", page, methods=["GET"]),
+            Route("/admin/login", login_page, methods=["GET"]),
+            Route("/admin/login", login, methods=["POST"]),
+            Route("/admin/logout", logout, methods=["POST"]),
+            Route("/admin/policy-form", policy_form, methods=["POST"]),
+            Route("/admin/rollback", rollback_form, methods=["POST"]),
+            Route("/admin/static/{name}", static, methods=["GET"])]
+
+
+def _secured(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    @wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            resp = await fn(request)
+        except APIError as e:
+            resp = e.response()
+        for k, v in SECURITY_HEADERS.items():
+            resp.headers.setdefault(k, v)
+        return resp
+    return wrapper
+
+
+def _gw(request: Request) -> "Gateway":
+    return request.app.state.gateway
+
+
+def _with_cookie(request: Request, resp: Response, session: Session | None) -> Response:
+    cfg = _gw(request).deployment.web.dashboard
+    secure = cfg.cookie_secure == "always" or (cfg.cookie_secure == "auto" and request.url.scheme == "https")
+    resp.headers.append("set-cookie", cookie_header(session, secure, cfg.session_ttl_s))
+    return resp
+
+
+def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    return HTMLResponse(_env.get_template(name).render(csrf_field=csrf.FIELD, **ctx), status_code=status)
+
+
+async def _admin_session(request: Request) -> tuple[Session, KeyRecord] | None:
+    gw = _gw(request)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    if session is None or not session.signed_in:
+        return None
+    rec = await gw.keys.lookup(session.key_id)
+    if rec is None or rec.revoked is not None or not rec.is_admin:
+        await gw.sessions.delete(session.id)
+        return None
+    return session, rec
+
+
+async def _form(request: Request) -> dict[str, str]:
+    if not request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
+        raise BadRequest("Expected a form (application/x-www-form-urlencoded)", code="invalid_form")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise PayloadTooLarge("Form too large", code="body_too_large")
+    try:
+        parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=8)
+    except (UnicodeDecodeError, ValueError):
+        raise BadRequest("Malformed form", code="invalid_form") from None
+    return {k: v[0] for k, v in parsed.items()}
+
+
+async def _page(request: Request, session: Session, key: KeyRecord, *, document: str | None = None,
+                problems: list | None = None, simulation: dict | None = None, validation_diff: str | None = None,
+                message: str | None = None, since: str = "7d", status: int = 200) -> Response:
+    gw = _gw(request)
+    state = gw.policy
+    history = []
+    if state.store is not None:
+        try:
+            history = await state.store.history(50)
+        except (RedisError, OSError):
+            message = (message + " · " if message else "") + "history unavailable: Redis cannot be reached"
+    if document is None:
+        document = state.version.document if state.version is not None else ""
+    return _render("admin.html", status=status, session=session, key=key, state=state, store=state.store is not None,
+                   history=history, document=document, problems=problems, simulation=simulation,
+                   simulation_rows=comparison_rows(simulation) if simulation else [],
+                   validation_diff=validation_diff, message=message, since=since, since_choices=list(SINCE))
+
+
+@_secured
+async def page(request: Request) -> Response:
+    auth = await _admin_session(request)
+    if auth is None:
+        return RedirectResponse("/admin/login", status_code=303)
+    message = None
+    if request.query_params.get("applied"):
+        message = f"Version {request.query_params['applied']} applied and announced to every gateway."
+    elif request.query_params.get("unchanged"):
+        message = "That document means the policy in force; nothing was stored."
+    return await _page(request, *auth, message=message)
+
+
+@_secured
+async def login_page(request: Request) -> Response:
+    gw = _gw(request)
+    if await _admin_session(request) is not None:
+        return RedirectResponse("/admin", status_code=303)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    if session is None:
+        session = await gw.sessions.create()
+    return _with_cookie(request, _render("admin_login.html", session=session, error=None), session)
+
+
+@_secured
+async def login(request: Request) -> Response:
+    gw = _gw(request)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    form = await _form(request)
+    csrf.check(request, session, form.get(csrf.FIELD))
+    try:
+        key = await gw.keys.authenticate("Bearer " + form.get("api_key", "").strip())
+    except Unauthorized:
+        return _render("admin_login.html", status=401, session=session, error="That key was not accepted.")
+    if not key.is_admin:
+        return _render("admin_login.html", status=403, session=session,
+                       error="That is a tenant key; the policy page needs an admin key.")
+    await gw.sessions.delete(session.id)
+    new = await gw.sessions.create(key_id=key.key_id, tenant=key.tenant, role=key.role)
+    return _with_cookie(request, RedirectResponse("/admin", status_code=303), new)
+
+
+@_secured
+async def logout(request: Request) -> Response:
+    gw = _gw(request)
+    session = await gw.sessions.get(request.cookies.get(COOKIE))
+    form = await _form(request)
+    csrf.check(request, session, form.get(csrf.FIELD))
+    await gw.sessions.delete(session.id)
+    return _with_cookie(request, RedirectResponse("/admin/login", status_code=303), None)
+
+
+async def _signed_form(request: Request) -> tuple[Session, KeyRecord, dict[str, str]]:
+    auth = await _admin_session(request)
+    form = await _form(request)
+    if auth is None:
+        raise Unauthorized("Sign in at /admin/login first", code="not_signed_in")
+    csrf.check(request, auth[0], form.get(csrf.FIELD))
+    return auth[0], auth[1], form
+
+
+@_secured
+async def policy_form(request: Request) -> Response:
+    session, key, form = await _signed_form(request)
+    gw = _gw(request)
+    text = form.get("document", "").replace("\r\n", "\n")
+    action = form.get("action", "validate")
+    since = form.get("since", "7d") if form.get("since") in SINCE else "7d"
+    engines = list(gw.deployment.engines)
+    try:
+        policy = check_document(text, engines)
+    except PolicyError as e:
+        return await _page(request, session, key, document=text, problems=e.problems, since=since, status=422)
+    if action == "simulate":
+        end = time.time()
+        result = await run_simulation(gw, policy, end - SINCE[since], end, DEFAULT_LIMIT, None)
+        return await _page(request, session, key, document=text, simulation=result, since=since)
+    if action == "apply":
+        store = gw.policy.store
+        if store is None:
+            return await _page(request, session, key, document=text, message="No policy store (Redis) here.",
+                               status=503)
+        try:
+            version, applied = await store.apply(text, author_of(key), engines)
+        except PolicyError as e:
+            return await _page(request, session, key, document=text, problems=e.problems, status=422)
+        except (PolicyConflict, RedisError, OSError) as e:
+            return await _page(request, session, key, document=text, message=f"Not applied: {e}", status=503)
+        await gw.policy.refresh()
+        where = f"/admin?applied={version.version}" if applied else "/admin?unchanged=1"
+        return RedirectResponse(where, status_code=303)
+    current = gw.policy.policy
+    return await _page(request, session, key, document=text, since=since,
+                       validation_diff=diff(current, policy, f"version {gw.policy.number}", "edited"))
+
+
+@_secured
+async def rollback_form(request: Request) -> Response:
+    session, key, form = await _signed_form(request)
+    gw = _gw(request)
+    raw = form.get("version", "")
+    if not raw.isdigit():
+        raise BadRequest("version must be a positive integer", param="version", code="invalid_version")
+    store = gw.policy.store
+    if store is None:
+        return await _page(request, session, key, message="No policy store (Redis) here.", status=503)
+    try:
+        version = await store.rollback(int(raw), author_of(key), list(gw.deployment.engines))
+    except (NoSuchVersion, PolicyError) as e:
+        return await _page(request, session, key, problems=e.problems, status=422)
+    except (PolicyConflict, RedisError, OSError) as e:
+        return await _page(request, session, key, message=f"Not rolled back: {e}", status=503)
+    await gw.policy.refresh()
+    return RedirectResponse(f"/admin?applied={version.version}", status_code=303)
+
+
+@_secured
+async def static(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in STATIC:
+        return Response("not found", status_code=404, media_type="text/plain")
+    return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
+                    headers={"cache-control": "no-cache"})

@@ -1,0 +1,146 @@
+"""Policy and route for one chat request: the step between authentication and the limits.
+
+    plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
+
+1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
+2. The prompt is tokenised once (the pinned engine's tokenizer, else the counting engine's; again
+   only if the engine finally chosen has another tokenizer).
+3. The learned router (issue 12, deployment `router:`) scores every prompt: P(small is enough),
+   to metrics, the response headers and the usage record (the replay of a policy needs it).
+4. Without a policy (the built-in default, version 0) the deployment's routing decides: a named
+   engine is served ("pinned"); "auto" goes through the learned router ("router": small when the
+   score >= its threshold) or, without one, the interim rule of routing.py.
+5. With a policy: policies.decide(policy, features, tenant spend, engine states, score,
+   threshold). Features: tenant, key name and id, requested model, prompt tokens, max_tokens,
+   metadata tags, arrival time (UTC) and the time left before the request's start deadline.
+   Tenant spend (today, this month) comes from the spend rollups (gateway/budget.py), read only
+   for tenants with a budget. Engine states: admission's predicted queue wait of each engine
+   for this tenant and class (its predicted TTFT) and whether the engine is alive. The decision
+   gives the engine, the priority class, a max_tokens cap, the route reason, or a refusal:
+   policy deny 403 policy_denied, budget 429 insufficient_quota, overflow with nowhere to go 503
+   deadline_exceeded / engine_unavailable (with retry-after) — all before any limit is reserved.
+Prices: the policy's prices for the chosen engine (and the baseline engine) price the usage
+record; engines the policy does not price keep the deployment's prices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from policies import EngineState, RequestFeatures, TenantSpend, decide
+from router_models.features import prompt_text
+
+from .api_keys import PRIORITIES, KeyRecord
+from .chat_request import ChatRequest
+from .errors import APIError, Forbidden, RateLimited, Unavailable, retry_headers
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+MAX_PREDICTED_MS = 3_600_000.0
+
+
+@dataclass(slots=True)
+class Plan:
+    engine: str
+    reason: str
+    prompt_ids: list[int]
+    score: float | None = None
+    priority: int | None = None                 # admission class index; None: the key's
+    max_tokens: int | None = None               # after a rule's cap; None: the deployment default applies
+    rate: tuple[int, int, int] | None = None    # the policy's rate class for the tenant
+    prices: Any = None                          # deployment.Prices from the policy (None: the engine's)
+    baseline_prices: Any = None
+    policy_version: int = 0
+    engine_state: dict[str, dict[str, Any]] | None = None
+    explanation: list[str] = field(default_factory=list)
+
+
+def _tokenize(gw: "Gateway", engine: str, req: ChatRequest) -> tuple[Any, list[int]]:
+    from .chat_endpoint import tokenize
+    tok = gw.handles[engine].tokenizer
+    return tok, tokenize(tok, req.messages)
+
+
+def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, EngineState]:
+    out = {}
+    for name, h in gw.handles.items():
+        q = gw.admission.queues.get(name)
+        wait_s = q.predicted_wait(tenant, priority) if q is not None else 0.0
+        ms = MAX_PREDICTED_MS if not math.isfinite(wait_s) else min(wait_s * 1000, MAX_PREDICTED_MS)
+        out[name] = EngineState(predicted_ttft_ms=ms, healthy=not h.engine.dead)
+    return out
+
+
+async def plan_route(gw: "Gateway", req: ChatRequest, key: KeyRecord, deadline: float) -> Plan:
+    pinned = gw.router.pinned(req.model)          # NotFound for unknown names
+    state = gw.policy
+    policy = state.policy
+    counting = pinned.engine if pinned is not None else gw.router.counting_engine
+    tok, ids = _tokenize(gw, counting, req)
+    score = None
+    # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
+    # named-engine request to the router, and the what-if replay of a future policy needs the score
+    # in every usage record. Scoring is a hashed dot product (tens of microseconds).
+    if gw.learned_router is not None:
+        score = gw.learned_router.scorer.score(prompt_text(req.messages), len(ids))
+        gw.metrics.router_score.observe(score)
+    if policy is None:
+        if pinned is not None:
+            return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens)
+        if gw.learned_router is not None:
+            lr = gw.learned_router
+            engine = lr.small if score >= lr.threshold else lr.large
+            reason = "router"
+        else:
+            route = gw.router.auto(len(ids))
+            engine, reason = route.engine, route.reason
+        return _finish(gw, req, tok, Plan(engine, reason, ids, score, max_tokens=req.max_tokens))
+
+    import asyncio
+    loop = asyncio.get_running_loop()
+    left_ms = max(0.0, (deadline - loop.time()) * 1000)
+    features = RequestFeatures(tenant=key.tenant, time=datetime.now(timezone.utc), requested_model=req.model,
+                               prompt_tokens=len(ids), max_tokens=req.max_tokens, key_name=key.name or None,
+                               key_id=key.key_id, tags=dict(req.metadata or {}), deadline_ms=left_ms)
+    spend = TenantSpend()
+    budget = policy.tenant(key.tenant).budget
+    if budget is not None:
+        spend, known = await gw.budgets.spend(key.tenant)
+        reached = ((budget.per_day is not None and spend.today >= budget.per_day)
+                   or (budget.per_month is not None and spend.month >= budget.per_month))
+        gw.metrics.budget_checks.labels("unavailable" if not known else "reached" if reached else "within").inc()
+    states = engine_states(gw, key.tenant, key.priority_class)
+    d = decide(policy, features, spend, states, score, state.router_threshold)
+    gw.metrics.policy_decisions.labels(d.action).inc()
+    if d.error is not None:
+        raise _refusal(d.error, states)
+    rule_priority = d.rule_index is not None and policy.rules[d.rule_index].action.priority is not None
+    priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
+                                                                        PRIORITIES.index(d.priority))
+    plan = Plan(d.engine, d.reason, ids, score, priority=priority, max_tokens=d.max_tokens,
+                rate=state.rate_for(key.tenant), prices=state.prices.get(d.engine),
+                baseline_prices=state.prices.get(gw.baseline_engine), policy_version=state.number,
+                engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
+                              for n, s in states.items()},
+                explanation=d.explanation)
+    return _finish(gw, req, tok, plan)
+
+
+def _finish(gw: "Gateway", req: ChatRequest, counted_with: Any, plan: Plan) -> Plan:
+    if gw.handles[plan.engine].tokenizer is not counted_with:
+        plan.prompt_ids = _tokenize(gw, plan.engine, req)[1]
+    return plan
+
+
+def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
+    if denial.status == 503:
+        waits = [s.predicted_ttft_ms for s in states.values() if s.healthy]
+        return Unavailable(denial.message, code=denial.code,
+                           headers=retry_headers(min(waits) / 1000 if waits else 1.0))
+    cls = {403: Forbidden, 429: RateLimited}.get(denial.status, Forbidden)
+    err = cls(denial.message, code=denial.code)
+    err.type = denial.type
+    return err

@@ -1,0 +1,251 @@
+"""The admin API for routing policies (admin keys only; a tenant's key gets 403 admin_required).
+
+    PUT  /admin/policy                      apply a document (YAML, or JSON): a new version
+    GET  /admin/policy                      the current version (JSON; ?format=yaml or Accept: */yaml
+                                            for the document as applied)
+    GET  /admin/policy/history              every version, newest first, with its diff (?limit=N)
+    POST /admin/policy/rollback/{version}   a new version carrying that version's exact document
+    POST /admin/policy/validate             check a document (200 {valid, problems, hash, diff})
+    POST /admin/policy/simulate             replay recorded traffic under a document vs the current
+                                            policy (?start&end&limit&tenant)
+
+An invalid document is 422 `invalid_policy` with every problem (line, column, key path, message,
+allowed values) in `error.problems`; the running policy stays. PUT takes `?expected_version=N`
+to refuse (409 `version_conflict`) when someone else applied in between. Applying a document
+that means the current policy (same hash) stores nothing and answers `"applied": false`.
+The version is installed on this gateway before the answer and announced to every other one.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from policies import PolicyError, build_policy, diff, load_policy, policy_hash, policy_to_dict, policy_to_yaml
+
+from .api_keys import KeyRecord
+from .errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
+from .policy_admin import DEFAULT_LIMIT, MAX_LIMIT, check_document, compare_policies, recorded_traffic
+from .policy_store import NoSuchVersion, PolicyConflict
+from .spend_routes import time_window
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+
+
+def routes() -> list[Route]:
+    return [Route("/admin/policy", put_policy, methods=["PUT"]),
+            Route("/admin/policy", get_policy, methods=["GET"]),
+            Route("/admin/policy/history", history, methods=["GET"]),
+            Route("/admin/policy/rollback/{version}", rollback, methods=["POST"]),
+            Route("/admin/policy/validate", validate, methods=["POST"]),
+            Route("/admin/policy/simulate", simulate_route, methods=["POST"])]
+
+
+def _gw(request: Request) -> "Gateway":
+    return request.app.state.gateway
+
+
+async def admin_key(request: Request) -> KeyRecord:
+    key = await _gw(request).keys.authenticate(request.headers.get("authorization"))
+    if not key.is_admin:
+        raise Forbidden("This endpoint needs an admin key", code="admin_required")
+    return key
+
+
+def author_of(key: KeyRecord) -> str:
+    return key.name or key.key_id
+
+
+def problems_response(e: PolicyError, status: int = 422) -> Response:
+    body = {"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": "invalid_policy",
+                      "problems": [p.to_dict() for p in e.problems]}}
+    return json_error(status, body)
+
+
+async def read_document(request: Request) -> str:
+    """The body as policy text. JSON is a subset of YAML, so it is validated as text too (line and
+    column point into the JSON); the rare JSON that YAML reads differently is re-exported."""
+    limit = _gw(request).deployment.limits.max_body_bytes
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"Policy document exceeds {limit} bytes", code="body_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"Policy document is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
+    if not text.strip():
+        raise BadRequest("Empty policy document", code="empty_policy")
+    if request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"Body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                             code="invalid_json") from e
+        try:
+            load_policy(text)
+        except PolicyError:
+            try:
+                return policy_to_yaml(build_policy(data)) if isinstance(data, dict) else text
+            except PolicyError:
+                return text     # invalid either way: validated again as text, with lines and columns
+    return text
+
+
+def _store(gw: "Gateway") -> Any:
+    if gw.policy.store is None:
+        raise Unavailable("Policies are stored in Redis, which this gateway does not use", code="policy_unavailable",
+                          headers={"retry-after": "60"})
+    return gw.policy.store
+
+
+def _conflict(message: str, param: str | None) -> Response:
+    return json_error(409, {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                      "code": "version_conflict"}})
+
+
+def _redis_down(e: Exception) -> APIError:
+    return Unavailable(f"The policy store cannot be reached right now ({type(e).__name__}); retry shortly",
+                       code="policy_unavailable", headers={"retry-after": "1"})
+
+
+def version_body(gw: "Gateway", v: Any, with_document: bool = True) -> dict[str, Any]:
+    d = v.to_dict()
+    if not with_document:
+        d.pop("document")
+    return d
+
+
+async def put_policy(request: Request) -> Response:
+    key = await admin_key(request)
+    gw = _gw(request)
+    text = await read_document(request)
+    store = _store(gw)
+    expected = request.query_params.get("expected_version")
+    if expected is not None and not expected.isdigit():
+        raise BadRequest("expected_version must be an integer", param="expected_version", code="invalid_version")
+    try:
+        if expected is not None:
+            current = await store.current_number()
+            if current != int(expected):
+                return _conflict(f"The current version is {current}, not {expected}", "expected_version")
+        version, applied = await store.apply(text, author_of(key), list(gw.deployment.engines))
+    except PolicyError as e:
+        return problems_response(e)
+    except PolicyConflict as e:
+        return _conflict(str(e), None)
+    except (RedisError, OSError) as e:
+        raise _redis_down(e) from e
+    await gw.policy.refresh()
+    return JSONResponse({"applied": applied, **version_body(gw, version)}, status_code=200)
+
+
+async def get_policy(request: Request) -> Response:
+    await admin_key(request)
+    gw = _gw(request)
+    state = gw.policy
+    fmt = request.query_params.get("format")
+    if fmt not in (None, "json", "yaml"):
+        raise BadRequest("format must be json or yaml", param="format", code="invalid_format")
+    as_yaml = fmt == "yaml" or (fmt is None and any(t in request.headers.get("accept", "") for t in YAML_TYPES))
+    v = state.version
+    if as_yaml:
+        if v is None:
+            raise NotFound("No policy is in force (the built-in default: the deployment's routing)",
+                           code="policy_not_found")
+        return Response(v.document, media_type="application/yaml; charset=utf-8",
+                        headers={"x-tokenyard-policy-version": str(v.version), "x-tokenyard-policy-hash": v.hash,
+                                 "cache-control": "no-store"})
+    if v is None:
+        return JSONResponse({"version": 0, "source": state.source, "hash": None, "document": None, "policy": None})
+    return JSONResponse({**version_body(gw, v), "source": state.source,
+                         "policy": policy_to_dict(state.policy)}, headers={"cache-control": "no-store"})
+
+
+async def history(request: Request) -> Response:
+    await admin_key(request)
+    gw = _gw(request)
+    raw = request.query_params.get("limit")
+    if raw is not None and (not raw.isdigit() or int(raw) < 1):
+        raise BadRequest("limit must be a positive integer", param="limit", code="invalid_limit")
+    try:
+        versions = await _store(gw).history(int(raw) if raw else None)
+    except (RedisError, OSError) as e:
+        raise _redis_down(e) from e
+    return JSONResponse({"object": "list", "current": gw.policy.number,
+                         "data": [version_body(gw, v) for v in versions]}, headers={"cache-control": "no-store"})
+
+
+async def rollback(request: Request) -> Response:
+    key = await admin_key(request)
+    gw = _gw(request)
+    raw = request.path_params["version"]
+    if not raw.isdigit() or int(raw) < 1:
+        raise BadRequest("version must be a positive integer", param="version", code="invalid_version")
+    try:
+        version = await _store(gw).rollback(int(raw), author_of(key), list(gw.deployment.engines))
+    except NoSuchVersion as e:
+        raise NotFound(str(e.problems[0]), param="version", code="version_not_found") from None
+    except PolicyError as e:
+        return problems_response(e)
+    except PolicyConflict as e:
+        return _conflict(str(e), None)
+    except (RedisError, OSError) as e:
+        raise _redis_down(e) from e
+    await gw.policy.refresh()
+    return JSONResponse({"applied": True, **version_body(gw, version)})
+
+
+async def validate(request: Request) -> Response:
+    await admin_key(request)
+    gw = _gw(request)
+    text = await read_document(request)
+    try:
+        policy = check_document(text, list(gw.deployment.engines))
+    except PolicyError as e:
+        return JSONResponse({"valid": False, "problems": [p.to_dict() for p in e.problems]})
+    current = gw.policy.policy
+    return JSONResponse({"valid": True, "problems": [], "hash": policy_hash(policy),
+                         "unchanged": current is not None and policy_hash(current) == policy_hash(policy),
+                         "diff": diff(current, policy, f"version {gw.policy.number}", "proposed")})
+
+
+async def simulate_route(request: Request) -> Response:
+    await admin_key(request)
+    gw = _gw(request)
+    text = await read_document(request)
+    q = request.query_params
+    raw = q.get("limit", str(DEFAULT_LIMIT))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise BadRequest(f"limit must be an integer in 1..{MAX_LIMIT}", param="limit", code="invalid_limit")
+    start, end = time_window(q)
+    try:
+        proposed = check_document(text, list(gw.deployment.engines))
+    except PolicyError as e:
+        return problems_response(e)
+    result = await run_simulation(gw, proposed, start, end, int(raw), q.get("tenant") or None)
+    return JSONResponse(result, headers={"cache-control": "no-store"})
+
+
+async def run_simulation(gw: "Gateway", proposed: Any, start: float, end: float, limit: int,
+                         tenant: str | None) -> dict[str, Any]:
+    if gw.ledger is None:
+        raise Unavailable("Simulation replays the spend ledger, which this gateway does not have",
+                          code="spend_unavailable", headers={"retry-after": "60"})
+    try:
+        traffic = await recorded_traffic(gw.ledger.redis, gw.deployment.redis_prefix, start, end, limit, tenant)
+    except (RedisError, OSError) as e:
+        raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
+                          headers={"retry-after": "1"}) from e
+    result = compare_policies(gw.policy.policy, proposed, traffic, gw.learned_router)
+    from .spend_reports import iso
+    return {"object": "policy.simulation", "current_version": gw.policy.number, "start": iso(start),
+            "end": iso(end), "limit": limit, **result}
