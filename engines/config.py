@@ -68,7 +68,7 @@ class EngineConfig:
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
-    spec_max_batch: int = 8
+    spec_max_batch: int = 2
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":

@@ -181,3 +181,18 @@ def test_sampled_tokens_follow_target_distribution(tiny_pair, method, monkeypatc
     monkeypatch.setattr(spec_acceptance, "accept_sampled", accept_all)
     joint, third, _ = _sample_counts(target, draft, method, prompt)
     assert min(_gof(joint, exact_joint), _gof(third, exact_third)) < 1e-6
+
+
+def test_speculation_turns_off_past_spec_max_batch(checkpoint_dir):
+    """With more decoding sequences than spec_max_batch, steps run without speculation; once the
+    batch shrinks back, speculation resumes."""
+    eng = Engine(checkpoint_dir("llama"), **BASE, speculative_method="ngram", spec_max_batch=1)
+    prompts = _repetitive_prompts(3, seed=13)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4 + 12 * (i == 0), ignore_eos=True))
+    while len(eng.scheduler.running) < 3 or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+    eng.step()
+    assert eng.spec.stats.num_skipped_steps >= 1 and eng.spec.stats.num_proposed == 0
+    run_to_completion(eng)  # r0 decodes alone at the end: speculation is back on
+    assert eng.spec.stats.num_proposed > 0
