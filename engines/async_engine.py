@@ -14,13 +14,21 @@ a thread of their own so they never hold up a real one.
 A step that raises fails every in-flight request with an "error" output (the reader sees it at
 once instead of hanging), and aborts them in the engine. After `max_consecutive_failures`
 failing steps in a row the engine is declared dead: new requests raise EngineDeadError.
+
+Restart: given a `factory` (a function that builds a fresh engine; the gateway passes one), an
+engine whose step raised, or that reports itself dead (`engine.dead`, e.g. a tensor-parallel
+worker died and engines.Engine failed every request with an error), is rebuilt at once: the old
+one is closed (`close()`, if it has one) and `factory()` runs on the step executor. While that
+runs new requests raise EngineDeadError (the gateway answers 503). A build that fails is retried
+up to `max_restart_attempts` times with exponential backoff from `restart_backoff_s` (capped at
+30 s); if every attempt fails the engine stays dead. `num_restarts` counts rebuilds that worked.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from .errors import EngineDeadError
 from .executor import torch_executor
@@ -82,7 +90,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: EngineCore, name: str = "engine", executor: Executor | None = None,
-                 max_consecutive_failures: int = 3) -> None:
+                 max_consecutive_failures: int = 3, factory: Callable[[], EngineCore] | None = None,
+                 max_restart_attempts: int = 5, restart_backoff_s: float = 0.5) -> None:
         self.engine = engine
         self.name = name
         self._own_executor = executor is None and not getattr(engine, "uses_torch_executor", True)
@@ -99,6 +108,11 @@ class AsyncEngine:
         self._max_failures = max_consecutive_failures
         self.dead: str | None = None      # why the engine was declared dead
         self.num_failed_steps = 0
+        self._factory = factory           # builds a replacement engine; None: no restarts
+        self._max_restart_attempts = max_restart_attempts
+        self._restart_backoff_s = restart_backoff_s
+        self.num_restarts = 0             # engines rebuilt after a failure
+        self.num_failed_restarts = 0      # attempts to rebuild that raised
 
     @property
     def max_model_len(self) -> int:
@@ -170,6 +184,11 @@ class AsyncEngine:
                 self.num_failed_steps += 1
                 log.exception("engine %s: step failed", self.name)
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                if self._factory is not None:   # the engine's state is unknown: replace it
+                    if not await self._restart(f"step raised {type(e).__name__}: {e}"):
+                        return
+                    failures = 0
+                    continue
                 if failures >= self._max_failures:
                     self.dead = f"{failures} steps failed in a row, the last with {type(e).__name__}"
                     log.error("engine %s declared dead: %s", self.name, self.dead)
@@ -183,6 +202,42 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                 stream.put(out)
+            inner_dead = getattr(self.engine, "dead", None)
+            if inner_dead and self._factory is not None:
+                # The engine failed its requests itself (e.g. a tensor-parallel worker died).
+                self._fail_all(f"engine failed: {inner_dead}")
+                if not await self._restart(str(inner_dead)):
+                    return
+
+    async def _restart(self, why: str) -> bool:
+        """Replace the engine with factory()'s; False when every attempt failed (the engine stays dead)."""
+        loop = asyncio.get_running_loop()
+        self.dead = f"restarting after: {why}"
+        log.error("engine %s failed (%s); restarting it", self.name, why)
+        old = self.engine
+        close = getattr(old, "close", None)
+        if close is not None:
+            try:
+                await loop.run_in_executor(self._executor, close)
+            except Exception:  # noqa: BLE001 - the old engine is broken anyway
+                log.warning("engine %s: closing the failed engine raised", self.name, exc_info=True)
+        for attempt in range(self._max_restart_attempts):
+            try:
+                fresh = await loop.run_in_executor(self._executor, self._factory)
+                stats = await loop.run_in_executor(self._executor, fresh.stats)
+            except Exception:  # noqa: BLE001 - retried with backoff below
+                self.num_failed_restarts += 1
+                log.exception("engine %s: restart attempt %d failed", self.name, attempt + 1)
+                await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** attempt))
+                continue
+            self.engine, self._stats = fresh, stats
+            self.num_restarts += 1
+            self.dead = None
+            log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
+            return True
+        self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
+        log.error("engine %s declared dead: %s", self.name, self.dead)
+        return False
 
     def _step(self) -> tuple[list[StepOutput], EngineStats]:
         outputs = self.engine.step()

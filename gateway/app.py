@@ -179,7 +179,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if not gw.handles:
+        owns_engines = not gw.handles
+        if owns_engines:
             gw.handles = await asyncio.to_thread(load_engines, deployment.engines)
         for h in gw.handles.values():
             await h.engine.start()
@@ -202,6 +203,11 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             await gw.stop_redis()
             for h in gw.handles.values():
                 await h.engine.stop()
+                # Engines this gateway built are released (tensor-parallel workers and their
+                # process group); engines handed in by the caller stay the caller's to close.
+                inner = getattr(h.engine, "engine", None)
+                if owns_engines and callable(getattr(inner, "close", None)):
+                    inner.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from engines.chat_template import ChatTemplateError, apply_chat_template
@@ -21,7 +21,7 @@ from engines.sampling_params import SamplingParams
 from engines.tokenizer import Tokenizer
 
 from .chat_request import ChatRequest, parse_chat_request
-from .errors import BadRequest, PayloadTooLarge, ServerError, Unavailable, Unprocessable
+from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable, Unprocessable
 from .generation import EngineFailed, Generation
 from .policy_route import plan_route
 from .streaming import SSEResponse, wait_disconnect
@@ -125,11 +125,15 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
         raise PayloadTooLarge(f"Request body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:   # left mid-body: a 499 in the access log and metrics, not an unhandled error
+        raise ClientClosed("The client closed the connection before sending the whole body",
+                           code="client_disconnected") from None
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")

@@ -25,13 +25,13 @@ from urllib.parse import parse_qs
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from redis.exceptions import RedisError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from . import csrf, dashboard_view
 from .api_keys import KeyRecord
-from .errors import APIError, BadRequest, PayloadTooLarge, Unauthorized, Unavailable
+from .errors import APIError, BadRequest, ClientClosed, PayloadTooLarge, Unauthorized, Unavailable
 from .sessions import COOKIE, Session, cookie_header
 from .spend_reports import parse_group_by
 from .spend_routes import build_report, csv_response, visible_tenants
@@ -118,10 +118,14 @@ async def _form(request: Request) -> dict[str, str]:
     if not request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
         raise BadRequest("Expected a form (application/x-www-form-urlencoded)", code="invalid_form")
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FORM_BYTES:
-            raise PayloadTooLarge("Form too large", code="body_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                raise PayloadTooLarge("Form too large", code="body_too_large")
+    except ClientDisconnect:
+        raise ClientClosed("The client closed the connection before sending the whole form",
+                           code="client_disconnected") from None
     try:
         parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=8)
     except (UnicodeDecodeError, ValueError):

@@ -53,7 +53,8 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
             from .replica_pool import build_pool
             engine = build_pool(name, spec, _build, fp)
         else:
-            engine = AsyncEngine(_build(spec), name)
+            # A failed engine (a step raised, a tensor-parallel worker died) is rebuilt from its spec.
+            engine = AsyncEngine(_build(spec), name, factory=lambda spec=spec: _build(spec))
         handles[name] = EngineHandle(name, spec.type, engine, tok, spec.prices, spec.model, int(time.time()))
     return handles
 

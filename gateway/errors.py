@@ -61,6 +61,12 @@ class RateLimited(APIError):
     status, type = 429, "rate_limit_error"
 
 
+class ClientClosed(APIError):
+    """The client went away while its request body was still being read (nginx's 499): nobody sees
+    this answer; the status is for the access log and the metrics, not an error to log."""
+    status, type = 499, "invalid_request_error"
+
+
 class ServerError(APIError):
     status, type = 500, "server_error"
 

@@ -130,6 +130,8 @@ class _EngineCollector(Collector):
         pre = CounterMetricFamily("tokenyard_engine_preemptions", "Sequences preempted by the scheduler",
                                   labels=["engine"])
         fail = CounterMetricFamily("tokenyard_engine_failed_steps", "Engine steps that raised", labels=["engine"])
+        restarts = CounterMetricFamily("tokenyard_engine_restarts", "Engines rebuilt after a failure",
+                                       labels=["engine"])
         for name, eng in self._engines().items():
             s = eng.stats()
             running.add_metric([name], s.num_running)
@@ -138,7 +140,8 @@ class _EngineCollector(Collector):
             hit.add_metric([name], s.prefix_cache_hit_rate)
             pre.add_metric([name], s.num_preemptions)
             fail.add_metric([name], eng.num_failed_steps)
-        return [running, waiting, kv, hit, pre, fail]
+            restarts.add_metric([name], getattr(eng, "num_restarts", 0))
+        return [running, waiting, kv, hit, pre, fail, restarts]
 
 
 class _AdmissionCollector(Collector):

@@ -33,7 +33,7 @@ from policies import PolicyError, diff
 
 from . import csrf
 from .api_keys import KeyRecord
-from .errors import APIError, BadRequest, PayloadTooLarge, Unauthorized
+from .errors import APIError, BadRequest, NotFound, PayloadTooLarge, Unauthorized
 from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
 from .policy_routes import author_of, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
@@ -258,6 +258,6 @@ async def rollback_form(request: Request) -> Response:
 async def static(request: Request) -> Response:
     name = request.path_params["name"]
     if name not in STATIC:
-        return Response("not found", status_code=404, media_type="text/plain")
+        return NotFound("Not found", code="not_found").response()
     return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
                     headers={"cache-control": "no-cache"})

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -84,6 +86,16 @@ async def read_document(request: Request) -> str:
         raise BadRequest(f"Policy document is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
     if not text.strip():
         raise BadRequest("Empty policy document", code="empty_policy")
+    if "\\u" in text or "\\U" in text:
+        # JSON and double-quoted YAML escapes can smuggle lone surrogates, which no reply (and no
+        # Redis write) could encode back: refuse them here rather than fail later.
+        try:
+            json.dumps(yaml.safe_load(text), ensure_ascii=False, default=str).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest("Policy document contains an unpaired UTF-16 surrogate escape",
+                             code="invalid_encoding") from e
+        except (yaml.YAMLError, ValueError, TypeError, RecursionError):
+            pass  # malformed: reported with line and column by the validation below
     if request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
         try:
             data = json.loads(text)
