@@ -1,5 +1,5 @@
 """The reliability suite at full size (issue 15): the same scenarios as tests/test_reliability_*.py
-and tests/test_fuzz_openapi.py (tests/reliability_helpers.py), with the sizes of the issue.
+and tests/test_fuzz_openapi.py (tests/reliability_*.py), with the sizes of the issue.
 
     .venv/bin/python -m bench.reliability all            # everything below, one summary table
     .venv/bin/python -m bench.reliability overload       # 3x capacity for 60 s (--seconds)
@@ -24,10 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))   # the scenarios live with the tests that run them small
 
-import reliability_helpers as rh  # noqa: E402
+from reliability_common import Report  # noqa: E402
+from reliability_disconnects import run_disconnects  # noqa: E402
+from reliability_failures import run_step_exceptions, run_tp_worker_kills, tp_checkpoint  # noqa: E402
+from reliability_fuzz import run_fuzz  # noqa: E402
+from reliability_overload import run_overload  # noqa: E402
+from reliability_redis import run_redis_outage  # noqa: E402
 
 
-def _row(report: "rh.Report") -> tuple[str, str, str]:
+def _row(report: "Report") -> tuple[str, str, str]:
     f = report.figures
     name = report.name
     if name == "overload":
@@ -82,17 +87,17 @@ def main() -> int:
         reports.append(report)
 
     if want("overload"):
-        run(rh.run_overload, seconds=args.seconds)
+        run(run_overload, seconds=args.seconds)
     if want("disconnects"):
-        run(rh.run_disconnects, args.mock_n, "mock", concurrency=32, seed=21)
-        run(rh.run_disconnects, args.demo_n, "demo-small", concurrency=16, seed=22)
+        run(run_disconnects, args.mock_n, "mock", concurrency=32, seed=21)
+        run(run_disconnects, args.demo_n, "demo-small", concurrency=16, seed=22)
     if want("engine-failure"):
-        run(rh.run_step_exceptions, args.step_faults)
-        run(rh.run_tp_worker_kills, args.tp_kills, rh.tp_checkpoint(Path(tempfile.mkdtemp(prefix="tyrel-tp-"))))
+        run(run_step_exceptions, args.step_faults)
+        run(run_tp_worker_kills, args.tp_kills, tp_checkpoint(Path(tempfile.mkdtemp(prefix="tyrel-tp-"))))
     if want("redis"):
-        run(rh.run_redis_outage, args.outage_s)
+        run(run_redis_outage, args.outage_s)
     if want("fuzz"):
-        run(rh.run_fuzz, args.fuzz_examples, seed=1)
+        run(run_fuzz, args.fuzz_examples, seed=1)
     rows = [_row(r) for r in reports]
     w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     print(f"\n{'scenario':<{w0}}  {'load / faults':<{w1}}  result")

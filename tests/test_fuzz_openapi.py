@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from reliability_helpers import explain, full_run_selected, run_fuzz
+from reliability_common import explain, full_run_selected
+from reliability_fuzz import run_fuzz
 
 
 def test_fuzz_openapi():

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from reliability_helpers import explain, full_run_selected, run_disconnects
+from reliability_common import explain, full_run_selected
+from reliability_disconnects import run_disconnects
 
 
 def test_random_disconnects_mock_engine():

@@ -14,8 +14,8 @@ import pytest
 from engines.async_engine import AsyncEngine
 from engines.errors import EngineDeadError
 from engines.mock_engine import MockEngine
-from reliability_helpers import MODEL, explain, full_run_selected, run_step_exceptions, run_tp_worker_kills, \
-    tp_checkpoint
+from reliability_common import MODEL, explain, full_run_selected
+from reliability_failures import run_step_exceptions, run_tp_worker_kills, tp_checkpoint
 
 
 def test_step_exception_fails_in_flight_cleanly_and_engine_restarts():

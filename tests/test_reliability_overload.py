@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from reliability_helpers import explain, full_run_selected, run_overload
+from reliability_common import explain, full_run_selected
+from reliability_overload import run_overload
 
 
 def test_overload_3x_capacity_sheds_fast_and_keeps_slo():

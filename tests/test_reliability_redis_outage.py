@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from reliability_helpers import explain, full_run_selected, run_redis_outage
+from reliability_common import explain, full_run_selected
+from reliability_redis import run_redis_outage
 
 
 def test_redis_outage_and_back():

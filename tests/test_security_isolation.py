@@ -16,7 +16,7 @@ from gateway.api_keys import KeyStore
 from gateway.sessions import COOKIE
 from gateway_helpers import KEY, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, \
     wait_ledger
-from reliability_helpers import openai_error_shape
+from reliability_common import openai_error_shape
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 GUARDED = ("/v1/spend", "/admin", "/dashboard", "/metrics")
