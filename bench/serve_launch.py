@@ -203,6 +203,18 @@ def derive_deployment(src: Path, dst: Path, engine_options: dict[str, Any] | Non
         if spec.get("type", "torch") == "torch" and engine_options:
             spec.update(engine_options)
     doc["engines"] = engines
+    # The router artifact and the policy file are paths too; both name the small and large
+    # engines, so a deployment cut down to fewer engines runs without them (plain routing).
+    router = doc.get("router") or {}
+    roles = [(doc.get("routing") or {}).get(r) for r in ("small", "large")]
+    two_engines = all(r in engines for r in roles) and len(engines) >= 2
+    if router.get("artifact"):
+        router["artifact"] = str((base / router["artifact"]).resolve())
+    if doc.get("policy"):
+        doc["policy"] = str((base / doc["policy"]).resolve())
+    if not two_engines:
+        doc.pop("router", None)
+        doc.pop("policy", None)
     if bench_friendly:
         doc.setdefault("rate_limits", {})["enabled"] = False
         doc.setdefault("admission", {})["max_concurrent_per_tenant"] = 0

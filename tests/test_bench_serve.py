@@ -247,3 +247,18 @@ def test_cli_parses_and_runs_one_load(tmp_path):
     assert code == 0
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["summary"]["completed"] == 3 and len(data["records"]) == 3
+
+
+def test_derived_deployments_load_from_another_folder(tmp_path):
+    """Scenario deployments are copies of deploy/default.yaml in bench/out: every path in them
+    (models, router artifact, policy file) must still resolve, and a copy cut down to one engine
+    drops the router and policy, which name both engines."""
+    from bench.serve_launch import derive_deployment
+    from gateway.deployment import load_deployment
+
+    src = Path(__file__).resolve().parents[1] / "deploy" / "default.yaml"
+    full = load_deployment(derive_deployment(src, tmp_path / "a" / "full.yaml"))
+    assert full.router.artifact is not None and full.router.artifact.is_file()
+    assert len(full.engines) == 2
+    one = load_deployment(derive_deployment(src, tmp_path / "b" / "one.yaml", only_engines=["demo-large"]))
+    assert list(one.engines) == ["demo-large"] and one.router.artifact is None
