@@ -189,6 +189,9 @@ def derive_deployment(src: Path, dst: Path, engine_options: dict[str, Any] | Non
     base = Path(src).resolve().parent
     # A Redis of the benchmark's own: never share keys and usage with a gateway someone else runs.
     doc["redis_dir"] = str(OUT / "redis")
+    # One key prefix per derived deployment: a policy one scenario imported into Redis must not
+    # become the policy of record for another scenario's (differently shaped) deployment.
+    doc["redis_prefix"] = "bench-" + re.sub(r"[^A-Za-z0-9._-]", "-", Path(dst).stem)[:48] + ":"
     engines = doc.get("engines") or {}
     if only_engines is not None:
         engines = {k: v for k, v in engines.items() if k in only_engines}
