@@ -53,6 +53,15 @@ def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: i
     return "torch"
 
 
+# From this many rows on, int8 on the CPU dequantises and runs a bf16 GEMM instead of the packed
+# op. Measured: at 32 rows the two are about even once the dequantisation is paid per call, at
+# 64 the GEMM path is 1.6x faster, and a 512-token prefill of a 200M model drops from 1,034 to
+# 440 ms (bf16 weights: 422 ms). Decode batches below 64 keep the packed op. int4 has no such
+# path: its CPU layout is torch's int4pack, and a second copy to dequantise would cost the
+# memory int4 saves.
+DENSE_MIN_ROWS = 64
+
+
 class QuantLinear(nn.Module):
     """y = x @ dequantize(weight).T + bias, for x [..., K]; output in x's dtype."""
 
@@ -133,6 +142,11 @@ class QuantLinear(nn.Module):
             return x2.new_empty(0, self.out_features, dtype=torch.bfloat16)
         xb = x2.to(torch.bfloat16).contiguous()
         if not self.int4:
+            if xb.shape[0] >= DENSE_MIN_ROWS:
+                # torch's packed int8 op costs about the same per row at any M (a GEMV loop), so
+                # for prefill chunks and large batches dequantising to bf16 and running one GEMM
+                # is faster: at M=512, 5632x1024, 17.5 ms vs 39.4 ms (bf16 weights: 14.7 ms).
+                return torch.nn.functional.linear(xb, self.w_q.to(torch.bfloat16) * self.scales[:, None])
             return _INT8_MM(xb, self.w_q, self.scales)
         y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
         return y[:, :self.out_features] if self._n_padded != self.out_features else y
