@@ -20,7 +20,7 @@ from engines.errors import EngineDeadError, RequestError
 from engines.sampling_params import SamplingParams
 from engines.tokenizer import Tokenizer
 
-from .chat_request import ChatRequest, parse_chat_request
+from .chat_request import parse_chat_request
 from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable, Unprocessable
 from .generation import EngineFailed, Generation
 from .policy_route import plan_route
@@ -95,17 +95,6 @@ async def chat_completions(request: Request) -> Any:
         return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, headers,
                            lim.stream_buffer_bytes, lim.stream_write_timeout_s)
     return CompletionResponse(gen, completion_id, headers)
-
-
-def route_and_tokenize(gw: "Gateway", req: ChatRequest):
-    route = gw.router.pinned(req.model)
-    if route is not None:
-        return route, tokenize(gw.handles[route.engine].tokenizer, req.messages)
-    counting = gw.handles[gw.router.counting_engine].tokenizer
-    ids = tokenize(counting, req.messages)
-    route = gw.router.auto(len(ids))
-    serving = gw.handles[route.engine].tokenizer
-    return route, (ids if serving is counting else tokenize(serving, req.messages))
 
 
 def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
