@@ -1,6 +1,7 @@
 """Turns a scheduled batch into flat model inputs, runs one forward, and samples."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ from .model import CausalLM
 from .sampler import sample
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -44,8 +47,16 @@ class ModelRunner:
             if self.attention_backend != "triton":
                 raise ValueError("cuda_graphs needs attention_backend triton (padding rows rely on its slot -1 skip)")
             width = -(-max_model_len // block_size)
-            self.graphs = CudaGraphDecoder(model, kv_caches, block_size, width, cuda_graph_max_batch, device,
-                                           capture=mode == "on")
+            try:
+                self.graphs = CudaGraphDecoder(model, kv_caches, block_size, width, cuda_graph_max_batch, device,
+                                               capture=mode == "on")
+            except Exception:  # noqa: BLE001 - a capture failure must not take the engine down
+                if cuda_graphs != "auto":
+                    raise
+                # "auto" promised speed, not graphs: serve eagerly and say so.
+                log.warning("CUDA graph capture failed; decoding eagerly (set cuda_graphs: on to make this an error)",
+                            exc_info=True)
+                self.graphs = None
         self.num_graph_steps = 0
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
