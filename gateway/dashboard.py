@@ -18,27 +18,24 @@ CSRF: gateway/csrf.py.
 from __future__ import annotations
 
 import time
-from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
-from urllib.parse import parse_qs
+from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from redis.exceptions import RedisError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from . import csrf, dashboard_view
 from .api_keys import KeyRecord
-from .errors import APIError, BadRequest, ClientClosed, PayloadTooLarge, Unauthorized, Unavailable
-from .sessions import COOKIE, Session, cookie_header
+from .errors import APIError, BadRequest, Unauthorized, Unavailable
+from .sessions import COOKIE, Session
 from .spend_reports import parse_group_by
 from .spend_routes import build_report, csv_response, visible_tenants
 from .spend_store import all_tenants
+from .web_pages import gateway_of, read_form, secured, security_headers, with_cookie
 
-if TYPE_CHECKING:
-    from .app import Gateway
 
 HERE = Path(__file__).resolve().parent
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8"}
@@ -46,8 +43,7 @@ DAYS = (1, 7, 30, 90)
 MAX_FORM_BYTES = 8192
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
-SECURITY_HEADERS = {"content-security-policy": CSP, "x-frame-options": "DENY", "x-content-type-options": "nosniff",
-                    "referrer-policy": "same-origin", "cache-control": "no-store"}
+SECURITY_HEADERS = security_headers(CSP)
 _env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
 
 
@@ -61,33 +57,11 @@ def routes() -> list[Route]:
             Route("/dashboard/static/{name}", static, methods=["GET"])]
 
 
-def _secured(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Security headers on every dashboard response, errors included."""
-    @wraps(fn)
-    async def wrapper(request: Request) -> Response:
-        try:
-            resp = await fn(request)
-        except APIError as e:
-            resp = e.response()
-        for k, v in SECURITY_HEADERS.items():
-            resp.headers.setdefault(k, v)
-        return resp
-    return wrapper
+_secured = secured(SECURITY_HEADERS)
+_gw = gateway_of
 
 
-def _gw(request: Request) -> "Gateway":
-    return request.app.state.gateway
-
-
-def _secure_cookie(request: Request) -> bool:
-    mode = _gw(request).deployment.web.dashboard.cookie_secure
-    return mode == "always" or (mode == "auto" and request.url.scheme == "https")
-
-
-def _with_cookie(request: Request, resp: Response, session: Session | None) -> Response:
-    resp.headers.append("set-cookie", cookie_header(session, _secure_cookie(request),
-                                                    _gw(request).deployment.web.dashboard.session_ttl_s))
-    return resp
+_with_cookie = with_cookie
 
 
 def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
@@ -115,22 +89,7 @@ def _days(request: Request) -> int:
 
 
 async def _form(request: Request) -> dict[str, str]:
-    if not request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
-        raise BadRequest("Expected a form (application/x-www-form-urlencoded)", code="invalid_form")
-    body = b""
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                raise PayloadTooLarge("Form too large", code="body_too_large")
-    except ClientDisconnect:
-        raise ClientClosed("The client closed the connection before sending the whole form",
-                           code="client_disconnected") from None
-    try:
-        parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=8)
-    except (UnicodeDecodeError, ValueError):
-        raise BadRequest("Malformed form", code="invalid_form") from None
-    return {k: v[0] for k, v in parsed.items()}
+    return await read_form(request, MAX_FORM_BYTES)
 
 
 @_secured

@@ -18,10 +18,8 @@ apply and rollback redirect back (303) to the page showing the new version.
 from __future__ import annotations
 
 import time
-from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
-from urllib.parse import parse_qs
+from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from redis.exceptions import RedisError
@@ -33,22 +31,18 @@ from policies import PolicyError, diff
 
 from . import csrf
 from .api_keys import KeyRecord
-from .errors import APIError, BadRequest, NotFound, PayloadTooLarge, Unauthorized
+from .errors import BadRequest, NotFound, Unauthorized
 from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
 from .policy_routes import author_of, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
-from .sessions import COOKIE, Session, cookie_header
+from .sessions import COOKIE, Session
+from .web_pages import gateway_of, read_form, secured, security_headers, with_cookie
 
-if TYPE_CHECKING:
-    from .app import Gateway
 
 HERE = Path(__file__).resolve().parent
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "admin.css": "text/css; charset=utf-8"}
-SECURITY_HEADERS = {"content-security-policy": ("default-src 'self'; script-src 'none'; style-src 'self'; "
-                                                "img-src 'self'; object-src 'none'; base-uri 'none'; "
-                                                "form-action 'self'; frame-ancestors 'none'"),
-                    "x-frame-options": "DENY", "x-content-type-options": "nosniff",
-                    "referrer-policy": "same-origin", "cache-control": "no-store"}
+SECURITY_HEADERS = security_headers("default-src 'self'; script-src 'none'; style-src 'self'; img-src 'self'; "
+                                    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 SINCE = {"1d": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
 MAX_FORM_BYTES = 512 * 1024
 _env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
@@ -64,28 +58,9 @@ def routes() -> list[Route]:
             Route("/admin/static/{name}", static, methods=["GET"])]
 
 
-def _secured(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    @wraps(fn)
-    async def wrapper(request: Request) -> Response:
-        try:
-            resp = await fn(request)
-        except APIError as e:
-            resp = e.response()
-        for k, v in SECURITY_HEADERS.items():
-            resp.headers.setdefault(k, v)
-        return resp
-    return wrapper
-
-
-def _gw(request: Request) -> "Gateway":
-    return request.app.state.gateway
-
-
-def _with_cookie(request: Request, resp: Response, session: Session | None) -> Response:
-    cfg = _gw(request).deployment.web.dashboard
-    secure = cfg.cookie_secure == "always" or (cfg.cookie_secure == "auto" and request.url.scheme == "https")
-    resp.headers.append("set-cookie", cookie_header(session, secure, cfg.session_ttl_s))
-    return resp
+_secured = secured(SECURITY_HEADERS)
+_gw = gateway_of
+_with_cookie = with_cookie
 
 
 def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
@@ -105,18 +80,7 @@ async def _admin_session(request: Request) -> tuple[Session, KeyRecord] | None:
 
 
 async def _form(request: Request) -> dict[str, str]:
-    if not request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
-        raise BadRequest("Expected a form (application/x-www-form-urlencoded)", code="invalid_form")
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FORM_BYTES:
-            raise PayloadTooLarge("Form too large", code="body_too_large")
-    try:
-        parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=8)
-    except (UnicodeDecodeError, ValueError):
-        raise BadRequest("Malformed form", code="invalid_form") from None
-    return {k: v[0] for k, v in parsed.items()}
+    return await read_form(request, MAX_FORM_BYTES)
 
 
 async def _page(request: Request, session: Session, key: KeyRecord, *, document: str | None = None,
