@@ -8,10 +8,13 @@ gateway was killed hard), it is reused rather than started twice over the same f
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import redis
 
@@ -84,3 +87,21 @@ class EmbeddedRedis:
                 client.close()
         except redis.RedisError:
             return False
+
+
+@contextmanager
+def command_redis_url(override: str | None, deployment_url: str | None, redis_dir: Path) -> Iterator[str]:
+    """The Redis a command-line tool talks to, found as the gateway finds it: --redis-url, else
+    REDIS_URL, else the deployment's `redis_url`, else the embedded redis-server under
+    `redis_dir` (the gateway's own when it is running; otherwise started for the command and
+    stopped after it)."""
+    url = override or os.environ.get("REDIS_URL") or deployment_url
+    embedded = None
+    if not url:
+        embedded = EmbeddedRedis(redis_dir)
+        url = embedded.start()
+    try:
+        yield url
+    finally:
+        if embedded is not None:
+            embedded.stop()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -48,20 +47,14 @@ def _store(args: argparse.Namespace) -> Iterator[KeyStore]:
     import redis
 
     from .deployment import load_deployment
-    from .embedded_redis import EmbeddedRedis
+    from .embedded_redis import command_redis_url
     dep = load_deployment(args.config)
-    url = args.redis_url or os.environ.get("REDIS_URL") or dep.redis_url
-    embedded = None
-    if not url:
-        embedded = EmbeddedRedis(dep.redis_dir)
-        url = embedded.start()       # reuses the gateway's when it is running (then stop() leaves it alone)
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
-    try:
-        yield KeyStore(client, dep.redis_prefix)
-    finally:
-        client.close()
-        if embedded is not None:
-            embedded.stop()
+    with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        try:
+            yield KeyStore(client, dep.redis_prefix)
+        finally:
+            client.close()
 
 
 def _when(ts: float | None) -> str:

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import getpass
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -156,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     import redis
 
     from .deployment import DeploymentError, load_deployment
-    from .embedded_redis import EmbeddedRedis
+    from .embedded_redis import command_redis_url
     try:
         dep = load_deployment(args.config)
     except DeploymentError as e:
@@ -176,16 +175,9 @@ def run(args: argparse.Namespace) -> int:
         from policies import policy_hash
         print(f"{args.file}: valid (hash {policy_hash(policy)})")
         return 0
-    url = args.redis_url or os.environ.get("REDIS_URL") or dep.redis_url
-    embedded = None
     try:
-        if not url:
-            embedded = EmbeddedRedis(dep.redis_dir)
-            url = embedded.start()
-        return asyncio.run(_run(args, url, dep))
+        with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
+            return asyncio.run(_run(args, url, dep))
     except (redis.RedisError, OSError) as e:
         print(f"tokenyard: {e}", file=sys.stderr)
         return 1
-    finally:
-        if embedded is not None:
-            embedded.stop()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import redis
 
     from .deployment import DeploymentError, load_deployment
-    from .embedded_redis import EmbeddedRedis
+    from .embedded_redis import command_redis_url
     try:
         group_by = reports.parse_group_by(args.by)
         now = time.time()
@@ -66,19 +65,12 @@ def run(args: argparse.Namespace) -> int:
     if start >= end:
         print("tokenyard: --since must be before --until", file=sys.stderr)
         return 2
-    url = args.redis_url or os.environ.get("REDIS_URL") or dep.redis_url
-    embedded = None
     try:
-        if not url:
-            embedded = EmbeddedRedis(dep.redis_dir)
-            url = embedded.start()
-        data, total = asyncio.run(_report(url, dep.redis_prefix, args.tenant, start, end, group_by))
+        with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
+            data, total = asyncio.run(_report(url, dep.redis_prefix, args.tenant, start, end, group_by))
     except (redis.RedisError, OSError) as e:
         print(f"tokenyard: redis: {e}", file=sys.stderr)
         return 1
-    finally:
-        if embedded is not None:
-            embedded.stop()
     if args.format == "csv":
         sys.stdout.write(reports.to_csv(data, group_by))
     elif args.format == "json":
