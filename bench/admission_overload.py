@@ -19,13 +19,14 @@ import asyncio
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+
+from bench.serve_launch import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -51,17 +52,12 @@ def start_gateway(port: int, args: argparse.Namespace, prefix: str, redis_url: s
     env = {**os.environ, "TOKENYARD_DEV_KEY": "bench-admin-" + secrets.token_hex(8)}
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if b" 200 " in s.recv(1024):
-                    return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("gateway did not start")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 60, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
 
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, deadline_ms: int) -> dict:
@@ -132,9 +128,7 @@ def main() -> None:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
     prefix = f"bench:adm:{secrets.token_hex(4)}:"
     capacity = args.slots / (args.output_len * args.token_ms / 1000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = start_gateway(port, args, prefix, redis_url)
     try:
         keys = make_keys(redis_url, prefix)

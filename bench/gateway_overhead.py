@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from bench.serve_launch import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "bench-key"
@@ -143,17 +144,12 @@ def start_gateway(port: int, engine: str = "mock", limits: bool = True) -> subpr
     env = {**os.environ, "TOKENYARD_DEV_KEY": KEY, "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")}
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if b" 200 " in s.recv(1024):
-                    return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("gateway did not start")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 60, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
 
 
 def main() -> None:
@@ -164,9 +160,7 @@ def main() -> None:
     ap.add_argument("--health-seconds", type=float, default=8.0, help="0 skips the /health-under-load run")
     ap.add_argument("--no-limits", action="store_true", help="rate limits off (auth and admission stay on)")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = start_gateway(port, limits=not args.no_limits)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
