@@ -18,13 +18,10 @@ CSRF: gateway/csrf.py.
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any
 
-from jinja2 import Environment, FileSystemLoader, select_autoescape
 from redis.exceptions import RedisError
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from . import csrf, dashboard_view
@@ -34,17 +31,15 @@ from .sessions import COOKIE, Session
 from .spend_reports import parse_group_by
 from .spend_routes import build_report, csv_response, visible_tenants
 from .spend_store import all_tenants
-from .web_pages import gateway_of, read_form, secured, security_headers, with_cookie
+from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file, with_cookie
 
 
-HERE = Path(__file__).resolve().parent
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8"}
 DAYS = (1, 7, 30, 90)
 MAX_FORM_BYTES = 8192
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 SECURITY_HEADERS = security_headers(CSP)
-_env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
 
 
 def routes() -> list[Route]:
@@ -58,19 +53,11 @@ def routes() -> list[Route]:
 
 
 _secured = secured(SECURITY_HEADERS)
-_gw = gateway_of
-
-
-_with_cookie = with_cookie
-
-
-def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
-    return HTMLResponse(_env.get_template(name).render(**ctx), status_code=status)
 
 
 async def _signed_in(request: Request) -> tuple[Session, KeyRecord] | None:
     """The session and its key's current record; None when not signed in or the key is gone/revoked."""
-    gw = _gw(request)
+    gw = gateway_of(request)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     if session is None or not session.signed_in:
         return None
@@ -98,7 +85,7 @@ async def page(request: Request) -> Response:
     if auth is None:
         return RedirectResponse("/dashboard/login", status_code=303)
     session, key = auth
-    gw = _gw(request)
+    gw = gateway_of(request)
     tenant = request.query_params.get("tenant") or None
     tenants = await visible_tenants(gw, key, tenant)
     days = _days(request)
@@ -109,24 +96,24 @@ async def page(request: Request) -> Response:
         raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
                           headers={"retry-after": "1"}) from e
     csv_query = f"days={days}&group_by=day,model" + (f"&tenant={tenant}" if tenant else "")
-    return _render("dashboard.html", key=key, session=session, csrf_field=csrf.FIELD, view=view, day_choices=DAYS,
+    return render("dashboard.html", key=key, session=session, csrf_field=csrf.FIELD, view=view, day_choices=DAYS,
                    tenant=tenant, tenant_choices=choices, csv_query=csv_query)
 
 
 @_secured
 async def login_page(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     if await _signed_in(request) is not None:
         return RedirectResponse("/dashboard", status_code=303)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     if session is None:                  # keep an existing anonymous session (and its token) across reloads
         session = await gw.sessions.create()
-    return _with_cookie(request, _render("login.html", session=session, csrf_field=csrf.FIELD, error=None), session)
+    return with_cookie(request, render("login.html", session=session, csrf_field=csrf.FIELD, error=None), session)
 
 
 @_secured
 async def login(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     form = await _form(request)
     try:
@@ -138,22 +125,22 @@ async def login(request: Request) -> Response:
         key = await gw.keys.authenticate("Bearer " + form.get("api_key", "").strip())
     except Unauthorized:
         gw.metrics.dashboard_logins.labels("bad_key").inc()
-        return _render("login.html", status=401, session=session, csrf_field=csrf.FIELD,
+        return render("login.html", status=401, session=session, csrf_field=csrf.FIELD,
                        error="That key was not accepted.")
     await gw.sessions.delete(session.id)     # a new id on sign-in: no session fixation
     new = await gw.sessions.create(key_id=key.key_id, tenant=key.tenant, role=key.role)
     gw.metrics.dashboard_logins.labels("ok").inc()
-    return _with_cookie(request, RedirectResponse("/dashboard", status_code=303), new)
+    return with_cookie(request, RedirectResponse("/dashboard", status_code=303), new)
 
 
 @_secured
 async def logout(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     form = await _form(request)
     csrf.check(request, session, form.get(csrf.FIELD))
     await gw.sessions.delete(session.id)
-    return _with_cookie(request, RedirectResponse("/dashboard/login", status_code=303), None)
+    return with_cookie(request, RedirectResponse("/dashboard/login", status_code=303), None)
 
 
 @_secured
@@ -161,7 +148,7 @@ async def spend_csv(request: Request) -> Response:
     auth = await _signed_in(request)
     if auth is None:
         raise Unauthorized("Sign in at /dashboard/login first", code="not_signed_in")
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         group_by = parse_group_by(request.query_params.get("group_by") or "day,model")
     except ValueError as e:
@@ -177,14 +164,9 @@ async def spend_csv(request: Request) -> Response:
 async def live(request: Request) -> Response:
     if await _signed_in(request) is None:
         raise Unauthorized("Sign in at /dashboard/login first", code="not_signed_in")
-    return JSONResponse({"engines": dashboard_view.live_stats(_gw(request))})
+    return JSONResponse({"engines": dashboard_view.live_stats(gateway_of(request))})
 
 
 @_secured
 async def static(request: Request) -> Response:
-    name = request.path_params["name"]
-    if name not in STATIC:
-        return JSONResponse({"error": {"message": "Not found", "type": "invalid_request_error", "param": None,
-                                       "code": None}}, status_code=404)
-    return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
-                    headers={"cache-control": "no-cache"})
+    return static_file(request.path_params["name"], STATIC)

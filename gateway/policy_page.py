@@ -18,10 +18,8 @@ apply and rollback redirect back (303) to the page showing the new version.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
-from jinja2 import Environment, FileSystemLoader, select_autoescape
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
@@ -31,21 +29,19 @@ from policies import PolicyError, diff
 
 from . import csrf
 from .api_keys import KeyRecord
-from .errors import BadRequest, NotFound, Unauthorized
+from .errors import BadRequest, Unauthorized
 from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
 from .policy_routes import author_of, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
 from .sessions import COOKIE, Session
-from .web_pages import gateway_of, read_form, secured, security_headers, with_cookie
+from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file, with_cookie
 
 
-HERE = Path(__file__).resolve().parent
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "admin.css": "text/css; charset=utf-8"}
 SECURITY_HEADERS = security_headers("default-src 'self'; script-src 'none'; style-src 'self'; img-src 'self'; "
                                     "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 SINCE = {"1d": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
 MAX_FORM_BYTES = 512 * 1024
-_env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
 
 
 def routes() -> list[Route]:
@@ -59,16 +55,14 @@ def routes() -> list[Route]:
 
 
 _secured = secured(SECURITY_HEADERS)
-_gw = gateway_of
-_with_cookie = with_cookie
 
 
 def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
-    return HTMLResponse(_env.get_template(name).render(csrf_field=csrf.FIELD, **ctx), status_code=status)
+    return render(name, status, csrf_field=csrf.FIELD, **ctx)
 
 
 async def _admin_session(request: Request) -> tuple[Session, KeyRecord] | None:
-    gw = _gw(request)
+    gw = gateway_of(request)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     if session is None or not session.signed_in:
         return None
@@ -86,7 +80,7 @@ async def _form(request: Request) -> dict[str, str]:
 async def _page(request: Request, session: Session, key: KeyRecord, *, document: str | None = None,
                 problems: list | None = None, simulation: dict | None = None, validation_diff: str | None = None,
                 message: str | None = None, since: str = "7d", status: int = 200) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     state = gw.policy
     history = []
     if state.store is not None:
@@ -117,18 +111,18 @@ async def page(request: Request) -> Response:
 
 @_secured
 async def login_page(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     if await _admin_session(request) is not None:
         return RedirectResponse("/admin", status_code=303)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     if session is None:
         session = await gw.sessions.create()
-    return _with_cookie(request, _render("admin_login.html", session=session, error=None), session)
+    return with_cookie(request, _render("admin_login.html", session=session, error=None), session)
 
 
 @_secured
 async def login(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     form = await _form(request)
     csrf.check(request, session, form.get(csrf.FIELD))
@@ -141,17 +135,17 @@ async def login(request: Request) -> Response:
                        error="That is a tenant key; the policy page needs an admin key.")
     await gw.sessions.delete(session.id)
     new = await gw.sessions.create(key_id=key.key_id, tenant=key.tenant, role=key.role)
-    return _with_cookie(request, RedirectResponse("/admin", status_code=303), new)
+    return with_cookie(request, RedirectResponse("/admin", status_code=303), new)
 
 
 @_secured
 async def logout(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     form = await _form(request)
     csrf.check(request, session, form.get(csrf.FIELD))
     await gw.sessions.delete(session.id)
-    return _with_cookie(request, RedirectResponse("/admin/login", status_code=303), None)
+    return with_cookie(request, RedirectResponse("/admin/login", status_code=303), None)
 
 
 async def _signed_form(request: Request) -> tuple[Session, KeyRecord, dict[str, str]]:
@@ -166,7 +160,7 @@ async def _signed_form(request: Request) -> tuple[Session, KeyRecord, dict[str, 
 @_secured
 async def policy_form(request: Request) -> Response:
     session, key, form = await _signed_form(request)
-    gw = _gw(request)
+    gw = gateway_of(request)
     text = form.get("document", "").replace("\r\n", "\n")
     action = form.get("action", "validate")
     since = form.get("since", "7d") if form.get("since") in SINCE else "7d"
@@ -201,7 +195,7 @@ async def policy_form(request: Request) -> Response:
 @_secured
 async def rollback_form(request: Request) -> Response:
     session, key, form = await _signed_form(request)
-    gw = _gw(request)
+    gw = gateway_of(request)
     raw = form.get("version", "")
     if not raw.isdigit():
         raise BadRequest("version must be a positive integer", param="version", code="invalid_version")
@@ -220,8 +214,4 @@ async def rollback_form(request: Request) -> Response:
 
 @_secured
 async def static(request: Request) -> Response:
-    name = request.path_params["name"]
-    if name not in STATIC:
-        return NotFound("Not found", code="not_found").response()
-    return Response((HERE / "static" / name).read_bytes(), media_type=STATIC[name],
-                    headers={"cache-control": "no-cache"})
+    return static_file(request.path_params["name"], STATIC)

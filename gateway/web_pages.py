@@ -7,19 +7,37 @@ only their content security policies and form sizes differ.
 from __future__ import annotations
 
 from functools import wraps
-from typing import TYPE_CHECKING, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import parse_qs
 
+from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 
-from .errors import APIError, BadRequest, ClientClosed, PayloadTooLarge
+from .errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge
 from .sessions import Session, cookie_header
 
 if TYPE_CHECKING:
     from .app import Gateway
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+HERE = Path(__file__).resolve().parent
+_templates = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+
+
+def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    """A template from gateway/templates, autoescaped."""
+    return HTMLResponse(_templates.get_template(name).render(**ctx), status_code=status)
+
+
+def static_file(name: str, allowed: dict[str, str]) -> Response:
+    """A file from gateway/static, only when `allowed` lists it (name -> media type)."""
+    if name not in allowed:
+        return NotFound("Not found", code="not_found").response()
+    return Response((HERE / "static" / name).read_bytes(), media_type=allowed[name],
+                    headers={"cache-control": "no-cache"})
 
 
 def security_headers(csp: str) -> dict[str, str]:
