@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from . import yaml_fields
 from .replica_config import ReplicaSet, parse_replica_keys
 from .spend_config import WebSettings, parse_web_settings
 
@@ -294,31 +296,10 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     return EngineSpec(name, kind, model_dir, spec, prices, replicas)
 
 
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise DeploymentError(f"{where} must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _only(section: dict[str, Any], prefix: str, known: set[str]) -> None:
-    unknown = sorted(str(k) for k in section if k not in known)
-    if unknown:
-        raise DeploymentError(f"unknown key(s) {', '.join(prefix + k for k in unknown)}; known: "
-                              f"{', '.join(sorted(prefix + k for k in known))}")
-
-
-def _typed(section: dict[str, Any], prefix: str, key: str, kind: type, default: Any, nullable: bool = False) -> Any:
-    if key not in section:
-        return default
-    value = section[key]
-    if value is None and nullable:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise DeploymentError(f"{prefix}{key} must be {'a' if kind is not int else 'an'} {kind.__name__}"
-                              f"{' or null' if nullable else ''}, got {value!r}")
-    return value
+# The shared readers, raising DeploymentError.
+_mapping = partial(yaml_fields.mapping, error=DeploymentError)
+_only = partial(yaml_fields.only, error=DeploymentError)
+_typed = partial(yaml_fields.typed, error=DeploymentError)
 
 
 def _positive_int(section: dict[str, Any], prefix: str, key: str, default: int) -> int:

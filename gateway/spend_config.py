@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .yaml_fields import choice as _choice, mapping as _mapping, only as _only, typed as _typed
+
 FSYNC = ("always", "never")
 COOKIE_SECURE = ("auto", "always", "never")
 METRICS_ACCESS = ("loopback", "open", "admin")
@@ -90,39 +92,3 @@ def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], erro
     _only(metrics, "metrics.", set(MetricsConfig.__slots__), error)
     out.metrics.access = _choice(metrics, "metrics.", "access", METRICS_ACCESS, out.metrics.access, error)
     return out
-
-
-def _mapping(value: Any, where: str, error: type[Exception]) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise error(f"{where} must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _only(section: dict[str, Any], prefix: str, known: set[str], error: type[Exception]) -> None:
-    unknown = sorted(str(k) for k in section if k not in known)
-    if unknown:
-        raise error(f"unknown key(s) {', '.join(prefix + k for k in unknown)}; known: "
-                    f"{', '.join(sorted(prefix + k for k in known))}")
-
-
-def _typed(section: dict[str, Any], prefix: str, key: str, kind: type, default: Any, error: type[Exception],
-           nullable: bool = False) -> Any:
-    if key not in section:
-        return default
-    value = section[key]
-    if value is None and nullable:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise error(f"{prefix}{key} must be {'an' if kind is int else 'a'} {kind.__name__}"
-                    f"{' or null' if nullable else ''}, got {value!r}")
-    return value
-
-
-def _choice(section: dict[str, Any], prefix: str, key: str, allowed: tuple[str, ...], default: str,
-            error: type[Exception]) -> str:
-    value = section.get(key, default)
-    if value not in allowed:
-        raise error(f"{prefix}{key} must be one of {', '.join(allowed)}, got {value!r}")
-    return value
