@@ -20,13 +20,12 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-from bench.serve_launch import free_port, wait_ready
+from bench.serve_launch import free_port, spawn_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 MSG = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -50,14 +49,7 @@ def start_gateway(port: int, args: argparse.Namespace, prefix: str, redis_url: s
         "engines": {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small"), "token_ms": args.token_ms,
                              "output_len": args.output_len, "max_num_seqs": args.slots, "max_sleep_ms": 2}}}))
     env = {**os.environ, "TOKENYARD_DEV_KEY": "bench-admin-" + secrets.token_hex(8)}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", 60, proc)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
+    return spawn_gateway(cfg, env, port)
 
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, deadline_ms: int) -> dict:

@@ -24,13 +24,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-from bench.serve_launch import free_port, wait_ready
+from bench.serve_launch import free_port, spawn_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "bench-key"
@@ -142,14 +141,7 @@ def start_gateway(port: int, engine: str = "mock", limits: bool = True) -> subpr
                                "rate_limits": {"enabled": limits, "requests": 10**9, "tokens": 10**12},
                                "engines": engines}))
     env = {**os.environ, "TOKENYARD_DEV_KEY": KEY, "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", 60, proc)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
+    return spawn_gateway(cfg, env, port)
 
 
 def main() -> None:

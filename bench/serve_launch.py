@@ -55,6 +55,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_gateway(config: Path, env: dict[str, str], port: int, timeout_s: float = 60) -> subprocess.Popen:
+    """`tokenyard serve --config config --port port`, output discarded, returned once /ready says
+    200 (killed if it never does)."""
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                             "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
 def wait_ready(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None, path: str = "/ready") -> None:
     """Poll until GET path answers 200 (model loading can take a while on a busy CPU)."""
     deadline = time.monotonic() + timeout_s
