@@ -185,7 +185,7 @@ def _prefill(engine: Engine, batch: int, max_tokens: int, vocab: int) -> list[st
     for rid in rids:
         engine.add_request(rid, torch.randint(3, vocab, (32,), generator=g).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    while engine.scheduler.waiting or engine._inbox or any(
+    while engine.scheduler.waiting or engine._inbox.num_new or any(
             s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()  # prefill everything first: only decode steps are timed
     return rids

@@ -96,7 +96,7 @@ def stutter(budgets=(256, 512, 1024, 2048, 4112)) -> list[dict]:
         for i, p in enumerate(decoders):
             eng.add_request(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting \
-                or eng._inbox:
+                or eng._inbox.num_new:
             eng.step()
         for _ in range(3):
             eng.step()

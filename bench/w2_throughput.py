@@ -68,7 +68,7 @@ def step_overhead(llm: LLM, batch: int, vocab: int, steps: int = 20) -> dict[str
         engine.add_request(f"oh{batch}-{i}", torch.randint(3, vocab, (64,), generator=g).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting \
-            or engine._inbox:
+            or engine._inbox.num_new:
         engine.step()  # finish all prefills first: measure pure decode steps
     engine.model.forward = timed
     try:

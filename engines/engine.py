@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .tensor_parallel import check_divisible, shard_model_
 from .outputs import EngineStats, StepOutput
+from .request_inbox import RequestInbox
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
@@ -80,10 +80,7 @@ class Engine:
                                       cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
-        self._lock = threading.Lock()
-        self._inbox: list[Sequence] = []
-        self._aborts: list[str] = []
-        self._live: dict[str, Sequence] = {}
+        self._inbox: RequestInbox[Sequence] = RequestInbox()
         self._arrivals = 0
         self._num_steps = 0
         self._last_step_tokens = 0
@@ -102,35 +99,30 @@ class Engine:
             raise RequestError(f"priority must be an integer, got {priority!r}")
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
-        with self._lock:
-            if request_id in self._live:
-                raise RequestError(f"request id {request_id!r} is already in use")
+        def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids,
                            cache_salt=cache_salt)
             self._arrivals += 1
-            self._live[request_id] = seq
-            self._inbox.append(seq)
+            return seq
+
+        self._inbox.add(request_id, make)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed and an "abort" output is emitted at the next step.
         Unknown or already finished ids are ignored (the race with completion is normal)."""
-        with self._lock:
-            self._aborts.append(request_id)
+        self._inbox.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._live)
+        return self._inbox.has_live
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        for seq in inbox:
+        new, aborts = self._inbox.take()
+        for seq in new:
             self.scheduler.add(seq)
         for rid in aborts:
-            seq = self._live.get(rid)
+            seq = self._inbox.get(rid)
             if seq is not None and not seq.is_finished:
                 outputs.append(self._finish(seq, "abort", []))
         t0 = time.perf_counter()
@@ -178,7 +170,7 @@ class Engine:
         total = self.blocks.num_blocks
         free = self.blocks.num_free_blocks
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + self._inbox.num_new,
             num_free_blocks=free, num_total_blocks=total, kv_usage=(total - free) / total,
             block_size=self.config.block_size, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_rate=self.blocks.hit_rate, prefix_cache_hit_tokens=self.blocks.hit_tokens,
@@ -247,10 +239,7 @@ class Engine:
         request ends with an error and the engine refuses new work until it is replaced."""
         self._dead = f"{type(exc).__name__}: {exc}"
         log.error("engine step failed; failing all in-flight requests: %s", self._dead, exc_info=exc)
-        with self._lock:
-            live = list(self._live.values())
-            self._live.clear()
-            self._inbox.clear()
+        live = self._inbox.clear()
         outs = []
         for seq in live:
             if seq in self.scheduler.running or seq in self.scheduler.waiting:
@@ -269,8 +258,7 @@ class Engine:
         if self.spec is not None:
             self.spec.release(seq)
         seq.finish_reason = reason
-        with self._lock:
-            self._live.pop(seq.request_id, None)
+        self._inbox.done(seq.request_id)
         return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
                           num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
 

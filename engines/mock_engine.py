@@ -18,7 +18,6 @@ looks like the real engine's and "back to idle" can be checked the same way.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from .errors import RequestError
 from .outputs import EngineStats, StepOutput
+from .request_inbox import RequestInbox
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -104,10 +104,7 @@ class MockEngine:
         self._reply = [reply[i % len(reply)] for i in range(n)]
         self._eos = self.tokenizer.eos_token_id
         self._vocab = self.tokenizer.vocab_size
-        self._lock = threading.Lock()
-        self._inbox: list[_MockSeq] = []
-        self._aborts: list[str] = []
-        self._live: dict[str, _MockSeq] = {}
+        self._inbox: RequestInbox[_MockSeq] = RequestInbox()
         self._running: dict[str, _MockSeq] = {}
         self._num_steps = 0
         self._last_step_tokens = 0
@@ -132,26 +129,18 @@ class MockEngine:
         room = self.max_model_len - len(prompt_token_ids)
         target = min(params.max_tokens, room)
         seq = _MockSeq(request_id, len(prompt_token_ids), params, time.monotonic() + self.config.ttft_ms / 1000, target)
-        with self._lock:
-            if request_id in self._live:
-                raise RequestError(f"request id {request_id!r} is already in use")
-            self._live[request_id] = seq
-            self._inbox.append(seq)
+        self._inbox.add(request_id, lambda: seq)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
+        self._inbox.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._live)
+        return self._inbox.has_live
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        for seq in inbox:
+        new, aborts = self._inbox.take()
+        for seq in new:
             self._running[seq.request_id] = seq
         for rid in aborts:
             seq = self._running.get(rid)
@@ -186,8 +175,7 @@ class MockEngine:
         cfg = self.config
         used = sum(-(-(s.num_prompt_tokens + s.num_out) // cfg.block_size) for s in self._running.values())
         used = min(used, cfg.num_blocks)
-        with self._lock:
-            waiting = len(self._inbox)
+        waiting = self._inbox.num_new
         return EngineStats(
             num_running=len(self._running), num_waiting=waiting, num_free_blocks=cfg.num_blocks - used,
             num_total_blocks=cfg.num_blocks, kv_usage=used / cfg.num_blocks, block_size=cfg.block_size,
@@ -208,7 +196,6 @@ class MockEngine:
 
     def _finish(self, seq: _MockSeq, reason: str, new_tokens: list[int]) -> StepOutput:
         self._running.pop(seq.request_id, None)
-        with self._lock:
-            self._live.pop(seq.request_id, None)
+        self._inbox.done(seq.request_id)
         return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
                           num_prompt_tokens=seq.num_prompt_tokens)
