@@ -8,8 +8,11 @@ the large one is needed) and `prompt_tokens` (the serving tokenizer's count; the
 for operator files that lack it). Suite label files (demo/router_labels.py) also carry
 `small_correct` / `large_correct`, which evaluation and quality targets need.
 
-Deterministic: features are hashed with crc32, lbfgs has no random state and runs on one thread,
-and the same rows give bit-identical weights (tests/test_router_training.py).
+Reproducible: features are hashed with crc32, lbfgs has no random state and runs on one BLAS
+thread, so on one machine the same rows give bit-identical artifacts. Another CPU (same wheels)
+may pick other BLAS kernels, which sum in another order; lbfgs then stops a hair away, so the
+weights agree to ~1e-4 and the scores to ~1e-5, not bit for bit (the tolerances and the
+measurements behind them are in tests/test_router_training.py).
 """
 from __future__ import annotations
 
@@ -103,7 +106,8 @@ def fit(train: Labelled, spec: FeatureSpec | None = None,
     spec = fit_normalisation(spec or FeatureSpec(), train.texts, train.tokens)
     X = matrix(train.texts, train.tokens, spec)
     clf = LogisticRegression(C=C, solver="lbfgs", max_iter=5000, tol=1e-8)
-    # One BLAS/OpenMP thread: the same bits on any machine, and 30x faster than two threads
+    # One BLAS/OpenMP thread: the same bits run after run on this machine (a thread count that
+    # follows the machine would change the summation order), and 30x faster than two threads
     # fighting other work on a shared 2-core box (1.1 s vs 36 s measured for the demo set).
     with threadpool_limits(1):
         clf.fit(X, train.labels)

@@ -1,5 +1,11 @@
-"""Training is deterministic; the shipped router beats random routing on the held-out test split
+"""Training is reproducible; the shipped router beats random routing on the held-out test split
 and its calibrated threshold hits its target share of large calls there.
+
+What "reproducible" means here: on one machine, training the same rows twice gives the same
+artifact bit for bit. On another CPU (even the same Python and wheels) OpenBLAS picks other
+kernels, sums in another order, and lbfgs stops at a slightly different point, so a retrained
+artifact matches the shipped one within the tolerances below, with identical structure and
+identical routing decisions on (almost) every held-out prompt.
 
 Everything reads the committed label files (router_models/data/, made by demo/router_labels.py);
 no engine runs here.
@@ -22,6 +28,18 @@ DATA = ROOT / "router_models" / "data"
 SHIPPED = ROOT / "router_models" / "artifacts" / "demo_router.json"
 # Measured APGR on the test split: router 0.819 vs random 0.500 (bench/router_eval.json).
 APGR_MARGIN_OVER_RANDOM = 0.15
+
+# Cross-machine tolerances. lbfgs stops once the loss stops falling by more than 64 machine
+# epsilons (relative), and near the optimum the loss is flat to second order, so two runs whose
+# BLAS sums differ in the last bits can stop apart by ~sqrt(ftol / curvature) in weight space.
+# Measured here, retraining with 2 BLAS threads instead of 1 (another summation order, as another
+# CPU gives) and against the committed file (trained on another machine): weights and intercept
+# apart by at most 6.8e-5, calibration quantiles and threshold by 3.2e-6, test-split scores by
+# 6.1e-6, and 0 of 2200 test prompts routed differently. The bounds keep a 15-30x margin.
+WEIGHT_ATOL = 1e-3          # logistic-regression weights and intercept (logit units)
+SCORE_ATOL = 1e-4           # scores, calibration quantiles and the threshold (probability units)
+OTHER_RTOL = 1e-9           # floats not from the solver (feature normalisation, label shares)
+MAX_ROUTING_CHANGES = 0.002 # share of held-out prompts allowed to change engine (near the threshold)
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +74,84 @@ def fresh(splits):
     return art
 
 
-def test_training_is_deterministic(splits, fresh):
+def test_training_is_bit_for_bit_deterministic_on_one_machine(splits, fresh):
     again, _ = train_router(splits["train"], splits["calibration"], target_large_share=fresh.threshold_target,
                             training=fresh.training)
     a, b = fresh.to_json(), again.to_json()
     assert a == b and a["checksum"] == b["checksum"]
 
 
-def test_shipped_artifact_is_what_training_gives(fresh):
-    assert fresh.to_json() == load(SHIPPED).to_json()   # the committed file is reproducible bit for bit
+def _float_drift(a, b, where: str = "") -> dict[str, float]:
+    """Max |a - b| of the floats per top-level section; everything else must be equal exactly."""
+    section = where.split("/")[1] if where.count("/") else where
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), where
+        return {section: abs(float(a) - float(b))}
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        parts = [_float_drift(a[k], b[k], f"{where}/{k}") for k in a]
+    elif isinstance(a, list):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} entries"
+        parts = [_float_drift(x, y, where) for x, y in zip(a, b)]
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+        return {}
+    out: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
+
+
+def _within_cross_machine_tolerance(fresh_body: dict, shipped_body: dict) -> None:
+    body = {k: v for k, v in fresh_body.items() if k != "checksum"}
+    drift = _float_drift(body, {k: v for k, v in shipped_body.items() if k != "checksum"})
+    limits = {"model": WEIGHT_ATOL, "calibration": SCORE_ATOL, "threshold": SCORE_ATOL}
+    for section, diff in drift.items():
+        limit = limits.get(section)
+        if limit is None:   # relative: these floats are plain sums, equal to the last few ulps
+            scale = max(abs(x) for x in _floats(body[section]))
+            limit = OTHER_RTOL * max(scale, 1.0)
+        assert diff <= limit, f"{section}: floats differ by {diff:.3g} > {limit:.3g}"
+
+
+def _floats(x) -> list[float]:
+    if isinstance(x, float):
+        return [x]
+    if isinstance(x, dict):
+        return [f for v in x.values() for f in _floats(v)]
+    if isinstance(x, list):
+        return [f for v in x for f in _floats(v)]
+    return [0.0]
+
+
+def test_shipped_artifact_is_what_training_gives_within_tolerance(splits, fresh):
+    """The committed file is what `tokenyard router train` gives on any machine of this kind:
+    bit for bit where it was trained, elsewhere within the stated tolerances."""
+    shipped = load(SHIPPED)
+    _within_cross_machine_tolerance(fresh.to_json(), shipped.to_json())
+    a = score_all(Scorer(fresh), splits["test"])
+    b = score_all(Scorer(shipped), splits["test"])
+    assert np.abs(a - b).max() <= SCORE_ATOL
+    changed = np.count_nonzero((a < fresh.threshold) != (b < shipped.threshold))
+    assert changed <= MAX_ROUTING_CHANGES * len(a), f"{changed} of {len(a)} test prompts change engine"
+
+
+def test_cross_machine_check_catches_real_changes(fresh):
+    """The tolerance check is not vacuous: a weight moved by 10x the bound, another threshold, or
+    another feature layout all fail it."""
+    body = fresh.to_json()
+    moved = json.loads(json.dumps(body))
+    moved["model"]["values"][0] += 10 * WEIGHT_ATOL
+    shifted = json.loads(json.dumps(body))
+    shifted["threshold"]["value"] += 10 * SCORE_ATOL
+    relaid = json.loads(json.dumps(body))
+    relaid["model"]["indices"] = relaid["model"]["indices"][1:] + [relaid["model"]["indices"][0]]
+    for bad in (moved, shifted, relaid):
+        with pytest.raises(AssertionError):
+            _within_cross_machine_tolerance(bad, body)
+    _within_cross_machine_tolerance(body, body)
 
 
 def test_router_beats_random_routing_on_the_test_split(report):
