@@ -49,7 +49,8 @@ def test_int8_cpu_matmul_matches_dequantised(m, n, k):
     ref = xb @ wd.t()
     err = (y - ref).abs()
     assert (err <= _bound(xb, ULP * wd.abs(), wd.abs())).all(), float(err.max())
-    # bf16 in, bf16 out; and the reference backend agrees with the reference kernel exactly
+    # bf16 in, bf16 out; and the reference backend agrees with the reference kernel exactly (the
+    # same torch ops on the same inputs in one process: exact on any CPU, so rtol=0 is right)
     assert lin(x.bfloat16()).dtype == torch.bfloat16
     slow = QuantLinear(q, backend="torch")
     torch.testing.assert_close(slow(x), ref_ops.int8_matmul(x, q.w_q, q.scales), rtol=0, atol=0)
@@ -102,6 +103,7 @@ def test_quant_linear_empty_batch_and_leading_dims():
     lin = QuantLinear(q)
     assert lin(torch.randn(0, 64)).shape == (0, 32)
     x = torch.randn(2, 5, 64)
+    # exact: leading dims are flattened before the one matmul, so both calls run the same op on the same rows
     torch.testing.assert_close(lin(x), lin(x.reshape(10, 64)).reshape(2, 5, 32), rtol=0, atol=0)
 
 
@@ -121,6 +123,7 @@ def test_saved_checkpoint_gives_the_same_bits_as_quantising_at_load(checkpoint_d
     assert stored.dtype == at_load.dtype == torch.bfloat16
     assert isinstance(stored.model.layers[0].qkv_proj, QuantLinear)
     prompt = random_prompts(1, 40, 40, 512, seed=3)[0]
+    # exact: the same packed weights through the same ops in one process (no cross-machine claim)
     assert torch.equal(prompt_logits(at_load, prompt), prompt_logits(stored, prompt))
     plain = Engine(out, **opts)  # quantization "none" takes the checkpoint's; dtype auto stays fp32
     assert plain.dtype == torch.float32 and isinstance(plain.model.lm_head, QuantLinear)
