@@ -9,6 +9,12 @@ Arrivals, like vLLM's benchmark_serving:
 - otherwise inter-arrival gaps are gamma distributed with shape `burstiness` and mean
   1 / request_rate. burstiness 1 is a Poisson process; below 1 is burstier, above 1 smoother.
 - `max_concurrency` caps requests in flight (a closed loop when the rate is inf).
+- `duration_s` holds the load: arrivals keep coming at the rate for that long (the dataset is
+  cycled if it runs out) instead of stopping after a fixed number of requests. A short burst
+  mostly measures how fast a queue drains; a held load shows whether the server keeps up.
+  `drain_s` bounds the wait after the last arrival: requests still running then are cancelled
+  (the server sees a disconnect) and recorded as unfinished, so an overloaded rate cannot stall
+  the benchmark for the length of its backlog.
 The schedule is seeded, so every server sees the same arrival times and the same requests.
 """
 from __future__ import annotations
@@ -51,6 +57,8 @@ class LoadConfig:
     timeout_s: float = 600.0                       # one request's total time limit
     headers: dict[str, str] = field(default_factory=dict)
     progress: bool = True                          # tqdm progress bar
+    duration_s: float | None = None                # hold arrivals this long (None: one per request)
+    drain_s: float | None = None                   # cancel what still runs this long after the last arrival
 
     @property
     def chat_url(self) -> str:
@@ -78,6 +86,22 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
     # variation is 1/sqrt(k), which is what "burstiness" turns.
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n - 1)
     return [0.0] + np.cumsum(gaps).tolist()
+
+
+def held_offsets(request_rate: float, duration_s: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times of a load held for `duration_s`: the same gamma gaps as `arrival_offsets`,
+    every arrival before `duration_s` (the first at 0)."""
+    if math.isinf(request_rate) or request_rate <= 0 or duration_s <= 0:
+        raise ValueError(f"a held load needs a finite rate > 0 and a duration > 0, got {request_rate}, {duration_s}")
+    n = max(16, int(request_rate * duration_s * 1.5) + 16)
+    while True:
+        offsets = arrival_offsets(n, request_rate, burstiness, seed)
+        if offsets[-1] >= duration_s:
+            return [t for t in offsets if t < duration_s]
+        n *= 2
+
+
+UNFINISHED = "unfinished at the drain deadline"
 
 
 def _body(req: ChatRequest, cfg: LoadConfig) -> dict[str, Any]:
@@ -166,7 +190,11 @@ def _error_text(body: str) -> str:
 
 
 async def run_load_async(requests: Sequence[ChatRequest], cfg: LoadConfig) -> LoadResult:
-    offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    if cfg.duration_s is not None:
+        offsets = held_offsets(cfg.request_rate, cfg.duration_s, cfg.burstiness, cfg.seed)
+        requests = [requests[i % len(requests)] for i in range(len(offsets))]
+    else:
+        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = None
     if cfg.progress:
@@ -192,7 +220,16 @@ async def run_load_async(requests: Sequence[ChatRequest], cfg: LoadConfig) -> Lo
             if bar is not None:
                 bar.update(1)
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
+        deadline = None if cfg.drain_s is None else (offsets[-1] if offsets else 0.0) + cfg.drain_s
+        _, pending = await asyncio.wait(tasks, timeout=deadline)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            for i, task in enumerate(tasks):
+                if task in pending:
+                    records[i] = RequestRecord(tag=requests[i].tag, start=offsets[i], error=UNFINISHED)
         duration = time.perf_counter() - t0
     if bar is not None:
         bar.close()

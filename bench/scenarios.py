@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.load_generator import ChatRequest, LoadConfig, LoadResult, run_load, run_load_async
+from bench.load_generator import UNFINISHED, ChatRequest, LoadConfig, LoadResult, run_load, run_load_async
 from bench.serve_launch import Endpoint, Launcher
 from bench.serving_metrics import SLO, RequestRecord, Summary, format_summary, summarize
 
@@ -118,25 +118,60 @@ class SweepConfig:
     ttft_slo_ms: float = 2000.0              # p99 TTFT must stay under this for a rate to count
     tpot_slo_ms: float | None = None         # for goodput only
     stop_after_miss: bool = True             # skip higher rates once p99 TTFT > 4x the SLO (saves hours)
+    duration_s: float | None = None          # hold each rate this long (Poisson arrivals); None: one burst
+    drain_s: float = 30.0                    # held: cancel what still runs this long after the last arrival
+    dataset_size: int = 96                   # burst: the requests; held: distinct prompts at least
+    rates_by_server: dict[str, list[float]] = field(default_factory=dict)   # a server's own ladder
+
+    def rates_for(self, server: str) -> list[float]:
+        rates = self.rates_by_server.get(server) or self.rates
+        return sorted(rates) if self.duration_s is not None else list(rates)
+
+
+def _held(cfg: SweepConfig) -> bool:
+    return cfg.duration_s is not None
 
 
 def _sustains(s: Summary, cfg: SweepConfig) -> bool:
     return s.failed == 0 and s.completed > 0 and s.ttft.percentiles["p99"] <= cfg.ttft_slo_ms
 
 
-def rate_sweep(servers: dict[str, Launcher], make_requests: Callable[[], list[ChatRequest]], cfg: SweepConfig,
+def _dataset_size(cfg: SweepConfig, opts: RunOptions) -> int:
+    """Held loads send a fresh prompt per arrival (a repeated prompt would hit the prefix cache)."""
+    if not _held(cfg):
+        return cfg.dataset_size
+    from bench.load_generator import held_offsets
+    every = cfg.rates + [r for rs in cfg.rates_by_server.values() for r in rs]
+    most = max(len(held_offsets(r, cfg.duration_s, opts.burstiness, opts.seed)) for r in every)
+    return max(cfg.dataset_size, most)
+
+
+def rate_sweep(servers: dict[str, Launcher], make_requests: Callable[[int], list[ChatRequest]], cfg: SweepConfig,
                opts: RunOptions) -> dict[str, Any]:
-    """servers: name -> launcher, the first being ours (the ratio is first / last)."""
-    requests = make_requests()
+    """servers: name -> launcher, the first being ours (the ratio is first / last).
+
+    Held (cfg.duration_s): each rate is a Poisson load held for duration_s, rates in increasing
+    order, and a server stops at its first rate that misses the SLO: a held overload only
+    grows its queue, so higher rates cannot meet it either, and each costs a full duration."""
+    requests = make_requests(_dataset_size(cfg, opts))
     slo = SLO(ttft_ms=cfg.ttft_slo_ms, tpot_ms=cfg.tpot_slo_ms)
     points: dict[str, list[dict[str, Any]]] = {}
     for name, launch in servers.items():
         points[name] = []
         with launch() as ep:
             _warm(ep, requests, opts)
-            for rate in cfg.rates:
-                s, _ = _measure(ep, requests, _load_cfg(ep, opts, rate), slo, opts, f"rate {rate:g}/s")
-                points[name].append({"rate": rate, "sustained": _sustains(s, cfg), "summary": s.to_dict()})
+            for rate in cfg.rates_for(name):
+                load = _load_cfg(ep, opts, rate)
+                load.duration_s, load.drain_s = cfg.duration_s, (cfg.drain_s if _held(cfg) else None)
+                s, res = _measure(ep, requests, load, slo, opts, f"rate {rate:g}/s")
+                point = {"rate": rate, "sustained": _sustains(s, cfg), "summary": s.to_dict()}
+                if _held(cfg):
+                    point["held_s"] = cfg.duration_s
+                    point["arrivals"] = len(res.records)
+                    point["unfinished"] = sum(r.error == UNFINISHED for r in res.records)
+                points[name].append(point)
+                if _held(cfg) and not point["sustained"]:
+                    break
                 if cfg.stop_after_miss and s.ttft.percentiles["p99"] > 4 * cfg.ttft_slo_ms:
                     break
     best: dict[str, dict[str, Any] | None] = {}
@@ -176,7 +211,9 @@ def rate_sweep(servers: dict[str, Launcher], make_requests: Callable[[], list[Ch
     summary_lines += [f"output throughput ratio at {r} req/s offered: {v:.2f}x" for r, v in ratio_by_rate.items()]
     table += "\n\n" + "\n".join(summary_lines)
     _plot_sweep(opts.out_dir / "serve_rate_sweep.png", points, cfg)
-    result = {"scenario": "rate_sweep", "slo": asdict(slo), "rates": cfg.rates, "num_requests": len(requests),
+    result = {"scenario": "rate_sweep", "slo": asdict(slo), "rates": {n: cfg.rates_for(n) for n in servers},
+              "num_requests": len(requests),
+              "held_s": cfg.duration_s, "drain_s": cfg.drain_s if _held(cfg) else None,
               "points": points, "highest_sustained_rate": {n: (b["rate"] if b else None) for n, b in best.items()},
               "throughput_ratio": ratio, "throughput_ratio_by_rate": ratio_by_rate}
     return _write(opts, "rate_sweep", result, table)

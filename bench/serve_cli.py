@@ -8,8 +8,10 @@ One load against a server that is already running (like vLLM's benchmark_serving
 
 A scenario (it starts and stops the servers itself, one at a time; JSON + PNG in bench/out/):
 
-    # 1. rate sweep, gateway vs static-batch baseline on the W2-shaped random Llama (full run)
-    tokenyard bench serve --scenario rate-sweep --w2 --rates 0.5,1,2,4,8 --num-prompts 96 --ttft-slo-ms 5000
+    # 1. rate sweep, gateway vs static-batch baseline on the W2-shaped random Llama: Poisson
+    #    arrivals held 60 s per rate, up to the first rate whose p99 TTFT misses the SLO
+    tokenyard bench serve --scenario rate-sweep --w2 --rates 1,2,3 --duration-s 60 --ttft-slo-ms 5000
+    #    ... or one burst of --num-prompts requests per rate (no --duration-s)
     #    ... or on a demo model (--config deploy/default.yaml --engine demo-large)
     tokenyard bench serve --scenario rate-sweep --engine demo-large --rates 1,2,4,8,16 --num-prompts 128
     # 2. interactive vs batch priorities under mixed load
@@ -73,12 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--tpot-slo-ms", type=float, default=None, help="goodput SLO on TPOT")
     c.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "out")
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--results-name", help="scenarios: raw results to bench/results/<name>.json "
+                                          "(default serve_<scenario>)")
+    c.add_argument("--no-results", action="store_true", help="scenarios: do not write bench/results/")
     s = ap.add_argument_group("scenarios")
     s.add_argument("--config", type=Path, default=ROOT / "deploy" / "default.yaml", help="gateway deployment")
     s.add_argument("--engine", default="demo-large", help="the engine measured (its model feeds the baseline)")
     s.add_argument("--w2", action="store_true", help="rate-sweep on the W2-shaped random Llama "
                                                      "(deploy/bench_w2.yaml; built on first use)")
     s.add_argument("--rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0], help="comma-separated req/s (inf: all)")
+    s.add_argument("--baseline-rates", type=_rates, help="rate-sweep: the baseline's rates (default --rates)")
+    s.add_argument("--duration-s", type=float, help="rate-sweep: hold each rate this long (Poisson arrivals) "
+                                                    "instead of one burst of --num-prompts")
+    s.add_argument("--drain-s", type=float, default=30.0, help="held rate-sweep: cancel requests still running "
+                                                               "this long after the last arrival")
     s.add_argument("--batch-size", type=int, default=32, help="static-batch baseline's batch size")
     s.add_argument("--interactive-rate", type=float, default=2.0, help="priorities: interactive req/s")
     s.add_argument("--concurrency", type=int, default=8, help="router / prefix: requests in flight")
@@ -86,13 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ap.set_defaults(func=run)
 
 
-def _requests(args: argparse.Namespace, dataset: str, tokenizer: Path, max_len: int | None):
+def _requests(args: argparse.Namespace, dataset: str, tokenizer: Path, max_len: int | None, n: int | None = None):
     from bench import serve_datasets as ds
     if dataset == "tasks":
         return ds.task_suite(args.num_prompts, seed=args.seed)
     sizer = ds.TokenSizer(tokenizer)
     if dataset == "random":
-        return ds.random_lengths(args.num_prompts, sizer, args.input_len, args.output_len, max_len, seed=args.seed)
+        return ds.random_lengths(n or args.num_prompts, sizer, args.input_len, args.output_len, max_len,
+                                 seed=args.seed)
     if dataset == "prefix":
         sys_tokens = 256 if max_len is None else min(256, max_len // 2)
         return ds.shared_prefix_chat(args.num_prompts, sizer, system_tokens=sys_tokens, seed=args.seed)
@@ -128,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_load(args)
     from bench import scenarios as sc
     from bench import serve_launch as sl
+    from bench.results_io import RunRecorder
+    recorder = RunRecorder(args.results_name or "serve_" + args.scenario.replace("-", "_"))
     opts = sc.RunOptions(out_dir=args.out_dir, seed=args.seed, burstiness=args.burstiness,
                          progress=not args.no_progress)
     deploy_dir = args.out_dir / "deploy"
@@ -150,8 +163,11 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario == "rate-sweep":
         servers = {"tokenyard": sl.gateway_process(one, f"gateway-{engine}", engine),
                    f"static-batch-{args.batch_size}": sl.static_process(model_dir, args.batch_size)}
-        cfg = sc.SweepConfig(args.rates, args.ttft_slo_ms or 2000.0, args.tpot_slo_ms)
-        result = sc.rate_sweep(servers, lambda: _requests(args, "random", tok, max_len), cfg, opts)
+        cfg = sc.SweepConfig(args.rates, args.ttft_slo_ms or 2000.0, args.tpot_slo_ms, duration_s=args.duration_s,
+                             drain_s=args.drain_s, dataset_size=args.num_prompts,
+                             rates_by_server={f"static-batch-{args.batch_size}": args.baseline_rates}
+                             if args.baseline_rates else {})
+        result = sc.rate_sweep(servers, lambda n: _requests(args, "random", tok, max_len, n), cfg, opts)
     elif args.scenario == "priorities":
         gw = sl.gateway_process(one, f"gateway-{engine}", engine, batch_key=True)
         inter = _requests(args, "tasks", tok, max_len)
@@ -175,7 +191,23 @@ def run(args: argparse.Namespace) -> int:
                    "none": sl.gateway_process(one, f"gateway-{engine}", engine)}
         result = sc.speculation(servers, _requests(args, "tasks", tok, max_len), opts, args.spec_concurrency)
     print(result["table"])
+    if not args.no_results:
+        figures, runs = raw_results(result)
+        recorder.write(figures, runs, engine=engine, config=str(config.relative_to(ROOT) if config.is_relative_to(ROOT)
+                                                                  else config))
     return 0
+
+
+def raw_results(result: dict) -> tuple[dict, list]:
+    """A scenario's result as (figures, runs) for bench/results: the per-run summaries become
+    runs, everything else but the printed table stays a figure."""
+    figures = {k: v for k, v in result.items() if k not in ("table", "points", "runs")}
+    runs: list = []
+    for server, pts in (result.get("points") or {}).items():
+        runs += [{"server": server, **p} for p in pts]
+    for label, r in (result.get("runs") or {}).items():
+        runs.append({"run": label, **r})
+    return figures, runs
 
 
 def sc_max_len(model_dir: Path) -> int | None:

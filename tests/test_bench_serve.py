@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench import scenarios as sc
-from bench.load_generator import ChatRequest, LoadConfig, arrival_offsets, run_load
+from bench.load_generator import UNFINISHED, ChatRequest, LoadConfig, arrival_offsets, held_offsets, run_load
 from bench.serve_datasets import TokenSizer, random_lengths, shared_prefix_chat, summarisation_mix, task_suite
 from bench.serve_launch import Endpoint, serve_app_in_thread, serving_checkpoint
 from bench.serving_metrics import SLO, RequestRecord, percentile, summarize
@@ -172,8 +172,8 @@ def test_static_batch_server_speaks_the_chat_api(tiny_llama):
 def test_scenario_rate_sweep_smoke(tiny_llama, tmp_path):
     servers = {"tokenyard": gateway_launcher(mock_deployment(**FAST_MOCK)), "static": static_launcher(tiny_llama)}
     sizer = TokenSizer(DEMO_SMALL)
-    result = sc.rate_sweep(servers, lambda: random_lengths(6, sizer, (16, 48), (4, 8), 512),
-                           sc.SweepConfig([20.0, math.inf], ttft_slo_ms=30_000), opts(tmp_path))
+    result = sc.rate_sweep(servers, lambda n: random_lengths(n, sizer, (16, 48), (4, 8), 512),
+                           sc.SweepConfig([20.0, math.inf], ttft_slo_ms=30_000, dataset_size=6), opts(tmp_path))
     assert set(result["points"]) == {"tokenyard", "static"}
     assert all(p["summary"]["completed"] == 6 for pts in result["points"].values() for p in pts)
     assert result["highest_sustained_rate"]["tokenyard"] == math.inf and result["throughput_ratio"] > 0
@@ -181,6 +181,39 @@ def test_scenario_rate_sweep_smoke(tiny_llama, tmp_path):
     assert (tmp_path / "serve_rate_sweep.png").stat().st_size > 0
     assert json.loads((tmp_path / "serve_rate_sweep.json").read_text())["scenario"] == "rate_sweep"
     assert "| server |" in result["table"]
+
+
+def test_held_load_keeps_arriving_for_the_duration_then_cancels_stragglers():
+    t = held_offsets(20.0, 3.0, seed=2)
+    assert t[0] == 0 and t[-1] < 3.0 and 40 <= len(t) <= 80          # ~60 Poisson arrivals in 3 s
+    with pytest.raises(ValueError):
+        held_offsets(math.inf, 3.0)
+    # 8 req/s for 0.5 s of a 2-token dataset (cycled), against a mock that cannot finish them in
+    # time: the drain deadline cuts the rest, which come back as unfinished, not as a hang.
+    doc = mock_deployment(ttft_ms=5, token_ms=200, output_len=20)
+    with running_gateway(doc) as srv:
+        reqs = task_suite(2)
+        cfg = LoadConfig(srv.base_url, KEY, "mock", 8.0, progress=False, duration_s=0.5, drain_s=0.3, timeout_s=30)
+        res = run_load(reqs, cfg)
+    assert len(res.records) == len(held_offsets(8.0, 0.5)) and res.duration_s < 5
+    assert all(r.error == UNFINISHED and not r.ok for r in res.records)
+
+
+def test_scenario_rate_sweep_held_smoke(tmp_path):
+    """Held loads: fresh prompts per arrival, ascending ladder, stop at the first miss."""
+    servers = {"tokenyard": gateway_launcher(mock_deployment(**FAST_MOCK)),
+               "slow": gateway_launcher(mock_deployment(ttft_ms=400, token_ms=1, output_len=4, max_num_seqs=1))}
+    sizer = TokenSizer(DEMO_SMALL)
+    cfg = sc.SweepConfig([10.0, 5.0], ttft_slo_ms=300, duration_s=0.6, drain_s=5, dataset_size=2,
+                         rates_by_server={"slow": [4.0, 8.0]})
+    result = sc.rate_sweep(servers, lambda n: random_lengths(n, sizer, (16, 32), (4, 6), 512), cfg, opts(tmp_path))
+    assert result["num_requests"] >= len(held_offsets(10.0, 0.6)) > 2
+    ours = result["points"]["tokenyard"]
+    assert [p["rate"] for p in ours] == [5.0, 10.0] and all(p["arrivals"] > 0 and p["held_s"] == 0.6 for p in ours)
+    assert result["highest_sustained_rate"]["tokenyard"] == 10.0
+    slow = result["points"]["slow"]
+    assert [p["rate"] for p in slow] == [4.0] and not slow[0]["sustained"]      # stopped at its first miss
+    assert result["highest_sustained_rate"]["slow"] is None
 
 
 def test_scenario_priorities_smoke(tmp_path):
