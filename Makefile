@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: serve test bench install clean chromium
+.PHONY: serve test reliability gpu-check bench install clean chromium
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -42,6 +42,16 @@ chromium:
 
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest tests
+
+# The full-size reliability runs (tests marked `reliability`, deselected from `make test`): Redis
+# outages, engine failures, overload and disconnects at their real sizes. Minutes, not seconds;
+# .ci/run calls this after `make test` only when TOKENYARD_CI_RELIABILITY=1.
+reliability: $(STAMP)
+	$(BIN)/python -m pytest tests -m reliability
+
+# Everything a GPU must show, in one table (bench/gpu_check.sh; `--dry-run` runs in `make test`).
+gpu-check:
+	bench/gpu_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.w2_throughput
