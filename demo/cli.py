@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -57,8 +58,20 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from demo.evaluate import run
 
-    run(args.models, args.items, args.seed, Path(args.out) if args.out else None)
+    run(args.models, args.items, args.seed, Path(args.out) if args.out else None, _eval_command(args))
     return 0
+
+
+def _eval_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this record (written into it; default models left out)."""
+    parts = ["tokenyard", "demo", "eval"]
+    defaults = [str(DEFAULT_MODELS / "demo-small"), str(DEFAULT_MODELS / "demo-large")]
+    if [str(Path(m).resolve()) for m in args.models] != defaults:
+        parts += ["--models", *map(shlex.quote, args.models)]
+    parts += ["--items", str(args.items), "--seed", str(args.seed)]
+    if args.out:
+        parts += ["--out", shlex.quote(args.out)]
+    return " ".join(parts)
 
 
 def _plot(args: argparse.Namespace) -> int:
