@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from engines.sampling_params import SamplingParams
 from engines.tokenizer import Tokenizer
 
 from .chat_request import parse_chat_request
+from .edge_params import parse_int, read_int
 from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable, Unprocessable
 from .generation import EngineFailed, Generation
 from .policy_route import plan_route
@@ -43,7 +45,7 @@ async def chat_completions(request: Request) -> Any:
     key = await gw.keys.authenticate(request.headers.get("authorization"))
     info["tenant"] = key.tenant
     elapsed = time.perf_counter() - arrival
-    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), elapsed)
+    deadline = gw.admission.deadline(_deadline_header(request), elapsed)
     deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
     # Policy and route (issue 13): rules, the learned router, budget, overflow; may refuse here.
     route = await plan_route(gw, req, key, deadline)
@@ -109,8 +111,8 @@ def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared = _declared_length(request.headers.get("content-length"))
+    if declared is not None and declared > max_bytes:
         raise PayloadTooLarge(f"Request body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
     chunks: list[bytes] = []
     size = 0
@@ -129,15 +131,73 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
     except UnicodeDecodeError as e:
         raise BadRequest(f"Request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_int=_json_int)
     except json.JSONDecodeError as e:
         raise BadRequest(f"Request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                          code="invalid_json") from e
     except RecursionError as e:
         raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep") from e
+    except ValueError as e:     # an integer literal too long to be any parameter's value
+        raise BadRequest(f"Request body is not valid JSON: {e}", code="invalid_json") from e
     if _depth(body, max_depth) > max_depth:
         raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep")
+    where = _unpaired_surrogate(body)
+    if where is not None:
+        # JSON's \ud800 escape decodes to a lone surrogate that no reply, log line or Redis write
+        # can encode back as UTF-8; refused here so nothing downstream ever holds one.
+        raise BadRequest("Request body contains an unpaired UTF-16 surrogate escape", param=where or None,
+                         code="invalid_encoding")
     return body
+
+
+MAX_INT_DIGITS = 40     # far above any seed or token count; int() of 4,300+ digits is a ValueError anyway
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits is too long")
+    return int(text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unpaired_surrogate(value: Any) -> str | None:
+    """The path ("metadata.k", "messages[0].content"; "" for the top level) of the first string or
+    key holding a lone surrogate, or None. A valid pair decodes to one code point, so any
+    surrogate code point left in a str is unpaired."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                return path
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if not k.isascii() and _SURROGATE.search(k):
+                    return path
+                stack.append((x, sub))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
+    return None
+
+
+def _deadline_header(request: Request) -> str | None:
+    """x-request-deadline-ms as plain ASCII digits (admission reads it), or a 400 here: "²" passes
+    str.isdigit() but not int()."""
+    raw = request.headers.get("x-request-deadline-ms")
+    if raw is None:
+        return None
+    return str(parse_int(raw, "x-request-deadline-ms", minimum=1, code="invalid_deadline"))
+
+
+def _declared_length(raw: str | None) -> int | None:
+    """Content-Length when it is a plain integer; otherwise None (the streamed count still applies)."""
+    try:
+        return read_int(raw, 0) if raw is not None else None
+    except ValueError:
+        return None
 
 
 def _depth(value: Any, limit: int) -> int:

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from . import csrf, dashboard_view
 from .api_keys import KeyRecord
+from .edge_params import parse_int
 from .errors import APIError, BadRequest, Unauthorized, Unavailable
 from .sessions import COOKIE, Session
 from .spend_reports import parse_group_by
@@ -69,10 +70,10 @@ async def _signed_in(request: Request) -> tuple[Session, KeyRecord] | None:
 
 
 def _days(request: Request) -> int:
-    raw = request.query_params.get("days", "7")
-    if not raw.isdigit() or int(raw) not in DAYS:
+    days = parse_int(request.query_params.get("days"), "days", default=7, minimum=1, code="invalid_days")
+    if days not in DAYS:
         raise BadRequest(f"days must be one of {', '.join(map(str, DAYS))}", param="days", code="invalid_days")
-    return int(raw)
+    return days
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -107,7 +108,7 @@ async def login_page(request: Request) -> Response:
         return RedirectResponse("/dashboard", status_code=303)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     if session is None:                  # keep an existing anonymous session (and its token) across reloads
-        session = await gw.sessions.create()
+        session = await gw.sessions.anonymous()
     return with_cookie(request, render("login.html", session=session, csrf_field=csrf.FIELD, error=None), session)
 
 

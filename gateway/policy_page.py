@@ -29,7 +29,8 @@ from policies import PolicyError, diff
 
 from . import csrf
 from .api_keys import KeyRecord
-from .errors import BadRequest, Unauthorized
+from .edge_params import parse_int
+from .errors import Unauthorized
 from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
 from .policy_routes import author_of, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
@@ -116,7 +117,7 @@ async def login_page(request: Request) -> Response:
         return RedirectResponse("/admin", status_code=303)
     session = await gw.sessions.get(request.cookies.get(COOKIE))
     if session is None:
-        session = await gw.sessions.create()
+        session = await gw.sessions.anonymous()
     return with_cookie(request, _render("admin_login.html", session=session, error=None), session)
 
 
@@ -196,14 +197,12 @@ async def policy_form(request: Request) -> Response:
 async def rollback_form(request: Request) -> Response:
     session, key, form = await _signed_form(request)
     gw = gateway_of(request)
-    raw = form.get("version", "")
-    if not raw.isdigit():
-        raise BadRequest("version must be a positive integer", param="version", code="invalid_version")
+    number = parse_int(form.get("version", ""), "version", minimum=1, code="invalid_version")
     store = gw.policy.store
     if store is None:
         return await _page(request, session, key, message="No policy store (Redis) here.", status=503)
     try:
-        version = await store.rollback(int(raw), author_of(key), list(gw.deployment.engines))
+        version = await store.rollback(number, author_of(key), list(gw.deployment.engines))
     except (NoSuchVersion, PolicyError) as e:
         return await _page(request, session, key, problems=e.problems, status=422)
     except (PolicyConflict, RedisError, OSError) as e:

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from policies import PolicyError, build_policy, diff, load_policy, policy_hash, policy_to_dict, policy_to_yaml
 
 from .api_keys import KeyRecord
+from .edge_params import parse_int
 from .errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
 from .policy_admin import DEFAULT_LIMIT, MAX_LIMIT, check_document, compare_policies, recorded_traffic
 from .policy_store import NoSuchVersion, PolicyConflict
@@ -141,13 +142,12 @@ async def put_policy(request: Request) -> Response:
     gw = _gw(request)
     text = await read_document(request)
     store = _store(gw)
-    expected = request.query_params.get("expected_version")
-    if expected is not None and not expected.isdigit():
-        raise BadRequest("expected_version must be an integer", param="expected_version", code="invalid_version")
+    expected = parse_int(request.query_params.get("expected_version"), "expected_version", minimum=0,
+                         code="invalid_version")
     try:
         if expected is not None:
             current = await store.current_number()
-            if current != int(expected):
+            if current != expected:
                 return _conflict(f"The current version is {current}, not {expected}", "expected_version")
         version, applied = await store.apply(text, author_of(key), list(gw.deployment.engines))
     except PolicyError as e:
@@ -185,11 +185,9 @@ async def get_policy(request: Request) -> Response:
 async def history(request: Request) -> Response:
     await admin_key(request)
     gw = _gw(request)
-    raw = request.query_params.get("limit")
-    if raw is not None and (not raw.isdigit() or int(raw) < 1):
-        raise BadRequest("limit must be a positive integer", param="limit", code="invalid_limit")
+    limit = parse_int(request.query_params.get("limit") or None, "limit", minimum=1, code="invalid_limit")
     try:
-        versions = await _store(gw).history(int(raw) if raw else None)
+        versions = await _store(gw).history(limit)
     except (RedisError, OSError) as e:
         raise _redis_down(e) from e
     return JSONResponse({"object": "list", "current": gw.policy.number,
@@ -199,11 +197,9 @@ async def history(request: Request) -> Response:
 async def rollback(request: Request) -> Response:
     key = await admin_key(request)
     gw = _gw(request)
-    raw = request.path_params["version"]
-    if not raw.isdigit() or int(raw) < 1:
-        raise BadRequest("version must be a positive integer", param="version", code="invalid_version")
+    number = parse_int(request.path_params["version"], "version", minimum=1, code="invalid_version")
     try:
-        version = await _store(gw).rollback(int(raw), author_of(key), list(gw.deployment.engines))
+        version = await _store(gw).rollback(number, author_of(key), list(gw.deployment.engines))
     except NoSuchVersion as e:
         raise NotFound(str(e.problems[0]), param="version", code="version_not_found") from None
     except PolicyError as e:
@@ -235,15 +231,14 @@ async def simulate_route(request: Request) -> Response:
     gw = _gw(request)
     text = await read_document(request)
     q = request.query_params
-    raw = q.get("limit", str(DEFAULT_LIMIT))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise BadRequest(f"limit must be an integer in 1..{MAX_LIMIT}", param="limit", code="invalid_limit")
+    limit = parse_int(q.get("limit"), "limit", default=DEFAULT_LIMIT, minimum=1, maximum=MAX_LIMIT,
+                      code="invalid_limit")
     start, end = time_window(q)
     try:
         proposed = check_document(text, list(gw.deployment.engines))
     except PolicyError as e:
         return problems_response(e)
-    result = await run_simulation(gw, proposed, start, end, int(raw), q.get("tenant") or None)
+    result = await run_simulation(gw, proposed, start, end, limit, q.get("tenant") or None)
     return JSONResponse(result, headers={"cache-control": "no-store"})
 
 

@@ -8,7 +8,10 @@ hash of the id is used as the key, so reading Redis (a dump, `MONITOR`) yields n
 A session holds the signed-in key's id, tenant and role, never the API key itself; each request
 re-checks the key record (gateway/key_cache.py), so revoking the key ends its sessions at once.
 An anonymous session (key_id None) exists only to carry the sign-in form's CSRF token; signing in
-replaces it with a new session id (no session fixation).
+replaces it with a new session id (no session fixation). It is never stored: its id carries its
+expiry ("a.<unix expiry>.<random>") and its token is an HMAC of the id under a secret shared by
+the gateways (`{prefix}sessions:anon_secret` in Redis, made once), so anyone may load the sign-in
+page as often as they like without making the server keep anything.
 
 The cookie: HttpOnly (no script can read it), SameSite=Strict (never sent on a request another
 site starts, including top-level navigations: the dashboard is a tool one opens directly, so
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import secrets
 import time
 from collections import OrderedDict
@@ -34,6 +38,7 @@ T = TypeVar("T")
 COOKIE = "ty_session"
 ANON_TTL_S = 600
 MEMORY_CAP = 10_000
+ANON = "a."                           # stored session ids (token_urlsafe) never contain "."
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class SessionStore:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._memory: OrderedDict[str, Session] = OrderedDict()
+        self._anon_secret: bytes | None = None
 
     def _name(self, session_id: str) -> str:
         return f"{self.prefix}session:{_h(session_id)}"
@@ -93,10 +99,36 @@ class SessionStore:
         return s
 
     @_redis_errors_are_503
+    async def anonymous(self) -> Session:
+        """A fresh sign-in-form session: nothing is stored (see the module's docstring)."""
+        expires = int(time.time()) + ANON_TTL_S
+        session_id = f"{ANON}{expires}.{secrets.token_urlsafe(24)}"
+        return Session(id=session_id, csrf=await self._anon_token(session_id), expires=float(expires))
+
+    async def _anon_token(self, session_id: str) -> str:
+        if self._anon_secret is None:
+            if self.redis is None:
+                self._anon_secret = secrets.token_bytes(32)
+            else:
+                name = f"{self.prefix}sessions:anon_secret"
+                await self.redis.set(name, secrets.token_hex(32), nx=True)
+                raw = await self.redis.get(name)
+                self._anon_secret = raw if isinstance(raw, bytes) else str(raw).encode()
+        return hmac.new(self._anon_secret, session_id.encode(), hashlib.sha256).hexdigest()
+
+    async def _get_anonymous(self, session_id: str, now: float) -> Session | None:
+        expiry, dot, _ = session_id[len(ANON):].partition(".")
+        if not dot or not expiry.isascii() or not expiry.isdigit() or len(expiry) > 12 or int(expiry) <= now:
+            return None
+        return Session(id=session_id, csrf=await self._anon_token(session_id), expires=float(expiry))
+
+    @_redis_errors_are_503
     async def get(self, session_id: str | None) -> Session | None:
         if not session_id or len(session_id) > 128:
             return None
         now = time.time()
+        if session_id.startswith(ANON):
+            return await self._get_anonymous(session_id, now)
         if self.redis is None:
             s = self._memory.get(_h(session_id))
             if s is None or s.expires <= now:
@@ -114,6 +146,8 @@ class SessionStore:
 
     @_redis_errors_are_503
     async def delete(self, session_id: str) -> None:
+        if session_id.startswith(ANON):
+            return          # never stored
         if self.redis is None:
             self._memory.pop(_h(session_id), None)
         else:

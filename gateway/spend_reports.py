@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import csv
 import io
-import re
-import time
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
+from .edge_params import read_time
 from .spend_store import RollupRow
 
 GROUPS = ("model", "tenant", "day", "hour")
@@ -25,8 +24,6 @@ SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost
         "errors")
 COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "cost_micros",
            "baseline_cost_micros", "savings_micros", "cost_per_million_tokens_micros", "errors")
-_SINCE = re.compile(r"^(\d+)([mhdw])$")
-_UNIT_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_group_by(value: str | None) -> list[str]:
@@ -40,27 +37,12 @@ def parse_group_by(value: str | None) -> list[str]:
 
 def parse_time(value: str) -> float:
     """Unix seconds, or ISO 8601 (a date, or a date and time; UTC unless an offset is given)."""
-    v = value.strip()
-    try:
-        return float(v)
-    except ValueError:
-        pass
-    try:
-        dt = datetime.fromisoformat(v.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"{value!r} is neither unix seconds nor an ISO 8601 date/time") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.timestamp()
+    return read_time(value)
 
 
 def parse_since(value: str, now: float | None = None) -> float:
     """"7d", "12h", "30m", "2w" before now, or an absolute time (parse_time)."""
-    m = _SINCE.match(value.strip())
-    now = time.time() if now is None else now
-    if m:
-        return now - int(m.group(1)) * _UNIT_S[m.group(2)]
-    return parse_time(value)
+    return read_time(value, now, relative=True)
 
 
 def hour_range(start: float, end: float) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from . import spend_reports as reports
 from . import spend_store as store
 from .api_keys import KeyRecord, check_tenant
+from .edge_params import parse_int, parse_time
 from .errors import BadRequest, Forbidden, Unavailable
 
 if TYPE_CHECKING:
@@ -49,16 +50,12 @@ async def visible_tenants(gw: "Gateway", key: KeyRecord, requested: str | None) 
 
 
 def time_window(params: Any) -> tuple[float, float]:
-    """start/end query parameters (unix seconds or ISO 8601); default: the last 7 days up to now."""
+    """start/end query parameters (unix seconds, ISO 8601, or for start a span like 7d); default:
+    the last 7 days up to now."""
     now = time.time()
-    try:
-        end = reports.parse_time(params["end"]) if params.get("end") else now
-    except ValueError as e:
-        raise BadRequest(str(e), param="end", code="invalid_time") from None
-    try:
-        start = reports.parse_since(params["start"], now) if params.get("start") else end - DEFAULT_DAYS * 86400
-    except ValueError as e:
-        raise BadRequest(str(e), param="start", code="invalid_time") from None
+    end = parse_time(params["end"], "end") if params.get("end") else now
+    start = parse_time(params["start"], "start", now=now, relative=True) if params.get("start") \
+        else max(0.0, end - DEFAULT_DAYS * 86400)
     if start >= end:
         raise BadRequest("start must be before end", param="start", code="invalid_time")
     return start, end
@@ -122,9 +119,7 @@ async def spend_requests(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     key = await gw.keys.authenticate(request.headers.get("authorization"))
     q = request.query_params
-    raw_limit = q.get("limit", "100")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
-        raise BadRequest(f"limit must be an integer in 1..{MAX_PAGE}", param="limit", code="invalid_limit")
+    limit = parse_int(q.get("limit"), "limit", default=100, minimum=1, maximum=MAX_PAGE, code="invalid_limit")
     cursor = q.get("cursor") or None
     if cursor is not None:
         try:
@@ -138,7 +133,7 @@ async def spend_requests(request: Request) -> Response:
     tenants = await visible_tenants(gw, key, q.get("tenant"))
     try:
         data, next_cursor = await store.records(_redis(gw), gw.deployment.redis_prefix, tenants,
-                                                limit=int(raw_limit), cursor=cursor, start=start, end=end)
+                                                limit=limit, cursor=cursor, start=start, end=end)
     except (RedisError, OSError) as e:
         raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
                           headers={"retry-after": "1"}) from e

@@ -7,9 +7,11 @@ widen a caller's view by itself. Works with a redis.asyncio client (the gateway 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from .edge_params import parse_stream_id
 from .spend_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
 
 SCAN_BATCH = 200
@@ -63,6 +65,22 @@ async def rollups(redis: Any, prefix: str, tenants: list[str], start_hour: int, 
     return out
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable(value: Any) -> Any:
+    """A stored record with every unpaired surrogate (kept by json.dumps as a \\ud800 escape, so
+    it round-trips through Redis but can never be encoded as UTF-8 in a reply) replaced by U+FFFD:
+    one such record, written before the edge refused them, must not break every page it is on."""
+    if isinstance(value, str):
+        return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {readable(k): readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [readable(v) for v in value]
+    return value
+
+
 def _sid(raw: Any) -> tuple[int, int]:
     ms, _, seq = _s(raw).partition("-")
     return int(ms), int(seq or 0)
@@ -77,10 +95,7 @@ def decode_cursor(cursor: str) -> tuple[tuple[int, int], str]:
     sid, sep, tenant = cursor.partition(".")
     if not sep:
         raise ValueError("bad cursor")
-    ms, dash, seq = sid.partition("-")
-    if not dash or not ms.isdigit() or not seq.isdigit():
-        raise ValueError("bad cursor")
-    return (int(ms), int(seq)), tenant
+    return parse_stream_id(sid), tenant
 
 
 async def records(redis: Any, prefix: str, tenants: list[str], *, limit: int, cursor: str | None = None,
@@ -120,7 +135,7 @@ async def records(redis: Any, prefix: str, tenants: list[str], *, limit: int, cu
             pos = (sid, t)
             scanned += 1
             raw = fields.get(b"r") if b"r" in fields else fields.get("r")
-            rec = json.loads(raw)
+            rec = readable(json.loads(raw))
             if (start is None or rec["time"] >= start) and (end is None or rec["time"] < end):
                 out.append(rec)
                 if len(out) >= limit:
