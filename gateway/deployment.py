@@ -81,6 +81,8 @@ class Auth:
 
     dev_key: str | None = None             # None: TOKENYARD_DEV_KEY, else an admin key made on first start
     key_cache_ttl_s: float = 30.0          # a cached key record is re-read from Redis after this long
+    negative_cache_ttl_s: float = 5.0      # a key Redis does not know is refused without asking again this long
+    max_concurrent_lookups: int = 16       # key records read from Redis at once; the rest wait (redis_pool_wait_ms)
 
 
 @dataclass(slots=True)
@@ -108,15 +110,31 @@ class AdmissionConfig:
 
 
 @dataclass(slots=True)
+class Connections:
+    """What one gateway process lets clients hold (gateway/connection_guard.py): every connection
+    costs a file descriptor, so slow or idle ones must not be able to take them all."""
+
+    max_connections: int = 4096            # open client connections per process; beyond: the oldest one without a
+                                           # request in progress is closed, or the new one gets 503
+    header_timeout_s: float = 10.0         # a request head (request line + headers) must arrive within this
+    body_timeout_s: float = 30.0           # a request body must arrive within this after its head
+    max_header_bytes: int = 64 << 10       # a request head larger than this gets 431
+    keep_alive_s: float = 5.0              # an idle keep-alive connection is closed after this
+
+
+@dataclass(slots=True)
 class Deployment:
     host: str = "127.0.0.1"
     port: int = 8000
     drain_grace_s: float = 30.0
     access_log: bool = True
+    connections: Connections = field(default_factory=Connections)
     redis_url: str | None = None           # None: start an embedded redis-server
     redis_dir: Path = Path(".tokenyard/redis")
     redis_prefix: str = "tokenyard:"       # every Redis key this gateway writes starts with it
     redis_timeout_ms: int = 250            # one Redis command longer than this counts as an error
+    redis_pool_size: int = 64              # Redis calls in flight at once per gateway (the connection pool's size)
+    redis_pool_wait_ms: int = 1000         # a call waits this long for a free connection, then 503 gateway_busy
     auth: Auth = field(default_factory=Auth)
     limits: Limits = field(default_factory=Limits)
     rate_limits: RateLimits = field(default_factory=RateLimits)
@@ -156,28 +174,35 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     """Validate a parsed YAML document. Relative paths are relative to base_dir (the file's folder)."""
     base = base_dir or Path.cwd()
     top = _mapping(data, "the document")
-    _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "auth", "limits",
+    _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
+                    "redis_pool_wait_ms", "auth", "limits",
                     "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics",
                     "router", "policy"})
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
-    _only(server, "server.", {"host", "port", "drain_grace_s", "access_log"})
+    _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", *Connections.__slots__})
     dep.host = _typed(server, "server.", "host", str, dep.host)
     dep.port = _typed(server, "server.", "port", int, dep.port)
     if not 0 <= dep.port <= 65535:
         raise DeploymentError(f"server.port must be in 0..65535, got {dep.port}")
     dep.drain_grace_s = _number(server, "server.", "drain_grace_s", dep.drain_grace_s)
     dep.access_log = _typed(server, "server.", "access_log", bool, dep.access_log)
+    _connections(server, dep.connections)
     dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
     dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)
     dep.redis_prefix = _typed(top, "", "redis_prefix", str, dep.redis_prefix)
     if not _PREFIX.match(dep.redis_prefix):
         raise DeploymentError("redis_prefix must be 1-64 of A-Z a-z 0-9 . _ : - (no braces: they are hash tags)")
     dep.redis_timeout_ms = _positive_int(top, "", "redis_timeout_ms", dep.redis_timeout_ms)
+    dep.redis_pool_size = _positive_int(top, "", "redis_pool_size", dep.redis_pool_size)
+    dep.redis_pool_wait_ms = _positive_int(top, "", "redis_pool_wait_ms", dep.redis_pool_wait_ms)
     auth = _mapping(top.get("auth", {}), "auth")
-    _only(auth, "auth.", {"dev_key", "key_cache_ttl_s"})
+    _only(auth, "auth.", set(Auth.__slots__))
     dep.auth.dev_key = _typed(auth, "auth.", "dev_key", str, None, nullable=True)
     dep.auth.key_cache_ttl_s = _number(auth, "auth.", "key_cache_ttl_s", dep.auth.key_cache_ttl_s)
+    dep.auth.negative_cache_ttl_s = _number(auth, "auth.", "negative_cache_ttl_s", dep.auth.negative_cache_ttl_s)
+    dep.auth.max_concurrent_lookups = _positive_int(auth, "auth.", "max_concurrent_lookups",
+                                                    dep.auth.max_concurrent_lookups)
     _rate_limits(_mapping(top.get("rate_limits", {}), "rate_limits"), dep.rate_limits)
     _admission(_mapping(top.get("admission", {}), "admission"), dep.admission)
     limits = _mapping(top.get("limits", {}), "limits")
@@ -222,6 +247,15 @@ def _router_and_policy(top: dict[str, Any], base: Path, dep: Deployment) -> None
         dep.policy_file = _path(policy, base)
         if not dep.policy_file.is_file():
             raise DeploymentError(f"policy: {dep.policy_file} is not a file")
+
+
+def _connections(server: dict[str, Any], conn: Connections) -> None:
+    conn.max_connections = _positive_int(server, "server.", "max_connections", conn.max_connections)
+    conn.max_header_bytes = _positive_int(server, "server.", "max_header_bytes", conn.max_header_bytes)
+    if conn.max_header_bytes < 1024:
+        raise DeploymentError(f"server.max_header_bytes must be at least 1024, got {conn.max_header_bytes}")
+    for key in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        setattr(conn, key, _number(server, "server.", key, getattr(conn, key)))
 
 
 def _rate_limits(section: dict[str, Any], rl: RateLimits) -> None:

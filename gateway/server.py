@@ -5,6 +5,10 @@ SIGTERM (or the first Ctrl-C) starts the drain: /ready turns false and new chat 
 `server.drain_grace_s` has passed, uvicorn shuts down (closing idle connections, cancelling
 whatever still runs), the engines stop and the access log is flushed. A second signal exits at
 once. The process then exits with status 0.
+
+Connections are guarded (gateway/connection_guard.py): deadlines on request heads and bodies, a
+cap on open connections, 431 for oversized heads; the open-file limit is raised to the hard limit
+at start, and the accept-error log is rate-limited.
 """
 from __future__ import annotations
 
@@ -17,13 +21,34 @@ from types import FrameType
 import uvicorn
 
 from .app import create_app
-from .deployment import Deployment
+from .connection_guard import QuietAcceptErrors, fit_max_connections, guarded_protocol, raise_fd_limit
+from .deployment import Connections, Deployment
 from .embedded_redis import EmbeddedRedis
 
 log = logging.getLogger("tokenyard.server")
 
 
-class DrainingServer(uvicorn.Server):
+def uvicorn_config(app, conn: Connections, **kw) -> uvicorn.Config:
+    """uvicorn settings for a gateway app: the guarded h11 protocol and its limits."""
+    return uvicorn.Config(app, http=guarded_protocol(conn), h11_max_incomplete_event_size=conn.max_header_bytes,
+                          timeout_keep_alive=conn.keep_alive_s, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=1, **kw)
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server with the accept-error log rate-limited on its loop."""
+
+    async def startup(self, sockets=None) -> None:
+        self.accept_errors = QuietAcceptErrors()
+        asyncio.get_running_loop().set_exception_handler(self.accept_errors)
+        await super().startup(sockets)
+
+    @property
+    def connection_stats(self):
+        return self.config.http_protocol_class.stats
+
+
+class DrainingServer(GuardedServer):
     def __init__(self, config: uvicorn.Config, gateway, grace_s: float) -> None:
         super().__init__(config)
         self.gateway = gateway
@@ -87,6 +112,8 @@ def _dev_key(dep: Deployment, announce) -> str | None:
 
 def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int:
     setup_logging()
+    soft, _ = raise_fd_limit()
+    dep.connections.max_connections = fit_max_connections(dep.connections.max_connections, soft)
     embedded = None
     if not dep.redis_url:
         embedded = EmbeddedRedis(dep.redis_dir)
@@ -95,8 +122,7 @@ def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int
         dev_key = _dev_key(dep, announce)
         app = create_app(dep, dev_key=dev_key)
         gw = app.state.gateway
-        config = uvicorn.Config(app, host=dep.host, port=dep.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=1, lifespan="on")
+        config = uvicorn_config(app, dep.connections, host=dep.host, port=dep.port, lifespan="on")
         server = DrainingServer(config, gw, dep.drain_grace_s)
         announce(f"tokenyard: serving {', '.join(dep.engines)} at http://{dep.host}:{dep.port}/v1")
         announce(f"tokenyard: redis at {dep.redis_url}{' (embedded)' if embedded else ''}")

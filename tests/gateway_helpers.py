@@ -68,7 +68,9 @@ class Running:
 
 
 @contextmanager
-def running_gateway(document: dict[str, Any], handles=None, usage_sink=None) -> Iterator[Running]:
+def running_gateway(document: dict[str, Any], handles=None, usage_sink=None, guarded: bool = False) -> Iterator[Running]:
+    """guarded: serve as `tokenyard serve` does (gateway/server.py: connection deadlines, cap, 431)
+    instead of plain uvicorn."""
     if "spool_dir" not in (document.get("spend") or {}):
         # Records spooled during a test's Redis outage must never land in the repository's
         # .tokenyard/ (and be replayed later by another run): a throwaway folder per gateway.
@@ -87,8 +89,12 @@ def running_gateway(document: dict[str, Any], handles=None, usage_sink=None) -> 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
+    if guarded:
+        from gateway.server import GuardedServer, uvicorn_config
+        server = GuardedServer(uvicorn_config(app, dep.connections))
+    else:
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+        server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
