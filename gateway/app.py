@@ -47,6 +47,7 @@ from .policy_state import PolicyState
 from .router_route import ArtifactError, LearnedRouter, RouterSettings
 
 log = logging.getLogger("tokenyard.gateway")
+POOL_RESERVE = 8   # Redis connections beyond redis_pool_size, for callers outside the guard
 
 
 class Gateway:
@@ -76,8 +77,11 @@ class Gateway:
         self.in_progress = 0                # HTTP requests being handled (drain waits for 0)
         # Built for real in start_redis() / start_admission(); without Redis (tests that set no
         # redis_url) keys come only from the dev key and limits are off.
-        self.guard = RedisGuard(self.metrics, deployment.rate_limits.redis_retry_s)
-        self.keys = KeyCache(None, deployment.redis_prefix, deployment.auth.key_cache_ttl_s, self.guard, self.metrics)
+        self.guard = RedisGuard(self.metrics, deployment.rate_limits.redis_retry_s, deployment.redis_pool_size,
+                                deployment.redis_pool_wait_ms / 1000)
+        auth = deployment.auth
+        self.keys = KeyCache(None, deployment.redis_prefix, auth.key_cache_ttl_s, self.guard, self.metrics,
+                             auth.negative_cache_ttl_s, auth.max_concurrent_lookups)
         self.limiter = RateLimiter(None, deployment.redis_prefix, deployment.rate_limits, self.guard, self.metrics)
         self.admission = Admission(deployment.admission, self.metrics, {})
         self.gatekeeper = Gatekeeper(self.limiter, self.admission)
@@ -99,7 +103,13 @@ class Gateway:
         import redis.asyncio as aioredis
         dep = self.deployment
         timeout = dep.redis_timeout_ms / 1000
-        self.redis = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        # A blocking pool with a bounded wait: a burst of calls queues for a connection instead of
+        # failing with "too many connections". The guard admits at most redis_pool_size calls; the
+        # extra connections serve what does not go through it (sessions, policy reads, the health ping).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            dep.redis_url, max_connections=dep.redis_pool_size + POOL_RESERVE, timeout=dep.redis_pool_wait_ms / 1000,
+            socket_connect_timeout=timeout, socket_timeout=timeout)
+        self.redis = aioredis.Redis.from_pool(pool)
         # The subscription sits idle between events: no read timeout on its connection.
         self._pubsub_redis = aioredis.Redis.from_url(dep.redis_url, socket_connect_timeout=2, socket_timeout=None)
         self.keys.redis = self.redis

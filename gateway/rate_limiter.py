@@ -17,6 +17,8 @@ whole token bucket can never fit: 429 `request_too_large` without a retry hint.
 
 Redis unreachable: `on_redis_error: open` admits the request unlimited, `closed` refuses it
 with 503; either way it is logged and counted (tokenyard_rate_limit_redis_fallbacks_total).
+The gateway merely busy (every Redis place taken, see redis_guard.py) is not Redis unreachable:
+the request is shed with 503 gateway_busy and Retry-After, and the limits never open for it.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from typing import Any
 from .api_keys import KeyRecord
 from .deployment import RateLimits
 from .errors import RateLimited, Unavailable, retry_headers
-from .redis_guard import RedisGuard, RedisUnavailable
+from .redis_guard import RedisBusy, RedisGuard, RedisUnavailable
 
 log = logging.getLogger("tokenyard.ratelimit")
 _LUA = Path(__file__).resolve().parent / "lua"
@@ -146,8 +148,8 @@ class RateLimiter:
     async def _do_refund(self, tenant: str, args: list[int]) -> None:
         try:
             await self.guard.call("rate_limit_refund", lambda: self._refund(keys=self._keys(tenant), args=args))
-        except RedisUnavailable:
-            pass   # counted and logged by the guard
+        except (RedisUnavailable, RedisBusy):
+            pass   # counted by the guard; a lost refund only makes the limit stricter for a moment
 
     async def drain(self) -> None:
         """Wait for refunds in flight (tests and shutdown)."""
