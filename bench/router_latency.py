@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default=str(ROOT / "router_models" / "data" / "test.jsonl"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the numbers as JSON here too")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/router_latency.json")
     args = ap.parse_args(argv)
+    from bench.results_io import RunRecorder
+    rec = RunRecorder("router_latency")
     t0 = time.perf_counter()
     router = LearnedRouter.from_settings(RouterSettings(artifact=Path(args.artifact)), "small", "large")
     load_ms = (time.perf_counter() - t0) * 1e3
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if not args.no_results:
+        rec.write({k: result[k] for k in ("prompts", "warm_decisions", "artifact_load_ms", "warm_wall_us",
+                                          "warm_cpu_us", "cold_wall_us", "cold_cpu_us")},
+                  [{"round": i, "wall_us": _pct(w), "cpu_us": _pct(c)} for i, (w, c) in enumerate(rounds)])
     return 0
 
 
