@@ -12,7 +12,6 @@ Both come from the validated Policy, never from the source text, which is why th
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 from typing import Any, Callable
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import yaml
 
 from .cost import format_money
+from .line_diff import unified_diff
 from .schema import Action, Budget, Match, Policy, Rule, TimeRange
 
 
@@ -139,4 +139,4 @@ def diff(old: Policy | None, new: Policy, old_label: str = "current", new_label:
     diffs against nothing (the first version)."""
     before = policy_to_yaml(old).splitlines(keepends=True) if old is not None else []
     after = policy_to_yaml(new).splitlines(keepends=True)
-    return "".join(difflib.unified_diff(before, after, fromfile=old_label, tofile=new_label))
+    return unified_diff(before, after, old_label, new_label)

@@ -25,7 +25,7 @@ from .errors import PolicyError, Problem
 from .rule_validation import NAME, TENANT, read_rules
 from .schema import (AT_LIMIT, DEFAULT_TENANT, PRIORITIES, ROLES, SCHEMA_VERSION, Budget, EngineRoles, Overflow,
                      Policy, Prices, RateClass, RouterSettings, TenantPolicy)
-from .yaml_nodes import Reader, compose
+from .yaml_nodes import Reader, check_text, compose
 
 TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",
             "rate_classes", "tenants", "overflow")
@@ -76,7 +76,12 @@ def build_policy(data: Mapping[str, Any]) -> Policy:
         root = dumper.represent_data(data)
     except yaml.representer.RepresenterError as exc:
         raise PolicyError([Problem("", f"cannot represent the data: {exc}")]) from None
+    except RecursionError:
+        raise PolicyError([Problem("", "the document is nested too deeply")]) from None
     reader = Reader()
+    check_text(root, reader)
+    if reader.problems:
+        raise PolicyError(reader.problems)
     policy = _policy(reader, root)
     if reader.problems or policy is None:
         raise PolicyError(_in_document_order(reader.problems))

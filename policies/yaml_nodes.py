@@ -185,10 +185,57 @@ class Reader:
         return value
 
 
+class _AliasRefused(yaml.MarkedYAMLError):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that stops at the first alias (*name, and so `<<: *name` merges too).
+
+    An alias makes one node appear in many places; validation then reads it once per place, so a
+    few KB of nested aliases ("billion laughs") are billions of values to check, and a long
+    rule aliased thousands of times is millions. A policy gains nothing from aliases that is
+    worth that: they are refused while composing, before anything is expanded."""
+
+    def compose_node(self, parent: Node | None, index: object) -> Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(None, None, f"aliases (*{event.anchor}) are not allowed in a policy document; "
+                                            "write the value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(root: Node, reader: Reader) -> None:
+    """Every scalar (keys included) must be encodable as UTF-8: a "\\ud800" escape in a double-
+    quoted scalar decodes to a lone surrogate that no reply or store could write back. Iterative:
+    the tree may be as deep as the parser allowed."""
+    stack: list[tuple[Node, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, ScalarNode):
+            if not node.value.isascii() and _SURROGATE.search(node.value):
+                reader.problem(node, path, "contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
+        elif isinstance(node, SequenceNode):
+            stack.extend((n, f"{path}[{i}]") for i, n in enumerate(node.value))
+        elif isinstance(node, MappingNode):
+            for k, v in node.value:
+                key = k.value if isinstance(k, ScalarNode) else "?"
+                stack.append((k, path))
+                stack.append((v, f"{path}.{key}" if path else key))
+
+
 def compose(text: str, reader: Reader) -> Node | None:
-    """The document's root node, or None with a problem (syntax error, several documents, empty)."""
+    """The document's root node, or None with a problem (syntax error, several documents, empty,
+    an alias, a lone surrogate)."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
+    except _AliasRefused as exc:
+        mark = exc.problem_mark
+        reader.problems.append(Problem("", str(exc.problem), mark.line + 1, mark.column + 1))
+        return None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         message = " ".join(x for x in (exc.context, exc.problem) if x) or "YAML syntax error"
@@ -204,4 +251,6 @@ def compose(text: str, reader: Reader) -> Node | None:
         return None
     if root is None:
         reader.problems.append(Problem("", "the policy document is empty"))
-    return root
+        return None
+    check_text(root, reader)
+    return None if reader.problems else root
