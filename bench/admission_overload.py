@@ -116,7 +116,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--token-ms", type=float, default=10.0)
     ap.add_argument("--deadline-ms", type=int, default=1000)
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/admission_overload.json")
     args = ap.parse_args()
+    from bench.results_io import RunRecorder
+    rec = RunRecorder("admission_overload")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
     prefix = f"bench:adm:{secrets.token_hex(4)}:"
     capacity = args.slots / (args.output_len * args.token_ms / 1000)
@@ -168,6 +171,8 @@ def main() -> None:
         "admitted_ttft_over_deadline": sum(1 for t in ttft if t * ms > args.deadline_ms),
     }
     print(json.dumps(out, indent=2))
+    if not args.no_results:
+        rec.write(out, [], slots=args.slots, output_len=args.output_len, token_ms=args.token_ms)
 
 
 if __name__ == "__main__":

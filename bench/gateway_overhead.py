@@ -151,7 +151,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--health-seconds", type=float, default=8.0, help="0 skips the /health-under-load run")
     ap.add_argument("--no-limits", action="store_true", help="rate limits off (auth and admission stay on)")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/gateway_overhead.json")
     args = ap.parse_args()
+    from bench.results_io import RunRecorder
+    rec = RunRecorder("gateway_overhead")
     port = free_port()
     proc = start_gateway(port, limits=not args.no_limits)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -189,6 +192,8 @@ def main() -> None:
                       health_p99_ms=_pct(health, 0.99) * ms, saturated_requests_served=served)
     _cleanup_redis()
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, indent=2))
+    if not args.no_results:
+        rec.write(result, [], seconds=args.seconds, health_seconds=args.health_seconds)
 
 
 def _cleanup_redis() -> None:

@@ -255,7 +255,10 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=256, help="held-out task-suite items per demo model")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/quant_{speed,quality}.json")
     args = ap.parse_args()
+    from bench.results_io import RunRecorder, load_avg
+    rec_speed, rec_quality = RunRecorder("quant_speed"), RunRecorder("quant_quality")
 
     from bench.random_checkpoint import build_random_checkpoint
 
@@ -270,9 +273,15 @@ def main() -> None:
             n_params = sum(v for v in _param_count(model_dir))
             result["speed_model"] = {"dir": str(model_dir), "parameters": n_params, **SPEED_MODEL}
             result["speed"] = speed(model_dir, args.batches, args.steps, args.warmup, args.rounds, bar)
+            if not args.no_results:
+                rec_speed.write({"speed": result["speed"]}, [], speed_model=result["speed_model"],
+                                steps=args.steps, warmup=args.warmup, rounds=args.rounds)
         if not args.skip_quality:
+            rec_quality.load_before = load_avg()      # the quality pass starts now, after the speed pass
             result["quality_items"] = args.items
             result["quality"] = {m.name: quality(m, args.items, QUALITY_MODES, bar) for m in DEMO_MODELS}
+            if not args.no_results:
+                rec_quality.write({"quality": result["quality"]}, [], items=args.items)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="round_robin,cache_aware")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/replica_prefix.json")
     args = ap.parse_args(argv)
+    from bench.results_io import RunRecorder
+    rec = RunRecorder("replica_prefix")
     args_keys = ("prefixes", "turns", "system_tokens", "user_tokens", "max_tokens", "concurrency", "kv_blocks",
                  "affinity_weight", "seed")
     prompts = workload(args)
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if not args.no_results:
+        rec.write({"workload": doc["workload"], "replicas": 2, "engine": doc["engine"]}, results)
     return 0
 
 

@@ -68,17 +68,17 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def git_state() -> tuple[str, bool]:
-    """(commit, dirty). Dirty counts tracked files only: bench/out/ and other helpers' untracked
-    files do not change the code that ran."""
+def git_state() -> tuple[str, list[str]]:
+    """(commit, modified tracked files). Untracked files (bench/out/, other work in progress) do
+    not change the code that ran, so they do not count."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
     try:
-        commit = git("rev-parse", "HEAD") or "unknown"
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        commit = git("rev-parse", "HEAD").strip() or "unknown"
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
     except (OSError, subprocess.SubprocessError):
-        return "unknown", True
-    return commit, dirty
+        return "unknown", ["(git unavailable)"]
+    return commit, changed
 
 
 def load_avg() -> list[float]:
@@ -123,9 +123,10 @@ class RunRecorder:
             self.command = [Path(sys.executable).name, *sys.argv]
 
     def document(self, figures: dict[str, Any], runs: list[Any], **extra: Any) -> dict[str, Any]:
-        commit, dirty = git_state()
+        commit, changed = git_state()
         doc = {"name": self.name, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-               "started": self.started, "machine": machine(), "git_commit": commit, "dirty": dirty,
+               "started": self.started, "machine": machine(), "git_commit": commit, "dirty": bool(changed),
+               "dirty_files": changed[:20],
                "command": list(self.command or []),
                "load_avg": {"before": self.load_before, "after": load_avg()},
                "figures": figures, "runs": runs}

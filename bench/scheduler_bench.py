@@ -1,6 +1,6 @@
 """Scheduler benchmarks (issue 5): KV waste, prefix-cache TTFT, prefill stutter, token budget.
 
-    python -m bench.scheduler_bench [--only waste|ttft|stutter] [--out bench/out/scheduler.json]
+    python -m bench.scheduler_bench [--only waste|ttft|stutter|prefill] [--out bench/out/scheduler.json]
 
 - waste: W2's request lengths through the engine (a tiny model: waste depends only on lengths
   and block size); allocated-but-unused KV slots over allocated, summed over every step, for
@@ -11,6 +11,9 @@
 - stutter: 16 requests decoding when one 4,000-token prompt arrives; the decoders' worst
   inter-token gap and the long prompt's TTFT, for several max_num_batched_tokens budgets, the
   largest of which takes the whole prompt in one step (no chunking).
+- prefill: prefill-only throughput (32 W2 prompts, one output token each) at token budgets 512
+  and 2048, engines built once and timed in interleaved rounds; median tokens/s.
+Raw output: bench/results/scheduler_<section>.json, one per section run.
 """
 from __future__ import annotations
 
@@ -121,21 +124,57 @@ def stutter(budgets=(256, 512, 1024, 2048, 4112)) -> list[dict]:
     return rows
 
 
+def prefill_throughput(budgets=(512, 2048), num_prompts: int = 32, rounds: int = 3) -> dict:
+    model = build_random_checkpoint("bench/out/w2-llama-30m", "llama", seed=0, std=0.05, **W2_MODEL)
+    prompts = [r.prompt_token_ids for r in w2(num_prompts, vocab_size=W2_MODEL["vocab_size"])]
+    tokens = sum(len(p) for p in prompts)
+    engines = {b: Engine(model, dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=128,
+                         max_num_batched_tokens=b, progress=False, enable_prefix_caching=False) for b in budgets}
+
+    def once(eng: Engine, tag: str) -> float:
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            eng.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0.0, max_tokens=1))
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t0
+
+    for b, eng in engines.items():      # warm-up: first-call costs out of the timed rounds
+        once(eng, f"warm{b}")
+    runs: dict[int, list[float]] = {b: [] for b in budgets}
+    for r in range(rounds):
+        for b, eng in engines.items():
+            runs[b].append(tokens / once(eng, f"r{r}b{b}"))
+        print({b: round(v[-1]) for b, v in runs.items()}, flush=True)
+    return {"prompts": num_prompts, "prompt_tokens": tokens, "tokens_per_s_runs": {str(b): v for b, v in runs.items()},
+            "tokens_per_s_median": {str(b): statistics.median(v) for b, v in runs.items()}}
+
+
+SECTIONS = {"waste": ("kv_waste", kv_waste), "ttft": ("prefix_ttft", prefix_ttft), "stutter": ("stutter", stutter),
+            "prefill": ("prefill_throughput", prefill_throughput)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["waste", "ttft", "stutter"])
+    ap.add_argument("--only", choices=list(SECTIONS), nargs="+")
     ap.add_argument("--out", default="bench/out/scheduler.json")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/scheduler_*.json")
     args = ap.parse_args()
+    from bench.results_io import RunRecorder
     out_path = Path(args.out)
     result = json.loads(out_path.read_text()) if out_path.is_file() else {}
-    if args.only in (None, "waste"):
-        result["kv_waste"] = kv_waste()
-        print(result["kv_waste"], flush=True)
-    if args.only in (None, "ttft"):
-        result["prefix_ttft"] = prefix_ttft()
-        print(result["prefix_ttft"], flush=True)
-    if args.only in (None, "stutter"):
-        result["stutter"] = stutter()
+    for section, (key, fn) in SECTIONS.items():
+        if args.only and section not in args.only:
+            continue
+        rec = RunRecorder(f"scheduler_{section}")
+        result[key] = value = fn()
+        print(value, flush=True)
+        if not args.no_results:
+            if isinstance(value, list):      # stutter: one row per token budget
+                figures = {"by_budget": {str(r["max_num_batched_tokens"]): r for r in value}}
+                rec.write(figures, value)
+            else:
+                rec.write(value, [])
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
 

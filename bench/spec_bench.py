@@ -124,10 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-task", type=int, default=12, help="requests per task in the batch-1 task table")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16], help="mixed-task batch sizes (none: skip)")
+    ap.add_argument("--tasks", nargs="+", help="only these tasks in the batch-1 task table")
+    ap.add_argument("--results-name", help="raw results to bench/results/<name>.json (default spec_bench_k<k>)")
+    ap.add_argument("--no-results", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; rows keep the median run")
     ap.add_argument("--out", default="bench/out/spec_bench.json")
     args = ap.parse_args(argv)
+    from bench.results_io import RunRecorder
+    rec = RunRecorder(args.results_name or f"spec_bench_k{args.k}")
     items = task_suite.generate_items("test", args.items, seed=7)
     prompts = prompts_for(items)
     run(prompts[:4], "draft", 4, args.k, 8)  # warm-up: first-call allocations, lazy imports
@@ -143,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     task_rows: list[dict] = []
     by_task: dict[str, list[task_suite.TaskItem]] = {}
     for it in task_suite.generate_items("test", args.per_task * 40, seed=8):
+        if args.tasks and it.task not in args.tasks:
+            continue
         if len(by_task.setdefault(it.task, [])) < args.per_task:
             by_task[it.task].append(it)
     for task, its in tqdm(sorted(by_task.items()), desc="tasks at batch 1"):
@@ -159,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "by_batch": rows,
                                           "by_task_batch1": task_rows}, indent=1))
     print(f"wrote {args.out}")
+    if not args.no_results:
+        rec.write({"by_batch": rows, "by_task_batch1": task_rows},
+                  [{"batch": b, "method": m, "runs": rs} for (b, m), rs in runs.items()],
+                  k=args.k, max_tokens=args.max_tokens, items=args.items, per_task=args.per_task,
+                  repeats=args.repeats)
     return 0
 
 

@@ -94,7 +94,10 @@ def main() -> None:
     ap.add_argument("--model-dir", default="bench/out/w2-llama-30m")
     ap.add_argument("--out", default="bench/out/w2.json")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/w2_throughput.json")
     args = ap.parse_args()
+    from bench.results_io import RunRecorder
+    rec = RunRecorder("w2_throughput")
 
     model_dir = build_random_checkpoint(args.model_dir, "llama", seed=0, std=0.05, **W2_MODEL)
     reqs = w2(args.requests, vocab_size=W2_MODEL["vocab_size"])
@@ -133,6 +136,14 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    if not args.no_results:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+        figures = {k: v for k, v in result.items() if not k.endswith("_seconds")}
+        figures.update(prompt_tokens=prompt_tokens, engine_median_s=statistics.median(ours),
+                       transformers_median_s=statistics.median(theirs) if theirs else None)
+        runs = [{"run": i + 1, "engine_s": o, "transformers_s": theirs[i] if theirs else None}
+                for i, o in enumerate(ours)]
+        rec.write(figures, runs)
 
 
 if __name__ == "__main__":
