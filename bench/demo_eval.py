@@ -23,6 +23,20 @@ def level_means(table: dict[str, dict[str, float]], levels: tuple[str, ...]) -> 
     return sum(cells) / len(cells)
 
 
+def model_facts(model_dir: Path) -> dict:
+    """Parameters and layout of a committed checkpoint (from its files, not from memory)."""
+    import json
+    import math
+
+    from safetensors import safe_open
+    cfg = json.loads((model_dir / "config.json").read_text())
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
+        params = sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "max_position_embeddings")
+    return {"parameters": params, **{k: cfg.get(k) for k in keys}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=640)
@@ -35,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"items": record["items"], "seed": record["seed"], "accuracy": record["accuracy"],
                "easy_levels_1_2": {m: level_means(t, ("1", "2")) for m, t in record["results"].items()},
                "hard_levels_3_4": {m: level_means(t, ("3", "4")) for m, t in record["results"].items()},
-               "by_task_level": record["results"]}
+               "by_task_level": record["results"],
+               "models": {m.name: model_facts(m) for m in MODELS}}
     print(markdown_table({name: {task: {int(lv): acc for lv, acc in levels.items()} for task, levels in table.items()}
                           for name, table in record["results"].items()}))
     print({k: figures[k] for k in ("accuracy", "easy_levels_1_2", "hard_levels_3_4")})

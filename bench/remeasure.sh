@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Re-run the CPU benchmarks behind bench/RESULTS.md, one at a time (two at once on a 2-core
+# machine would measure each other), each writing its raw output to bench/results/<name>.json
+# and its log to bench/out/logs/<step>.log. A step that fails or runs past its time limit is
+# reported and the rest still run.
+#
+#   bench/remeasure.sh                 # every step below, in order
+#   bench/remeasure.sh kernel w2prof   # only the named steps
+#
+# The serving rate sweep (Poisson arrivals held 60 s per rate) is the first step: ~15 minutes.
+set -u
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+mkdir -p bench/out/logs
+
+declare -A CMD=(
+  [sweep]="$PY -m bench.serve_cli serve --scenario rate-sweep --w2 --rates 2,3,4,5,6 --baseline-rates 0.125,0.25,0.5 --duration-s 60 --drain-s 30 --ttft-slo-ms 5000 --no-progress --results-name serve_rate_sweep_held"
+  [router]="$PY -m bench.router_eval"
+  [routerlat]="$PY -m bench.router_latency --rounds 5"
+  [kernel]="$PY -m bench.kernel_micro --reps 30 --rounds 5"
+  [sched]="$PY -m bench.scheduler_bench --only prefill waste ttft stutter"
+  [w2prof]="$PY -m bench.w2_profile"
+  [w2]="$PY -m bench.w2_throughput --runs 3"
+  [quant]="$PY -m bench.quant_bench --out bench/out/quant.json"
+  [qprefill]="$PY -m bench.quant_prefill"
+  [qprefill_packed]="$PY -m bench.quant_prefill --packed-int8"
+  [overhead]="$PY -m bench.gateway_overhead"
+  [overload]="$PY -m bench.admission_overload"
+  [replica]="$PY -m bench.replica_prefix_bench"
+  [spec]="$PY -m bench.spec_bench --items 32 --per-task 8 --k 4 --repeats 3"
+  [spec8]="$PY -m bench.spec_bench --items 32 --per-task 8 --k 8 --repeats 3 --batches --tasks copy --results-name spec_bench_k8_copy"
+  [priorities]="$PY -m bench.serve_cli serve --scenario priorities --engine demo-large --interactive-rate 2 --num-prompts 64 --no-progress"
+  [srouter]="$PY -m bench.serve_cli serve --scenario router --num-prompts 320 --concurrency 8 --no-progress"
+  [prefix]="$PY -m bench.serve_cli serve --scenario prefix --engine demo-large --num-prompts 128 --no-progress"
+  [speculation]="$PY -m bench.serve_cli serve --scenario speculation --engine demo-large --num-prompts 64 --spec-concurrency 1 --no-progress"
+  [demo]="$PY -m bench.demo_eval --items 640"
+)
+ORDER=(sweep router routerlat kernel sched w2prof w2 quant qprefill qprefill_packed overhead overload replica spec
+       spec8 priorities srouter prefix speculation demo)
+LIMIT=1500   # seconds per step
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=("${ORDER[@]}")
+for step in "${steps[@]}"; do
+  cmd=${CMD[$step]:-}
+  if [ -z "$cmd" ]; then echo "unknown step $step (known: ${ORDER[*]})"; exit 2; fi
+  echo "$(date -u +%H:%M:%S) $step: $cmd (load $(cut -d' ' -f1-3 /proc/loadavg))"
+  timeout "$LIMIT" $cmd > "bench/out/logs/$step.log" 2>&1
+  echo "$(date -u +%H:%M:%S) $step: exit $?"
+done
