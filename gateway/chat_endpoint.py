@@ -22,7 +22,7 @@ from engines.sampling_params import SamplingParams
 from engines.tokenizer import Tokenizer
 
 from .chat_request import parse_chat_request
-from .edge_params import parse_int, read_int
+from .edge_params import json_int, parse_int, read_int
 from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable, Unprocessable
 from .generation import EngineFailed, Generation
 from .policy_route import plan_route
@@ -131,7 +131,7 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
     except UnicodeDecodeError as e:
         raise BadRequest(f"Request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
     try:
-        body = json.loads(text, parse_int=_json_int)
+        body = json.loads(text, parse_int=json_int)
     except json.JSONDecodeError as e:
         raise BadRequest(f"Request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                          code="invalid_json") from e
@@ -148,15 +148,6 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
         raise BadRequest("Request body contains an unpaired UTF-16 surrogate escape", param=where or None,
                          code="invalid_encoding")
     return body
-
-
-MAX_INT_DIGITS = 40     # far above any seed or token count; int() of 4,300+ digits is a ValueError anyway
-
-
-def _json_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits is too long")
-    return int(text)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

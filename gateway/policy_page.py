@@ -34,6 +34,7 @@ from .errors import Unauthorized
 from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
 from .policy_routes import author_of, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
+from .policy_work import off_loop
 from .sessions import COOKIE, Session
 from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file, with_cookie
 
@@ -167,7 +168,7 @@ async def policy_form(request: Request) -> Response:
     since = form.get("since", "7d") if form.get("since") in SINCE else "7d"
     engines = list(gw.deployment.engines)
     try:
-        policy = check_document(text, engines)
+        policy = await off_loop(check_document, text, engines)
     except PolicyError as e:
         return await _page(request, session, key, document=text, problems=e.problems, since=since, status=422)
     if action == "simulate":
@@ -188,9 +189,8 @@ async def policy_form(request: Request) -> Response:
         await gw.policy.refresh()
         where = f"/admin?applied={version.version}" if applied else "/admin?unchanged=1"
         return RedirectResponse(where, status_code=303)
-    current = gw.policy.policy
-    return await _page(request, session, key, document=text, since=since,
-                       validation_diff=diff(current, policy, f"version {gw.policy.number}", "edited"))
+    changes = await off_loop(diff, gw.policy.policy, policy, f"version {gw.policy.number}", "edited")
+    return await _page(request, session, key, document=text, since=since, validation_diff=changes)
 
 
 @_secured

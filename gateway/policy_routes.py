@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,10 +28,11 @@ from starlette.routing import Route
 from policies import PolicyError, build_policy, diff, load_policy, policy_hash, policy_to_dict, policy_to_yaml
 
 from .api_keys import KeyRecord
-from .edge_params import parse_int
+from .edge_params import json_int, parse_int
 from .errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
 from .policy_admin import DEFAULT_LIMIT, MAX_LIMIT, check_document, compare_policies, recorded_traffic
 from .policy_store import NoSuchVersion, PolicyConflict
+from .policy_work import off_loop
 from .spend_routes import time_window
 
 if TYPE_CHECKING:
@@ -76,41 +75,49 @@ async def read_document(request: Request) -> str:
     """The body as policy text. JSON is a subset of YAML, so it is validated as text too (line and
     column point into the JSON); the rare JSON that YAML reads differently is re-exported."""
     limit = _gw(request).deployment.limits.max_body_bytes
-    raw = b""
+    chunks: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
+        size += len(chunk)
+        if size > limit:
             raise PayloadTooLarge(f"Policy document exceeds {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(f"Policy document is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
     if not text.strip():
         raise BadRequest("Empty policy document", code="empty_policy")
-    if "\\u" in text or "\\U" in text:
-        # JSON and double-quoted YAML escapes can smuggle lone surrogates, which no reply (and no
-        # Redis write) could encode back: refuse them here rather than fail later.
-        try:
-            json.dumps(yaml.safe_load(text), ensure_ascii=False, default=str).encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise BadRequest("Policy document contains an unpaired UTF-16 surrogate escape",
-                             code="invalid_encoding") from e
-        except (yaml.YAMLError, ValueError, TypeError, RecursionError):
-            pass  # malformed: reported with line and column by the validation below
     if request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_int=json_int)
         except json.JSONDecodeError as e:
             raise BadRequest(f"Body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                              code="invalid_json") from e
-        try:
-            load_policy(text)
-        except PolicyError:
-            try:
-                return policy_to_yaml(build_policy(data)) if isinstance(data, dict) else text
-            except PolicyError:
-                return text     # invalid either way: validated again as text, with lines and columns
+        except RecursionError as e:
+            raise BadRequest("Body is not valid JSON: nested too deeply", code="invalid_json") from e
+        except ValueError as e:     # an integer literal too long to be any policy value
+            raise BadRequest(f"Body is not valid JSON: {e}", code="invalid_json") from e
+        return await off_loop(_json_document, text, data)
     return text
+
+
+def _json_document(text: str, data: Any) -> str:
+    """JSON that YAML reads as the same policy stays as sent (lines and columns point into it);
+    JSON that YAML reads differently (rare) is re-exported from the data. Unpaired surrogate
+    escapes, aliases and the rest are refused by the validation that follows, with lines."""
+    try:
+        load_policy(text)
+        return text
+    except PolicyError:
+        pass
+    if not isinstance(data, dict):
+        return text
+    try:
+        return policy_to_yaml(build_policy(data))
+    except PolicyError:
+        return text     # invalid either way: validated again as text, with lines and columns
 
 
 def _store(gw: "Gateway") -> Any:
@@ -216,14 +223,18 @@ async def validate(request: Request) -> Response:
     await admin_key(request)
     gw = _gw(request)
     text = await read_document(request)
+    return JSONResponse(await off_loop(_validation, text, list(gw.deployment.engines), gw.policy.policy,
+                                       gw.policy.number))
+
+
+def _validation(text: str, engines: list[str], current: Any, number: int) -> dict[str, Any]:
     try:
-        policy = check_document(text, list(gw.deployment.engines))
+        policy = check_document(text, engines)
     except PolicyError as e:
-        return JSONResponse({"valid": False, "problems": [p.to_dict() for p in e.problems]})
-    current = gw.policy.policy
-    return JSONResponse({"valid": True, "problems": [], "hash": policy_hash(policy),
-                         "unchanged": current is not None and policy_hash(current) == policy_hash(policy),
-                         "diff": diff(current, policy, f"version {gw.policy.number}", "proposed")})
+        return {"valid": False, "problems": [p.to_dict() for p in e.problems]}
+    return {"valid": True, "problems": [], "hash": policy_hash(policy),
+            "unchanged": current is not None and policy_hash(current) == policy_hash(policy),
+            "diff": diff(current, policy, f"version {number}", "proposed")}
 
 
 async def simulate_route(request: Request) -> Response:
@@ -235,7 +246,7 @@ async def simulate_route(request: Request) -> Response:
                       code="invalid_limit")
     start, end = time_window(q)
     try:
-        proposed = check_document(text, list(gw.deployment.engines))
+        proposed = await off_loop(check_document, text, list(gw.deployment.engines))
     except PolicyError as e:
         return problems_response(e)
     result = await run_simulation(gw, proposed, start, end, limit, q.get("tenant") or None)
@@ -252,7 +263,7 @@ async def run_simulation(gw: "Gateway", proposed: Any, start: float, end: float,
     except (RedisError, OSError) as e:
         raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
                           headers={"retry-after": "1"}) from e
-    result = compare_policies(gw.policy.policy, proposed, traffic, gw.learned_router)
+    result = await off_loop(compare_policies, gw.policy.policy, proposed, traffic, gw.learned_router)
     from .spend_reports import iso
     return {"object": "policy.simulation", "current_version": gw.policy.number, "start": iso(start),
             "end": iso(end), "limit": limit, **result}

@@ -25,6 +25,7 @@ from router_models.calibration import threshold_from_quantiles
 
 from .deployment import Prices
 from .policy_store import PolicyStore, deployment_problems, events_channel
+from .policy_work import off_loop
 
 if TYPE_CHECKING:
     from .deployment import Deployment
@@ -62,6 +63,10 @@ class PolicyState:
 
     def install(self, v: PolicyVersion, source: str) -> None:
         """Swap in version v (raises PolicyError when it does not fit this deployment)."""
+        self._swap(v, *self._prepare(v), source)
+
+    def _prepare(self, v: PolicyVersion) -> tuple[Policy, dict[str, Prices], float | None]:
+        """The CPU part of installing (parse, check, threshold): runs off the loop on refresh."""
         policy = v.policy()
         problems = deployment_problems(policy, self.engines)
         if problems:
@@ -71,6 +76,10 @@ class PolicyState:
             threshold = threshold_from_quantiles(self.learned.scorer.artifact.quantiles,
                                                  policy.router.target_large_share)
         prices = {e: Prices(p.input, p.cached_input, p.output) for e, p in policy.prices.items()}
+        return policy, prices, threshold
+
+    def _swap(self, v: PolicyVersion, policy: Policy, prices: dict[str, Prices], threshold: float | None,
+              source: str) -> None:
         # One tuple of assignments between awaits: a request never sees half of a version.
         self.version, self.policy, self.prices, self.router_threshold, self.source = \
             v, policy, prices, threshold, source
@@ -116,7 +125,7 @@ class PolicyState:
             raise PolicyStartError(f"policy: {self.deployment.policy_file}: {e}") from e
 
     async def start_redis(self, redis: Any, pubsub_client: Any) -> None:
-        self.store = PolicyStore(redis, self.deployment.redis_prefix)
+        self.store = PolicyStore(redis, self.deployment.redis_prefix, run=off_loop)
         try:
             current = await self.store.current()
             if current is None and self.deployment.policy_file is not None:
@@ -153,11 +162,15 @@ class PolicyState:
         v = await self.store.get(n)
         if v is None:
             return False
+        before = self.number
         try:
-            self.install(v, "redis")
+            prepared = await off_loop(self._prepare, v)
         except PolicyError as e:
             log.error("policy version %d does not fit this deployment; keeping version %d: %s", n, self.number, e)
             return False
+        if self.number != before:
+            return False        # another refresh installed a version while this one was being prepared
+        self._swap(v, *prepared, "redis")
         return True
 
     async def _listen(self, pubsub_client: Any, reconnect_s: float = 1.0) -> None:

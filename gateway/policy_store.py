@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 from policies import Policy, PolicyError, PolicyVersion, Problem, next_version, rollback_to
 
@@ -69,14 +69,34 @@ def deployment_problems(policy: Policy, engines: Iterable[str]) -> list[Problem]
     return problems
 
 
+async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run CPU work right here (the CLI); the gateway passes policy_work.off_loop instead."""
+    return fn(*args)
+
+
+def _made(previous: PolicyVersion | None, document: str, author: str, note: str,
+          engines: list[str] | None) -> tuple[PolicyVersion, list[Problem]]:
+    """The next version and its deployment problems: all the CPU work of an apply, in one call."""
+    version = next_version(previous, document, author, datetime.now(timezone.utc), note=note)
+    return version, deployment_problems(version.policy(), engines) if engines is not None else []
+
+
+def _rolled_back(history: list[PolicyVersion], version: int, author: str,
+                 engines: list[str] | None) -> tuple[PolicyVersion, list[Problem]]:
+    new = rollback_to(history, version, author, datetime.now(timezone.utc))
+    return new, deployment_problems(new.policy(), engines) if engines is not None else []
+
+
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class PolicyStore:
-    def __init__(self, redis: Any, prefix: str) -> None:
+    def __init__(self, redis: Any, prefix: str,
+                 run: Callable[..., Awaitable[Any]] = inline) -> None:
         self.redis = redis                 # redis.asyncio client
         self.prefix = prefix
+        self.run = run                     # how validation, hashing and diffs run (off the loop in the gateway)
         self._script = redis.register_script(_LUA.read_text())
 
     async def current_number(self) -> int:
@@ -105,11 +125,9 @@ class PolicyStore:
         engines = list(engines) if engines is not None else None
         for _ in range(RETRIES):
             previous = await self.current()
-            version = next_version(previous, document, author, datetime.now(timezone.utc), note=note)
-            if engines is not None:
-                problems = deployment_problems(version.policy(), engines)
-                if problems:
-                    raise PolicyError(problems)
+            version, problems = await self.run(_made, previous, document, author, note, engines)
+            if problems:
+                raise PolicyError(problems)
             if previous is not None and previous.hash == version.hash and not allow_unchanged:
                 return previous, False
             if await self._install(previous, version):
@@ -124,11 +142,9 @@ class PolicyStore:
             if not any(v.version == version for v in history):
                 raise NoSuchVersion([Problem("version", f"no policy version {version}",
                                              allowed=tuple(str(v.version) for v in reversed(history)))])
-            new = rollback_to(history, version, author, datetime.now(timezone.utc))
-            if engines is not None:
-                problems = deployment_problems(new.policy(), engines)
-                if problems:
-                    raise PolicyError(problems)
+            new, problems = await self.run(_rolled_back, history, version, author, engines)
+            if problems:
+                raise PolicyError(problems)
             previous = history[0]
             if await self._install(previous, new):
                 return new
