@@ -113,6 +113,9 @@ def load_weights(model: CausalLM, model_dir: str | Path, dtype: torch.dtype, pro
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                progress: bool = True, cfg: ModelConfig | None = None) -> tuple[CausalLM, ModelConfig]:
+    if Path(model_dir).suffix.lower() == ".gguf" and not Path(model_dir).is_dir():
+        from .gguf_loader import load_gguf_model  # imported here: it builds on this module
+        return load_gguf_model(model_dir, dtype, device, max_positions, progress, cfg)
     cfg = cfg or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)

@@ -41,6 +41,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        if Path(model_dir).suffix.lower() == ".gguf" and not Path(model_dir).is_dir():
+            from .gguf_reader import model_config  # a single-file checkpoint: its metadata is the config
+            return model_config(model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint folder?)")

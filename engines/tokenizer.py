@@ -95,9 +95,10 @@ def _is_tiktoken_file(path: Path) -> bool:
 class _HFBackend:
     """tokenizer.json through the `tokenizers` library."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tok: HFTokenizer | None = None) -> None:
+        """From tokenizer.json at path, or from `tok` built elsewhere (a GGUF file's metadata)."""
         try:
-            self.tok = HFTokenizer.from_file(str(path))
+            self.tok = tok if tok is not None else HFTokenizer.from_file(str(path))
         except Exception as e:  # the library raises plain Exception subclasses from Rust
             raise CheckpointError(f"{path}: cannot be loaded by the tokenizers library ({e})") from e
         added = self.tok.get_added_tokens_decoder()
@@ -253,6 +254,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         model_dir = Path(model_dir)
+        if model_dir.suffix.lower() == ".gguf" and not model_dir.is_dir():
+            from .gguf_tokenizer import tokenizer_from_gguf  # a single-file checkpoint: metadata holds it
+            return tokenizer_from_gguf(model_dir)
         if not model_dir.is_dir():
             raise CheckpointError(f"{model_dir}: not a folder")
         config = _read_json(model_dir / "tokenizer_config.json")
@@ -338,7 +342,8 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     def __repr__(self) -> str:
-        kind = "tokenizer.json" if isinstance(self._backend, _HFBackend) else "tiktoken"
+        kind = ("gguf" if self.source.suffix.lower() == ".gguf" else "tokenizer.json") \
+            if isinstance(self._backend, _HFBackend) else "tiktoken"
         return f"Tokenizer({str(self.source)!r}, {kind}, vocab_size={self.vocab_size})"
 
 
