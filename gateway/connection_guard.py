@@ -35,6 +35,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("tokenyard.connections")
 LINGER_S = 2.0          # after a 431, how long the rest of an oversized head is read and dropped
 FD_RESERVE = 256        # file descriptors kept for Redis, engines, logs and files beyond client connections
+BACKLOG = 2048          # uvicorn's listen backlog; asyncio also accepts up to this many sockets in one go
+                        # before their protocols run, so that many fds can be open beyond the cap
 _ACCEPT_ERROR = "socket.accept() out of system resource"
 
 
@@ -210,9 +212,10 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def fit_max_connections(max_connections: int, fd_soft_limit: int) -> int:
-    """max_connections, lowered when the open-file limit cannot hold it plus FD_RESERVE."""
-    room = max(16, fd_soft_limit - FD_RESERVE)
+def fit_max_connections(max_connections: int, fd_soft_limit: int, backlog: int = BACKLOG) -> int:
+    """max_connections, lowered when the open-file limit cannot hold it plus one accept burst
+    (backlog) plus FD_RESERVE: running out of fds makes asyncio stop accepting for a second."""
+    room = max(16, fd_soft_limit - FD_RESERVE - backlog)
     if max_connections > room:
         log.warning("server.max_connections %d is more than the open-file limit %d allows; using %d",
                     max_connections, fd_soft_limit, room)

@@ -21,7 +21,7 @@ from types import FrameType
 import uvicorn
 
 from .app import create_app
-from .connection_guard import QuietAcceptErrors, fit_max_connections, guarded_protocol, raise_fd_limit
+from .connection_guard import BACKLOG, QuietAcceptErrors, fit_max_connections, guarded_protocol, raise_fd_limit
 from .deployment import Connections, Deployment
 from .embedded_redis import EmbeddedRedis
 
@@ -31,7 +31,7 @@ log = logging.getLogger("tokenyard.server")
 def uvicorn_config(app, conn: Connections, **kw) -> uvicorn.Config:
     """uvicorn settings for a gateway app: the guarded h11 protocol and its limits."""
     return uvicorn.Config(app, http=guarded_protocol(conn), h11_max_incomplete_event_size=conn.max_header_bytes,
-                          timeout_keep_alive=conn.keep_alive_s, log_level="warning", access_log=False,
+                          timeout_keep_alive=conn.keep_alive_s, backlog=BACKLOG, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=1, **kw)
 
 

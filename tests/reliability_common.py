@@ -120,19 +120,28 @@ def check_ledger(client, prefix: str, tenants: list[str], reached: list[str], se
     report.figures["cost_micros"] = sum(v["cost_micros"] for v in rollups.values())
 
 
-def serve_process(document: dict, dev_key: str, tmp: Path, access_log: bool = False) -> tuple[subprocess.Popen, int]:
+def serve_process(document: dict, dev_key: str, tmp: Path, access_log: bool = False, stderr_file: bool = False,
+                  fd_limit: int | None = None) -> tuple[subprocess.Popen, int]:
     """`tokenyard serve` in a process of its own (client and gateway do not share a GIL); with
-    access_log, its JSON access log goes to tmp/stderr.log."""
+    access_log (or stderr_file), its stderr (the JSON access log) goes to tmp/stderr.log. The
+    document's own `server:` keys are kept (host, port and access_log are set here). fd_limit: the
+    process's open-file limit, soft and hard (a small one shows fd exhaustion without 20,000 sockets)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = tmp / "gateway.yaml"
-    cfg.write_text(json.dumps({**document, "server": {"host": "127.0.0.1", "port": port, "access_log": access_log},
-                               "spend": {"spool_dir": str(tmp / "spool")}}))
+    server = {**document.get("server", {}), "host": "127.0.0.1", "port": port, "access_log": access_log}
+    cfg.write_text(json.dumps({**document, "server": server, "spend": {"spool_dir": str(tmp / "spool")}}))
     env = {**os.environ, "TOKENYARD_DEV_KEY": dev_key, "PYTHONPATH": str(ROOT)}
-    stderr = open(tmp / "stderr.log", "wb") if access_log else subprocess.DEVNULL
+    stderr = open(tmp / "stderr.log", "wb") if access_log or stderr_file else subprocess.DEVNULL
+
+    def limit_fds() -> None:
+        if fd_limit is not None:
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=stderr)
+                            stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=limit_fds)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

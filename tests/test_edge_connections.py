@@ -147,8 +147,8 @@ def test_fd_limit_is_raised_to_the_hard_limit_and_bounds_max_connections():
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
     if hard != resource.RLIM_INFINITY:
         assert soft == hard
-    assert fit_max_connections(4096, 1024) == 1024 - 256
-    assert fit_max_connections(100, 20_000) == 100
+    assert fit_max_connections(4096, 1024, backlog=512) == 1024 - 256 - 512
+    assert fit_max_connections(4096, 20_000) == 4096
 
 
 def test_connection_settings_are_validated():
