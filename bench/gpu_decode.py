@@ -10,7 +10,11 @@ Each step is what the engine's runner does for a pure-decode batch: build the in
 host, run the forward (eager: AttentionMetadata.build + model; graphs: CudaGraphDecoder.run,
 which copies into static buffers and replays) and take the greedy argmax. The floor is the
 bytes one step must read (all weights once, plus every sequence's K/V) over the measured device
-copy bandwidth. Before timing, graph and eager logits are compared on the same inputs.
+copy bandwidth. Before timing, graph and eager logits are compared on the same inputs, and the
+greedy tokens of every timed step must be the same on both paths.
+
+The dry run (`run(..., dry_run=True)`, CPU, TRITON_INTERPRET=1) has no GPU to capture on: its
+graph rows, named UNCAPTURED, run CudaGraphDecoder's static-buffer, padded path eagerly.
 """
 from __future__ import annotations
 
@@ -34,7 +38,12 @@ class DecodeResult:
     ms_per_step: float
     tokens_per_s: float
     floor_ms: float
-    max_logit_diff: float = float("nan")
+    max_logit_diff: float = float("nan")   # |graph path - eager| logits on the same inputs
+    same_tokens: bool = True               # both paths' greedy tokens equal on every timed step
+
+
+CAPTURED = "cuda graphs"
+UNCAPTURED = "graph path, uncaptured"
 
 
 TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -101,24 +110,28 @@ def run(batches: list[int], context: int, steps: int, bandwidth_bytes_per_ms: fl
 
         diff = (eager(0) - graphed(0)).abs().max().item()
         floor = (weight_bytes + b * (context + steps // 2) * kv_bytes_per_token) / bandwidth_bytes_per_ms
-        for mode, fn in (("eager", eager), ("cuda graphs", graphed)):
+        tokens: dict[str, list] = {}
+        for mode, fn in (("eager", eager), (UNCAPTURED if dry_run else CAPTURED, graphed)):
             for s in range(3):
                 fn(s).argmax(-1).tolist()
             sync()
             t0 = time.perf_counter()
-            for s in range(steps):
-                fn(s).argmax(-1).tolist()  # the host needs the tokens every step, as the engine does
+            # the host needs the tokens every step, as the engine does
+            tokens[mode] = [fn(s).argmax(-1).tolist() for s in range(steps)]
             ms = (time.perf_counter() - t0) * 1e3 / steps
             results.append(DecodeResult(b, mode, ms, b * 1e3 / ms, floor, diff))
+        same = len({str(t) for t in tokens.values()}) == 1
+        for r in results[-2:]:
+            r.same_tokens = same
     return results
 
 
 def print_table(results: list[DecodeResult]) -> None:
     print(f"\n{'decode (1.1B Llama bf16)':26} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'floor ms':>9} "
-          f"{'% floor':>8} {'|graph-eager|':>13}")
+          f"{'% floor':>8} {'|graph-eager|':>13} {'same tokens':>11}")
     for r in results:
         print(f"{r.mode:26} {r.batch:5d} {r.ms_per_step:8.3f} {r.tokens_per_s:9.0f} {r.floor_ms:9.3f} "
-              f"{100 * r.floor_ms / r.ms_per_step:7.0f}% {r.max_logit_diff:13.2e}")
+              f"{100 * r.floor_ms / r.ms_per_step:7.0f}% {r.max_logit_diff:13.2e} {str(r.same_tokens):>11}")
 
 
 def main(argv: list[str] | None = None) -> int:

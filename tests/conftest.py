@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tests.triton_mode  # noqa: F401  first: compiled Triton kernels on CUDA, the interpreter elsewhere
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -10,9 +10,6 @@ relative, well inside the factor-2 margin.
 from __future__ import annotations
 
 import json
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CUDA path runs on CPU tensors
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from engines.quantized_linear import QuantLinear
 from kernels import quant_matmul_torch as ref_ops
 from kernels.quant_layout import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 from tests.engine_helpers import prompt_logits, random_prompts
+from tests.triton_mode import DEVICE
 
 ULP = 2.0 ** -9  # bf16 unit roundoff (8 significant bits)
 
@@ -84,18 +82,18 @@ def test_int4_cpu_matmul_matches_dequantised(group, m, n):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_triton_backend_wiring_matches_reference(mode):
-    """The CUDA path (kernels.quant_matmul_triton) as QuantLinear calls it, under the interpreter, fp32."""
+    """The CUDA path (kernels.quant_matmul_triton) as QuantLinear calls it, fp32: compiled on a GPU,
+    under the interpreter elsewhere (tests/triton_mode.py)."""
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET was set to something else before this module loaded")
     g = torch.Generator().manual_seed(5)
     w = torch.randn(48, 64, generator=g)
     q = quantize_int8(w) if mode == "int8" else quantize_int4(w, 32)
     bias = torch.randn(48, generator=g)
     x = torch.randn(3, 64, generator=g)
-    fast, slow = QuantLinear(q, bias, backend="triton"), QuantLinear(q, bias, backend="torch")
+    fast = QuantLinear(q, bias, backend="triton").to(DEVICE)
+    slow = QuantLinear(q, bias, backend="torch")
     ref = slow(x)
-    assert (fast(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (fast(x.to(DEVICE)).cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_quant_linear_empty_batch_and_leading_dims():
