@@ -107,6 +107,17 @@ def _json_document(text: str, data: Any) -> str:
     """JSON that YAML reads as the same policy stays as sent (lines and columns point into it);
     JSON that YAML reads differently (rare) is re-exported from the data. Unpaired surrogate
     escapes, aliases and the rest are refused by the validation that follows, with lines."""
+    if "\\u" in text:
+        # YAML reads each \\uXXXX escape on its own, so JSON's surrogate pairs (how json.dumps
+        # writes an emoji) would become two lone surrogates: validate the decoded text instead.
+        try:
+            text = json.dumps(data, ensure_ascii=False, indent=2)
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("Policy document contains an unpaired UTF-16 surrogate escape",
+                             code="invalid_encoding") from None
+        except (ValueError, RecursionError):
+            raise BadRequest("Body is not valid JSON: nested too deeply", code="invalid_json") from None
     try:
         load_policy(text)
         return text

@@ -217,7 +217,10 @@ def check_text(root: Node, reader: Reader) -> None:
         node, path = stack.pop()
         if isinstance(node, ScalarNode):
             if not node.value.isascii() and _SURROGATE.search(node.value):
-                reader.problem(node, path, "contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
+                # The path may hold the same surrogates (a key): written as escapes, so the
+                # problem itself can be sent back.
+                shown = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", path)
+                reader.problem(node, shown, "contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)")
         elif isinstance(node, SequenceNode):
             stack.extend((n, f"{path}[{i}]") for i, n in enumerate(node.value))
         elif isinstance(node, MappingNode):

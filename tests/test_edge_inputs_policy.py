@@ -176,3 +176,21 @@ def test_json_bodies_that_broke_the_parser(world, path, body):
     assert status in (400, 422) or (status == 200 and json.loads(data)["valid"] is False), (status, data[:300])
     if status != 200:
         assert set(json.loads(data)["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_json_surrogate_pairs_are_read_as_json_reads_them(world):
+    """json.dumps writes an emoji as a \\ud83d\\ude00 pair, which YAML would read as two lone
+    surrogates (and a reply with them could not be encoded: a 500 under schemathesis)."""
+    import yaml
+    srv, keys = world
+    data = yaml.safe_load(BASE_POLICY)
+    data["description"] = "smile \U0001F600"
+    data["rules"] = [{"name": "r", "match": {"tags": {"k\U0001F600": ["v"]}}, "action": {"pin": "small"}}]
+    status, _, body = srv.request("POST", "/admin/policy/validate", json.dumps(data),
+                                  {**bearer(keys["admin"]), "Content-Type": "application/json"})
+    assert status == 200, body[:300]
+    assert isinstance(json.loads(body)["valid"], bool)
+    data["rules"] = []
+    status, _, body = srv.request("POST", "/admin/policy/validate", json.dumps(data),
+                                  {**bearer(keys["admin"]), "Content-Type": "application/json"})
+    assert status == 200 and json.loads(body)["valid"] is True, body[:300]
