@@ -12,15 +12,25 @@ Runs from a plain checkout with the machine's own torch and triton; imports only
     also against torch SDPA over already-gathered contiguous KV, quantised matmuls against a
     dense fp16/bf16 cuBLAS matmul. A table is printed and everything is written as JSON.
 (c) End-to-end decode tokens/s of a random 1.1B Llama in bf16 at batch 1 and 64, eager vs
-    CUDA graphs, against the weight + KV read floor (bench/gpu_decode.py).
-Exit status: 0 all correct, 1 a correctness failure, 2 no CUDA device.
+    CUDA graphs (same greedy tokens), against the weight + KV read floor (bench/gpu_decode.py).
+(d) Tensor parallelism 2 over nccl (when 2 GPUs exist): the same greedy tokens as 1 GPU; and the
+    W2 throughput of the engine vs transformers on the GPU (skipped, with the reason, where
+    transformers is not installed) (bench/gpu_engine_checks.py).
+Ends with one summary table: a row per check, ok / FAIL / skip and the figure behind it.
+
+    bench/gpu_check.sh --dry-run    the same code on the CPU at toy sizes (kernels interpreted,
+                                    gloo for tp2); tests/test_gpu_check.py runs it in `make test`
+                                    so the script cannot rot between GPU sessions.
+Exit status: 0 all correct, 1 a failure, 2 no CUDA device (without --dry-run).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -30,6 +40,10 @@ import torch.nn.functional as F
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICE = "cuda"
+TIMING_DTYPE = torch.bfloat16
+DECODE = dict(batches=[1, 64], context=512, steps=64)
+TP = dict(prompts=8, max_tokens=32)
+W2 = dict(requests=96, scale_output=1.0)
 # Sizes, module-level so a dry run can shrink them. Llama-3-8B-like heads: 8 kv heads, head_dim 128.
 WRITE_KV_CHECK = dict(tokens=4099, kv_heads=8, head_dim=128, slots=1 << 15)
 QUANT_CHECK = dict(n=4096, k=4096, ms=(1, 16, 100, 1000))
@@ -194,6 +208,14 @@ _flush = None
 def time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
     """Median device time of fn, L2 flushed before each run (outside the timed events)."""
     global _flush
+    if DEVICE == "cpu":  # the dry run: wall clock, a few runs; the figures only prove the plumbing
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     if _flush is None:
         _flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
     for _ in range(warmup):
@@ -235,7 +257,7 @@ def _attention_bytes(b: Batch) -> int:
 
 
 def time_attention(bw: float, timings: list[Timing]) -> None:
-    dtype = torch.bfloat16
+    dtype = TIMING_DTYPE
     kvh, group, hd = 8, 4, 128
     for batch, ctx in DECODE_TIMINGS:
         b = make_batch([1] * batch, [ctx] * batch, kvh, group, hd, dtype)
@@ -279,7 +301,7 @@ def time_attention(bw: float, timings: list[Timing]) -> None:
 def time_quant(bw: float, timings: list[Timing]) -> None:
     from kernels import quant_layout as ql
     from kernels import quant_matmul_triton as tri
-    dtype = torch.bfloat16
+    dtype = TIMING_DTYPE
     for n, k in QUANT_TIMINGS["shapes"]:
         w = torch.randn(n, k, device=DEVICE) * 0.02
         q8 = ql.quantize_int8(w, scale_dtype=dtype)
@@ -291,13 +313,30 @@ def time_quant(bw: float, timings: list[Timing]) -> None:
             base = time_ms(lambda: x @ dense.t())
             ms = time_ms(lambda: tri.int8_matmul(x, q8.w_q, q8.scales))
             nbytes = n * k + io
-            timings.append(Timing(f"int8 {n}x{k} m={m}", ms, nbytes, nbytes / bw, "dense bf16", base))
+            timings.append(Timing(f"int8 {n}x{k} m={m}", ms, nbytes, nbytes / bw, f"dense {str(dtype)[6:]}", base))
             ms = time_ms(lambda: tri.int4_matmul(x, q4.packed, q4.scales, q4.zeros, 128))
             nbytes = n * k // 2 + 3 * n * (k // 128) + io
-            timings.append(Timing(f"int4 g128 {n}x{k} m={m}", ms, nbytes, nbytes / bw, "dense bf16", base))
+            timings.append(Timing(f"int4 g128 {n}x{k} m={m}", ms, nbytes, nbytes / bw, f"dense {str(dtype)[6:]}",
+                                  base))
 
 
 # ----------------------------------------------------------------------------------------------
+
+def shrink_for_dry_run() -> None:
+    """Toy sizes on the CPU, kernels under Triton's interpreter: the same functions, in seconds.
+    bf16 kernel parity is left to tests/test_triton_kernels.py there (the interpreter's own bf16
+    dot is wrong; the tests correct it), so its rows here say skip."""
+    g = globals()
+    g.update(DEVICE="cpu", TIMING_DTYPE=torch.float32, DTYPES=(torch.float32, torch.float16), COPY_ELEMS=1 << 20,
+             RANDOM_CONTEXT=80, WRITE_KV_CHECK=dict(tokens=37, kv_heads=2, head_dim=32, slots=256),
+             QUANT_CHECK=dict(n=64, k=128, ms=(1, 5)), DECODE_TIMINGS=((2, 64),), PREFILL_TIMINGS=((1, 32),),
+             VERIFY_TIMING=(2, 3, 64), WRITE_KV_TIMING=dict(tokens=32, slots=256),
+             QUANT_TIMINGS=dict(shapes=((64, 128),), ms=(1,)), DECODE=dict(batches=[1, 3], context=20, steps=2),
+             TP=dict(prompts=3, max_tokens=4), W2=dict(requests=4, scale_output=0.05),
+             ATTENTION_CASES={"decode b3 gqa4": ([1] * 3, None, 2, 4, 32, None, None),
+                              "decode b2 window split": ([1, 1], [70, 20], 2, 2, 32, 16, 2),
+                              "mixed prefill+decode gqa2": ([9, 1], [40, 33], 2, 2, 32, None, None)})
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -305,15 +344,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="skip fp32 correctness cases")
     parser.add_argument("--no-timings", action="store_true", help="correctness only")
     parser.add_argument("--no-decode", action="store_true", help="skip the end-to-end 1B decode (eager vs graphs)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the tp2 and W2 rows")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the same code on the CPU at toy sizes (Triton interpreted): proves the script, not the GPU")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        # Before triton is first imported (kernels/ import it lazily, below): interpret kernels.
+        os.environ["TRITON_INTERPRET"] = "1"
+        shrink_for_dry_run()
+    elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False); "
-              "this check needs an NVIDIA GPU. Kernel tests on CPU: pytest tests/test_triton_kernels.py")
+              "this check needs an NVIDIA GPU. On the CPU: bench/gpu_check.sh --dry-run, "
+              "pytest tests/test_triton_kernels.py")
         return 2
     import triton
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32
     torch.manual_seed(0)
-    device = torch.cuda.get_device_name()
+    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
     print(f"device {device}, torch {torch.__version__}, triton {triton.__version__}")
 
     checks: list[Check] = []
@@ -323,13 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'check':58} {'rel err':>10} {'tol':>8}")
     for c in checks:
         print(f"{c.name:58} {c.rel_err:10.2e} {c.tol:8.0e} {'ok' if c.ok else 'FAIL'}")
-    failed = [c.name for c in checks if not c.ok]
 
     timings: list[Timing] = []
     bw = float("nan")
     if not args.no_timings:
         bw = copy_bandwidth()
-        print(f"\ncopy bandwidth {bw / 1e6:.0f} GB/s ({2 * COPY_ELEMS / 2**30:.1f} GiB device copy, "
+        print(f"\ncopy bandwidth {bw / 1e6:.0f} GB/s ({2 * COPY_ELEMS / 2**30:.3f} GiB device copy, "
               "read + write); floor = bytes moved / this")
         time_attention(bw, timings)
         time_quant(bw, timings)
@@ -342,15 +388,27 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     if not args.no_timings and not args.no_decode:
         from bench import gpu_decode
-        decode = gpu_decode.run([1, 64], context=512, steps=64, bandwidth_bytes_per_ms=bw)
+        decode = gpu_decode.run(DECODE["batches"], context=DECODE["context"], steps=DECODE["steps"],
+                                bandwidth_bytes_per_ms=bw, dry_run=args.dry_run)
         gpu_decode.print_table(decode)
 
+    from bench.gpu_check_summary import Row, engine_rows, print_summary, summary_rows
+    rows = summary_rows(checks, timings, decode, args.dry_run)
+    if not args.no_engine:
+        rows += engine_rows(args.dry_run, DEVICE, TP, W2)
+    leaked = sorted(m for m in sys.modules if m == "gateway" or m.startswith("gateway."))
+    rows.append(Row("layering", "engines/ and kernels/ without gateway/", "FAIL" if leaked else "ok",
+                    f"imported: {', '.join(leaked[:5])}" if leaked else "no gateway module imported"))
+    print_summary(rows)
+    failed = [f"{r.section}: {r.name}" for r in rows if r.status == "FAIL"]
+
     with open(args.out, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__,
+        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "dry_run": args.dry_run,
                    "copy_bandwidth_GBps": bw / 1e6, "checks": [asdict(c) for c in checks],
                    "timings": [asdict(t) for t in timings], "decode": [asdict(d) for d in decode],
-                   "failed": failed}, f, indent=1)
-    print(f"\nwrote {args.out}; {len(checks) - len(failed)}/{len(checks)} checks passed")
+                   "summary": [asdict(r) for r in rows], "failed": failed}, f, indent=1)
+    n_ok = sum(r.status == "ok" for r in rows)
+    print(f"\nwrote {args.out}; {n_ok} ok, {len(failed)} FAIL, {sum(r.status == 'skip' for r in rows)} skip")
     return 1 if failed else 0
 
 

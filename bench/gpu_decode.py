@@ -127,7 +127,7 @@ def run(batches: list[int], context: int, steps: int, bandwidth_bytes_per_ms: fl
 
 
 def print_table(results: list[DecodeResult]) -> None:
-    print(f"\n{'decode (1.1B Llama bf16)':26} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'floor ms':>9} "
+    print(f"\n{'decode (random Llama)':26} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'floor ms':>9} "
           f"{'% floor':>8} {'|graph-eager|':>13} {'same tokens':>11}")
     for r in results:
         print(f"{r.mode:26} {r.batch:5d} {r.ms_per_step:8.3f} {r.tokens_per_s:9.0f} {r.floor_ms:9.3f} "
