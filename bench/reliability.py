@@ -7,6 +7,9 @@ and tests/test_fuzz_openapi.py (tests/reliability_*.py), with the sizes of the i
     .venv/bin/python -m bench.reliability engine-failure # 20 step exceptions + 3 killed tensor-parallel workers
     .venv/bin/python -m bench.reliability redis          # Redis down 30 s under traffic and back (--outage-s)
     .venv/bin/python -m bench.reliability fuzz           # schemathesis, 150 cases per operation and mode
+    .venv/bin/python -m bench.reliability flood          # 400 made-up-key clients, then 1,000 clients, 30 s each
+    .venv/bin/python -m bench.reliability slow-connections  # 20,400 slow-header sockets next to a normal client
+    --json PATH writes the figures (with date, machine, commit, command) to PATH.
 
 Needs the shared Redis on 127.0.0.1:6379 (unique prefixes, deleted afterwards) and
 /usr/bin/redis-server (the outage runs on a private one). Everything is loopback. Prints each
@@ -26,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))   # the scenarios live with the tests th
 
 from reliability_common import Report  # noqa: E402
 from reliability_disconnects import run_disconnects  # noqa: E402
+from reliability_edge import run_slow_connections, run_unauth_flood  # noqa: E402
 from reliability_failures import run_step_exceptions, run_tp_worker_kills, tp_checkpoint  # noqa: E402
 from reliability_fuzz import run_fuzz  # noqa: E402
 from reliability_overload import run_overload  # noqa: E402
@@ -51,6 +55,17 @@ def _row(report: "Report") -> tuple[str, str, str]:
                 f"{f['served_from_key_cache']} served from the key cache (open), {f['closed_503']} 503 (closed)")
         detail = (f"unknown keys 503 {f['unknown_key_503']}, spooled {f['records_spooled']}, records {f['records']}, "
                   f"lost {f['records_lost']}, limits back after {f['limits_back_after_s']} s")
+    elif name == "unauthenticated flood":
+        held = (f"{f['flooders']} made-up-key clients ({f['flood_requests']} requests), then {f['clients']} "
+                f"clients, {f['seconds']:.0f} s each")
+        detail = (f"5/min tenant {f['tight_successes']} <= {f['tight_bound']}, 10/min tenant "
+                  f"{f['limited_successes']} <= {f['limited_bound']}, first-time keys in {f['fresh_keys_in']}/"
+                  f"{f['fresh_keys']}, redis errors {f['redis_errors']}, busy {f['redis_busy']}")
+    elif name == "slow connections":
+        held = f"{f['attack'].get('opened')} slow-header sockets, {f['held_at_once']} at once"
+        detail = (f"probe p50/p99 {f['probe_p50_ms_during']}/{f['probe_p99_ms_during']} ms (before "
+                  f"{f['probe_p50_ms_before']}/{f['probe_p99_ms_before']}), failed {f['probes_failed']}, gateway fds "
+                  f"max {f['gateway_fds_max']}, stderr {f['gateway_stderr_bytes']} B")
     elif name.startswith("fuzz"):
         held = f"{f['cases']} cases over {f['operations']} operations in {f['seconds']} s"
         detail = f"statuses {f['statuses']}, bad responses {f['failures']}, errors logged {f['error_logs']}"
@@ -62,9 +77,28 @@ def _row(report: "Report") -> tuple[str, str, str]:
     return name, held, detail + ("" if not report.problems else f"; PROBLEMS: {report.problems}")
 
 
+def _write_json(path: Path, reports: list) -> None:
+    import datetime
+    import platform
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"platform": platform.platform(), "cpu": cpu, "cores": __import__("os").cpu_count()},
+           "commit": commit, "command": "python -m bench.reliability " + " ".join(sys.argv[1:]),
+           "scenarios": [{"name": r.name, "figures": r.figures, "problems": r.problems} for r in reports]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["all", "overload", "disconnects", "engine-failure", "redis", "fuzz"])
+    ap.add_argument("what", choices=["all", "overload", "disconnects", "engine-failure", "redis", "fuzz", "flood",
+                                     "slow-connections"])
+    ap.add_argument("--flood-s", type=float, default=30.0, help="each phase of the flood scenario")
+    ap.add_argument("--slow-total", type=int, default=20_400, help="slow-header connections opened")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--seconds", type=float, default=60.0, help="overload duration")
     ap.add_argument("--mock-n", type=int, default=10_000)
     ap.add_argument("--demo-n", type=int, default=1_000)
@@ -98,12 +132,19 @@ def main() -> int:
         run(run_redis_outage, args.outage_s)
     if want("fuzz"):
         run(run_fuzz, args.fuzz_examples, seed=1)
+    if want("flood"):
+        run(run_unauth_flood, args.flood_s, flooders=400, clients=1000, pool_size=64)
+    if want("slow-connections"):
+        run(run_slow_connections, args.slow_total, min(args.slow_total, 18_000), max_connections=4096, fd_limit=None,
+            header_timeout_s=10.0)
     rows = [_row(r) for r in reports]
     w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     print(f"\n{'scenario':<{w0}}  {'load / faults':<{w1}}  result")
     for name, held, detail in rows:
         print(f"{name:<{w0}}  {held:<{w1}}  {detail}")
     broken = sum(len(r.problems) for r in reports)
+    if args.json is not None:
+        _write_json(args.json, reports)
     print(f"\n{len(reports)} scenarios in {time.perf_counter() - t0:.0f} s; problems: {broken}")
     return 1 if broken else 0
 

@@ -15,6 +15,11 @@ Two different ways a call can fail, kept apart on purpose:
   itself never runs dry before this bound does; should it anyway ("No connection available",
   "Too many connections"), that too is busy, not down.
 
+A Redis timeout while this gateway's own event loop is running late (measured by a heartbeat)
+is busy too: the reply may have sat unread behind a thousand other tasks, which says nothing
+about Redis either, and taking it for an outage would open every tenant's limits exactly when
+the gateway is most loaded.
+
 Latency (including the wait for a place) goes to tokenyard_redis_latency_seconds.
 """
 from __future__ import annotations
@@ -26,12 +31,16 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import Unavailable, retry_headers
 
 log = logging.getLogger("tokenyard.redis")
 T = TypeVar("T")
 _POOL_EMPTY = ("No connection available", "Too many connections")
+BEAT_S = 0.05          # the loop heartbeat's period
+LATE_S = 0.1           # a heartbeat this late (within the last LATE_MEMORY_S) means "the loop is behind"
+LATE_MEMORY_S = 2.0
 
 
 class RedisUnavailable(Exception):
@@ -63,6 +72,19 @@ class RedisGuard:
         self._down = False
         self.busy_count = 0
         self._busy = _busy_counter(metrics)
+        self._late_at = float("-inf")            # when the loop heartbeat was last late
+        self._heartbeat: asyncio.Task | None = None
+
+    def loop_is_late(self) -> bool:
+        return time.monotonic() - self._late_at < LATE_MEMORY_S
+
+    async def _beat(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(BEAT_S)
+            if loop.time() - t - BEAT_S > LATE_S:
+                self._late_at = time.monotonic()
 
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
@@ -74,6 +96,8 @@ class RedisGuard:
     async def call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
         if not self.available():
             raise RedisUnavailable(f"redis skipped for {op}: it failed less than {self.retry_s} s ago")
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         t0 = time.perf_counter()
         if self._places.locked():
             try:
@@ -85,7 +109,7 @@ class RedisGuard:
         try:
             result = await fn()
         except (RedisError, OSError, TimeoutError) as e:
-            if is_pool_exhausted(e):
+            if is_pool_exhausted(e) or (isinstance(e, (RedisTimeoutError, TimeoutError)) and self.loop_is_late()):
                 self._shed(op)
             self.failed(op, e)
             raise RedisUnavailable(f"redis failed during {op}: {type(e).__name__}: {e}") from e

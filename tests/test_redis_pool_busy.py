@@ -64,3 +64,26 @@ def test_gateway_builds_a_blocking_pool_of_the_configured_size():
         assert isinstance(pool, aioredis.BlockingConnectionPool)
         assert pool.max_connections == 7 + 8 and pool.timeout == 0.3
         assert srv.gateway.guard.max_in_flight == 7 and srv.gateway.guard.wait_s == 0.3
+
+
+def test_a_timeout_while_the_loop_is_late_is_busy_not_an_outage():
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    async def main():
+        metrics = GatewayMetrics(lambda: {})
+        guard = RedisGuard(metrics, retry_s=5.0, max_in_flight=4, wait_s=0.1)
+
+        async def timeout():
+            raise RedisTimeoutError("Timeout reading from socket")
+        with pytest.raises(RedisUnavailable):           # loop on time: a timeout is an outage
+            await guard.call("rate_limit", timeout)
+        guard._down_until = 0.0
+        await asyncio.sleep(0.06)
+        import time
+        time.sleep(0.3)                                  # the loop falls behind (a thousand tasks)
+        await asyncio.sleep(0.06)
+        assert guard.loop_is_late()
+        with pytest.raises(RedisBusy):
+            await guard.call("rate_limit", timeout)
+        assert guard.available() and _errors(metrics) == 1
+    asyncio.run(main())
