@@ -30,7 +30,7 @@ from .edge_params import parse_int
 from .errors import APIError, BadRequest, Unauthorized, Unavailable
 from .sessions import COOKIE, Session
 from .spend_reports import parse_group_by
-from .spend_routes import build_report, csv_response, visible_tenants
+from .spend_queries import build_report, csv_response, visible_tenants
 from .spend_store import all_tenants
 from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file, with_cookie
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import spend_reports as reports
 from . import spend_store as store
-from .spend_routes import build_report
+from .spend_queries import build_report
 
 if TYPE_CHECKING:
     from .app import Gateway

@@ -11,13 +11,22 @@ the current policy denied or shed are not in the replay.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
 
 from policies import Comparison, Policy, PolicyError, UsageFeatures, load_policy, simulate
 from router_models.calibration import threshold_from_quantiles
 
+from .errors import Unavailable
 from .policy_store import deployment_problems
+from .policy_work import off_loop
+from .spend_reports import iso
 from .spend_store import all_tenants, records
+
+if TYPE_CHECKING:
+    from .api_keys import KeyRecord
+    from .app import Gateway
 
 DEFAULT_LIMIT = 10_000
 MAX_LIMIT = 100_000
@@ -97,3 +106,22 @@ def comparison_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         add(f"spend[{e}]", cur["spend_by_engine"].get(e, 0) if cur else None, prop["spend_by_engine"].get(e, 0),
             money=True)
     return rows
+
+
+def author_of(key: "KeyRecord") -> str:
+    return key.name or key.key_id
+
+
+async def run_simulation(gw: "Gateway", proposed: Any, start: float, end: float, limit: int,
+                         tenant: str | None) -> dict[str, Any]:
+    if gw.ledger is None:
+        raise Unavailable("Simulation replays the spend ledger, which this gateway does not have",
+                          code="spend_unavailable", headers={"retry-after": "60"})
+    try:
+        traffic = await recorded_traffic(gw.ledger.redis, gw.deployment.redis_prefix, start, end, limit, tenant)
+    except (RedisError, OSError) as e:
+        raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
+                          headers={"retry-after": "1"}) from e
+    result = await off_loop(compare_policies, gw.policy.policy, proposed, traffic, gw.learned_router)
+    return {"object": "policy.simulation", "current_version": gw.policy.number, "start": iso(start),
+            "end": iso(end), "limit": limit, **result}

@@ -31,8 +31,7 @@ from . import csrf
 from .api_keys import KeyRecord
 from .edge_params import parse_int
 from .errors import Unauthorized
-from .policy_admin import DEFAULT_LIMIT, check_document, comparison_rows
-from .policy_routes import author_of, run_simulation
+from .policy_admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
 from .policy_work import off_loop
 from .sessions import COOKIE, Session

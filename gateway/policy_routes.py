@@ -30,10 +30,10 @@ from policies import PolicyError, build_policy, diff, load_policy, policy_hash, 
 from .api_keys import KeyRecord
 from .edge_params import json_int, parse_int
 from .errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
-from .policy_admin import DEFAULT_LIMIT, MAX_LIMIT, check_document, compare_policies, recorded_traffic
+from .policy_admin import DEFAULT_LIMIT, MAX_LIMIT, author_of, check_document, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
 from .policy_work import off_loop
-from .spend_routes import time_window
+from .spend_queries import time_window
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -59,10 +59,6 @@ async def admin_key(request: Request) -> KeyRecord:
     if not key.is_admin:
         raise Forbidden("This endpoint needs an admin key", code="admin_required")
     return key
-
-
-def author_of(key: KeyRecord) -> str:
-    return key.name or key.key_id
 
 
 def problems_response(e: PolicyError, status: int = 422) -> Response:
@@ -262,19 +258,3 @@ async def simulate_route(request: Request) -> Response:
         return problems_response(e)
     result = await run_simulation(gw, proposed, start, end, limit, q.get("tenant") or None)
     return JSONResponse(result, headers={"cache-control": "no-store"})
-
-
-async def run_simulation(gw: "Gateway", proposed: Any, start: float, end: float, limit: int,
-                         tenant: str | None) -> dict[str, Any]:
-    if gw.ledger is None:
-        raise Unavailable("Simulation replays the spend ledger, which this gateway does not have",
-                          code="spend_unavailable", headers={"retry-after": "60"})
-    try:
-        traffic = await recorded_traffic(gw.ledger.redis, gw.deployment.redis_prefix, start, end, limit, tenant)
-    except (RedisError, OSError) as e:
-        raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
-                          headers={"retry-after": "1"}) from e
-    result = await off_loop(compare_policies, gw.policy.policy, proposed, traffic, gw.learned_router)
-    from .spend_reports import iso
-    return {"object": "policy.simulation", "current_version": gw.policy.number, "start": iso(start),
-            "end": iso(end), "limit": limit, **result}

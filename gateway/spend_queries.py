@@ -1,0 +1,94 @@
+"""Reading the spend ledger for a caller: which tenants a key may see, the time window asked for, and
+the report built from the hourly rollups. Shared by the spend API (spend_routes.py) and the pages
+(dashboard.py, policy_routes.py), so the visibility rule lives in one place.
+
+Who sees what: a tenant's key sees its own tenant only (asking for another with `tenant=` is a
+403, never an empty answer that would confirm or deny the tenant exists); an admin key sees every
+tenant, or one with `tenant=`. The tenant list is decided here, before the store is read.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from . import spend_reports as reports
+from . import spend_store as store
+from .api_keys import KeyRecord, check_tenant
+from .edge_params import parse_time
+from .errors import BadRequest, Forbidden, Unavailable
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+DEFAULT_DAYS = 7
+
+
+async def visible_tenants(gw: "Gateway", key: KeyRecord, requested: str | None) -> list[str]:
+    if requested:
+        try:
+            check_tenant(requested)
+        except ValueError as e:
+            raise BadRequest(str(e), param="tenant", code="invalid_tenant") from None
+    if not key.is_admin:
+        if requested and requested != key.tenant:
+            raise Forbidden("This key may only read its own tenant's spend", param="tenant",
+                            code="tenant_forbidden")
+        return [key.tenant]
+    if requested:
+        return [requested]
+    try:
+        return await store.all_tenants(ledger_redis(gw), gw.deployment.redis_prefix)
+    except (RedisError, OSError) as e:
+        raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
+                          headers={"retry-after": "1"}) from e
+
+
+def time_window(params: Any) -> tuple[float, float]:
+    """start/end query parameters (unix seconds, ISO 8601, or for start a span like 7d); default:
+    the last 7 days up to now."""
+    now = time.time()
+    end = parse_time(params["end"], "end") if params.get("end") else now
+    start = parse_time(params["start"], "start", now=now, relative=True) if params.get("start") \
+        else max(0.0, end - DEFAULT_DAYS * 86400)
+    if start >= end:
+        raise BadRequest("start must be before end", param="start", code="invalid_time")
+    return start, end
+
+
+def ledger_redis(gw: "Gateway") -> Any:
+    if gw.ledger is None:
+        raise Unavailable("The spend ledger is not configured on this gateway (no Redis)", code="spend_unavailable",
+                          headers={"retry-after": "60"})
+    return gw.ledger.redis
+
+
+async def build_report(gw: "Gateway", tenants: list[str], start: float, end: float,
+                       group_by: list[str]) -> dict[str, Any]:
+    start_hour, end_hour = reports.hour_range(start, end)
+    try:
+        rows = await store.rollups(ledger_redis(gw), gw.deployment.redis_prefix, tenants, start_hour, end_hour)
+    except (RedisError, OSError) as e:
+        raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
+                          headers={"retry-after": "1"}) from e
+    return {"object": "spend.report", "start": reports.iso(start_hour * 3600), "end": reports.iso(end_hour * 3600),
+            "group_by": group_by, "currency": "micro-units", "baseline_engine": gw.baseline_engine,
+            "data": reports.aggregate(rows, group_by), "total": reports.totals(rows), "rows": rows}
+
+
+def wants_csv(request: Request) -> bool:
+    fmt = request.query_params.get("format")
+    if fmt is not None:
+        if fmt not in ("json", "csv"):
+            raise BadRequest("format must be json or csv", param="format", code="invalid_format")
+        return fmt == "csv"
+    return "text/csv" in request.headers.get("accept", "")
+
+
+def csv_response(report: dict[str, Any], filename: str) -> Response:
+    return Response(reports.to_csv(report["data"], report["group_by"]), media_type="text/csv; charset=utf-8",
+                    headers={"content-disposition": f'attachment; filename="{filename}"',
+                             "cache-control": "no-store"})
