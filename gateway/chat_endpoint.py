@@ -16,14 +16,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from engines.chat_template import ChatTemplateError, apply_chat_template
 from engines.errors import EngineDeadError, RequestError
 from engines.sampling_params import SamplingParams
-from engines.tokenizer import Tokenizer
 
 from .chat_request import parse_chat_request
 from .edge_params import json_int, parse_int, read_int
-from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable, Unprocessable
+from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from .generation import EngineFailed, Generation
 from .policy_route import plan_route
 from .streaming import SSEResponse, wait_disconnect
@@ -97,17 +95,6 @@ async def chat_completions(request: Request) -> Any:
         return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, headers,
                            lim.stream_buffer_bytes, lim.stream_write_timeout_s)
     return CompletionResponse(gen, completion_id, headers)
-
-
-def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    try:
-        text = apply_chat_template(tok, messages, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise Unprocessable(f"The model's chat template rejected the conversation: {e}", param="messages",
-                            code="chat_template_error") from e
-    except RequestError as e:
-        raise BadRequest(str(e), param="messages") from e
-    return tok.encode(text, add_special_tokens=False)  # the template already wrote BOS
 
 
 async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:

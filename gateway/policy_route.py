@@ -30,11 +30,14 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from policies import EngineState, RequestFeatures, TenantSpend, decide
+from engines.chat_template import ChatTemplateError, apply_chat_template
+from engines.errors import RequestError
+from engines.tokenizer import Tokenizer
 from router_models.features import prompt_text
 
 from .api_keys import PRIORITIES, KeyRecord
 from .chat_request import ChatRequest
-from .errors import APIError, Forbidden, RateLimited, Unavailable, retry_headers
+from .errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -59,7 +62,6 @@ class Plan:
 
 
 def _tokenize(gw: "Gateway", engine: str, req: ChatRequest) -> tuple[Any, list[int]]:
-    from .chat_endpoint import tokenize
     tok = gw.handles[engine].tokenizer
     return tok, tokenize(tok, req.messages)
 
@@ -144,3 +146,14 @@ def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
     err = cls(denial.message, code=denial.code)
     err.type = denial.type
     return err
+
+
+def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        text = apply_chat_template(tok, messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise Unprocessable(f"The model's chat template rejected the conversation: {e}", param="messages",
+                            code="chat_template_error") from e
+    except RequestError as e:
+        raise BadRequest(str(e), param="messages") from e
+    return tok.encode(text, add_special_tokens=False)  # the template already wrote BOS
