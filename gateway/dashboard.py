@@ -25,14 +25,13 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from . import csrf, dashboard_view
-from .api_keys import KeyRecord
 from .edge_params import parse_int
-from .errors import APIError, BadRequest, Unauthorized, Unavailable
-from .sessions import COOKIE, Session
+from .errors import BadRequest, Unauthorized, Unavailable
 from .spend_reports import parse_group_by
 from .spend_queries import build_report, csv_response, visible_tenants
 from .spend_store import all_tenants
-from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file, with_cookie
+from .sign_in import SignIn
+from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file
 
 
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8"}
@@ -44,29 +43,15 @@ SECURITY_HEADERS = security_headers(CSP)
 
 
 def routes() -> list[Route]:
-    return [Route("/dashboard", page, methods=["GET"]),
-            Route("/dashboard/login", login_page, methods=["GET"]),
-            Route("/dashboard/login", login, methods=["POST"]),
-            Route("/dashboard/logout", logout, methods=["POST"]),
+    return [Route("/dashboard", page, methods=["GET"]), *SIGN_IN.routes(),
             Route("/dashboard/spend.csv", spend_csv, methods=["GET"]),
             Route("/dashboard/live", live, methods=["GET"]),
             Route("/dashboard/static/{name}", static, methods=["GET"])]
 
 
 _secured = secured(SECURITY_HEADERS)
-
-
-async def _signed_in(request: Request) -> tuple[Session, KeyRecord] | None:
-    """The session and its key's current record; None when not signed in or the key is gone/revoked."""
-    gw = gateway_of(request)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    if session is None or not session.signed_in:
-        return None
-    rec = await gw.keys.lookup(session.key_id)
-    if rec is None or rec.revoked is not None:
-        await gw.sessions.delete(session.id)
-        return None
-    return session, rec
+SIGN_IN = SignIn(home="/dashboard", template="login.html", secured=_secured,
+                 metric=lambda request: gateway_of(request).metrics.dashboard_logins)
 
 
 def _days(request: Request) -> int:
@@ -82,7 +67,7 @@ async def _form(request: Request) -> dict[str, str]:
 
 @_secured
 async def page(request: Request) -> Response:
-    auth = await _signed_in(request)
+    auth = await SIGN_IN.current(request)
     if auth is None:
         return RedirectResponse("/dashboard/login", status_code=303)
     session, key = auth
@@ -102,51 +87,8 @@ async def page(request: Request) -> Response:
 
 
 @_secured
-async def login_page(request: Request) -> Response:
-    gw = gateway_of(request)
-    if await _signed_in(request) is not None:
-        return RedirectResponse("/dashboard", status_code=303)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    if session is None:                  # keep an existing anonymous session (and its token) across reloads
-        session = await gw.sessions.anonymous()
-    return with_cookie(request, render("login.html", session=session, csrf_field=csrf.FIELD, error=None), session)
-
-
-@_secured
-async def login(request: Request) -> Response:
-    gw = gateway_of(request)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    form = await _form(request)
-    try:
-        csrf.check(request, session, form.get(csrf.FIELD))
-    except APIError:
-        gw.metrics.dashboard_logins.labels("csrf_failed").inc()
-        raise
-    try:
-        key = await gw.keys.authenticate("Bearer " + form.get("api_key", "").strip())
-    except Unauthorized:
-        gw.metrics.dashboard_logins.labels("bad_key").inc()
-        return render("login.html", status=401, session=session, csrf_field=csrf.FIELD,
-                       error="That key was not accepted.")
-    await gw.sessions.delete(session.id)     # a new id on sign-in: no session fixation
-    new = await gw.sessions.create(key_id=key.key_id, tenant=key.tenant, role=key.role)
-    gw.metrics.dashboard_logins.labels("ok").inc()
-    return with_cookie(request, RedirectResponse("/dashboard", status_code=303), new)
-
-
-@_secured
-async def logout(request: Request) -> Response:
-    gw = gateway_of(request)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    form = await _form(request)
-    csrf.check(request, session, form.get(csrf.FIELD))
-    await gw.sessions.delete(session.id)
-    return with_cookie(request, RedirectResponse("/dashboard/login", status_code=303), None)
-
-
-@_secured
 async def spend_csv(request: Request) -> Response:
-    auth = await _signed_in(request)
+    auth = await SIGN_IN.current(request)
     if auth is None:
         raise Unauthorized("Sign in at /dashboard/login first", code="not_signed_in")
     gw = gateway_of(request)
@@ -163,7 +105,7 @@ async def spend_csv(request: Request) -> Response:
 
 @_secured
 async def live(request: Request) -> Response:
-    if await _signed_in(request) is None:
+    if await SIGN_IN.current(request) is None:
         raise Unauthorized("Sign in at /dashboard/login first", code="not_signed_in")
     return JSONResponse({"engines": dashboard_view.live_stats(gateway_of(request))})
 

@@ -34,8 +34,9 @@ from .errors import Unauthorized
 from .policy_admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
 from .policy_store import NoSuchVersion, PolicyConflict
 from .policy_work import off_loop
-from .sessions import COOKIE, Session
-from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file, with_cookie
+from .sessions import Session
+from .sign_in import SignIn
+from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file
 
 
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "admin.css": "text/css; charset=utf-8"}
@@ -46,32 +47,18 @@ MAX_FORM_BYTES = 512 * 1024
 
 
 def routes() -> list[Route]:
-    return [Route("/admin", page, methods=["GET"]),
-            Route("/admin/login", login_page, methods=["GET"]),
-            Route("/admin/login", login, methods=["POST"]),
-            Route("/admin/logout", logout, methods=["POST"]),
+    return [Route("/admin", page, methods=["GET"]), *SIGN_IN.routes(),
             Route("/admin/policy-form", policy_form, methods=["POST"]),
             Route("/admin/rollback", rollback_form, methods=["POST"]),
             Route("/admin/static/{name}", static, methods=["GET"])]
 
 
 _secured = secured(SECURITY_HEADERS)
+SIGN_IN = SignIn(home="/admin", template="admin_login.html", secured=_secured, admin_only=True)
 
 
 def _render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
     return render(name, status, csrf_field=csrf.FIELD, **ctx)
-
-
-async def _admin_session(request: Request) -> tuple[Session, KeyRecord] | None:
-    gw = gateway_of(request)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    if session is None or not session.signed_in:
-        return None
-    rec = await gw.keys.lookup(session.key_id)
-    if rec is None or rec.revoked is not None or not rec.is_admin:
-        await gw.sessions.delete(session.id)
-        return None
-    return session, rec
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -99,7 +86,7 @@ async def _page(request: Request, session: Session, key: KeyRecord, *, document:
 
 @_secured
 async def page(request: Request) -> Response:
-    auth = await _admin_session(request)
+    auth = await SIGN_IN.current(request)
     if auth is None:
         return RedirectResponse("/admin/login", status_code=303)
     message = None
@@ -110,47 +97,8 @@ async def page(request: Request) -> Response:
     return await _page(request, *auth, message=message)
 
 
-@_secured
-async def login_page(request: Request) -> Response:
-    gw = gateway_of(request)
-    if await _admin_session(request) is not None:
-        return RedirectResponse("/admin", status_code=303)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    if session is None:
-        session = await gw.sessions.anonymous()
-    return with_cookie(request, _render("admin_login.html", session=session, error=None), session)
-
-
-@_secured
-async def login(request: Request) -> Response:
-    gw = gateway_of(request)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    form = await _form(request)
-    csrf.check(request, session, form.get(csrf.FIELD))
-    try:
-        key = await gw.keys.authenticate("Bearer " + form.get("api_key", "").strip())
-    except Unauthorized:
-        return _render("admin_login.html", status=401, session=session, error="That key was not accepted.")
-    if not key.is_admin:
-        return _render("admin_login.html", status=403, session=session,
-                       error="That is a tenant key; the policy page needs an admin key.")
-    await gw.sessions.delete(session.id)
-    new = await gw.sessions.create(key_id=key.key_id, tenant=key.tenant, role=key.role)
-    return with_cookie(request, RedirectResponse("/admin", status_code=303), new)
-
-
-@_secured
-async def logout(request: Request) -> Response:
-    gw = gateway_of(request)
-    session = await gw.sessions.get(request.cookies.get(COOKIE))
-    form = await _form(request)
-    csrf.check(request, session, form.get(csrf.FIELD))
-    await gw.sessions.delete(session.id)
-    return with_cookie(request, RedirectResponse("/admin/login", status_code=303), None)
-
-
 async def _signed_form(request: Request) -> tuple[Session, KeyRecord, dict[str, str]]:
-    auth = await _admin_session(request)
+    auth = await SIGN_IN.current(request)
     form = await _form(request)
     if auth is None:
         raise Unauthorized("Sign in at /admin/login first", code="not_signed_in")
