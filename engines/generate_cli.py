@@ -8,6 +8,7 @@ from typing import TextIO
 
 from .chat_template import apply_chat_template
 from .engine import Engine
+from .errors import CheckpointError
 from .sampling_params import SamplingParams
 from .text_stream import TextStream
 from .tokenizer import Tokenizer
@@ -15,7 +16,8 @@ from .tokenizer import Tokenizer
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "models" / "demo-large"),
-                    help="checkpoint folder (config.json, safetensors, tokenizer files); default: the demo large model")
+                    help="checkpoint folder (config.json, safetensors, tokenizer files) or a .gguf file; "
+                         "default: the demo large model")
     ap.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     ap.add_argument("--system", help="with --chat: a system message first")
@@ -28,8 +30,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    engine = Engine(args.model, progress=True, kv_cache_memory=256 << 20)
-    tok = Tokenizer.from_dir(args.model)
+    try:
+        engine = Engine(args.model, progress=True, kv_cache_memory=256 << 20)
+        tok = Tokenizer.from_dir(args.model)
+    except CheckpointError as e:  # a bad checkpoint is the user's to fix: the message, not a traceback
+        print(f"tokenyard generate: {e}", file=sys.stderr)
+        return 2
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
