@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .api_keys import PRIORITIES, KeyRecord
 from .deployment import AdmissionConfig
-from .errors import BadRequest
+from .edge_params import parse_int
 from .fair_queue import FairQueue, Waiter
 from .shedding import ArrivalRate, ServiceRate, predicted_wait, shed
 
@@ -183,18 +183,22 @@ class Admission:
     def __init__(self, cfg: AdmissionConfig, metrics: Any, engines: dict[str, AsyncEngine]) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.queues = {name: EngineQueue(name, eng, cfg, metrics) for name, eng in engines.items()}
+        self.queues: dict[str, EngineQueue] = {}
         self.tenants: dict[str, int] = {}   # requests queued or running per tenant
+        self.add_engines(engines)
+
+    def add_engines(self, engines: dict[str, AsyncEngine]) -> None:
+        """Queues for engines that joined (the gateway loads its engines after it is built)."""
+        for name, eng in engines.items():
+            self.queues[name] = EngineQueue(name, eng, self.cfg, self.metrics)
 
     def deadline(self, header: str | None, elapsed_s: float) -> float:
         """Event-loop time by which the request must start: x-request-deadline-ms (a budget in ms
         from its arrival at the gateway, capped at max_deadline_ms) or the configured default."""
         ms = self.cfg.default_deadline_ms
         if header is not None:
-            if not header.strip().isdigit() or int(header) <= 0:
-                raise BadRequest("x-request-deadline-ms must be a positive integer (milliseconds)",
-                                 param="x-request-deadline-ms", code="invalid_deadline")
-            ms = min(int(header), self.cfg.max_deadline_ms)
+            ms = min(parse_int(header.strip(), "x-request-deadline-ms", minimum=1, code="invalid_deadline"),
+                     self.cfg.max_deadline_ms)
         return asyncio.get_running_loop().time() + ms / 1000 - elapsed_s
 
     async def admit(self, rec: KeyRecord, engine: str, prompt_tokens: int, deadline: float,

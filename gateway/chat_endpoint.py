@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engines.errors import EngineDeadError, RequestError
@@ -28,7 +29,11 @@ from .streaming import SSEResponse, wait_disconnect
 from .usage import RecordContext
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
 
 
 async def chat_completions(request: Request) -> Any:

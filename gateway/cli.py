@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
         dep.host = args.host
     if args.port is not None:
         dep.port = args.port
-    from .app import StartupError
+    from .state import StartupError
     try:
         return serve(dep)
     except StartupError as e:

@@ -31,7 +31,8 @@ from .spend_reports import parse_group_by
 from .spend_queries import build_report, csv_response, visible_tenants
 from .spend_store import all_tenants
 from .sign_in import SignIn
-from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file
+from .state import gateway_of
+from .web_pages import read_form, render, secured, security_headers, static_file
 
 
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8"}

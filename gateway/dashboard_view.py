@@ -16,7 +16,7 @@ from . import spend_store as store
 from .spend_queries import build_report
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f")
 LATENCY_SAMPLE = 2000

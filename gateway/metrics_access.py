@@ -22,7 +22,7 @@ from starlette.requests import Request
 from .errors import Forbidden
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 
 def _is_loopback(host: str | None) -> bool:

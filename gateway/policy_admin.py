@@ -26,7 +26,7 @@ from .spend_store import all_tenants, records
 
 if TYPE_CHECKING:
     from .api_keys import KeyRecord
-    from .app import Gateway
+    from .state import Gateway
 
 DEFAULT_LIMIT = 10_000
 MAX_LIMIT = 100_000

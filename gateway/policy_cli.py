@@ -69,7 +69,7 @@ async def _run(args: argparse.Namespace, url: str, dep) -> int:
     import redis.asyncio as aioredis
 
     from policies import PolicyError
-    from .app import load_learned_router
+    from .state import load_learned_router
     from .policy_admin import check_document, compare_policies, recorded_traffic
     from .policy_store import NoSuchVersion, PolicyStore
     from .spend_reports import parse_since, parse_time

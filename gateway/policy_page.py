@@ -36,7 +36,8 @@ from .policy_store import NoSuchVersion, PolicyConflict
 from .policy_work import off_loop
 from .sessions import Session
 from .sign_in import SignIn
-from .web_pages import gateway_of, read_form, render, secured, security_headers, static_file
+from .state import gateway_of
+from .web_pages import read_form, render, secured, security_headers, static_file
 
 
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "admin.css": "text/css; charset=utf-8"}

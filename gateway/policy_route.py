@@ -40,7 +40,7 @@ from .chat_request import ChatRequest
 from .errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 MAX_PREDICTED_MS = 3_600_000.0
 

@@ -36,7 +36,7 @@ from .policy_work import off_loop
 from .spend_queries import time_window
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 

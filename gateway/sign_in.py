@@ -25,7 +25,8 @@ from . import csrf
 from .api_keys import KeyRecord
 from .errors import APIError, Unauthorized
 from .sessions import COOKIE, Session
-from .web_pages import gateway_of, read_form, render, with_cookie
+from .state import gateway_of
+from .web_pages import read_form, render, with_cookie
 
 MAX_FORM_BYTES = 8192
 

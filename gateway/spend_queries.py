@@ -22,7 +22,7 @@ from .edge_params import parse_time
 from .errors import BadRequest, Forbidden, Unavailable
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 DEFAULT_DAYS = 7
 

@@ -22,7 +22,7 @@ from .errors import BadRequest, Unavailable
 from .spend_queries import build_report, csv_response, ledger_redis, time_window, visible_tenants, wants_csv
 
 if TYPE_CHECKING:
-    from .app import Gateway
+    from .state import Gateway
 
 MAX_PAGE = 1000
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qs
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -17,9 +17,8 @@ from starlette.responses import HTMLResponse, Response
 
 from .errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge
 from .sessions import Session, cookie_header
+from .state import gateway_of
 
-if TYPE_CHECKING:
-    from .app import Gateway
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -59,10 +58,6 @@ def secured(headers: dict[str, str]) -> Callable[[Handler], Handler]:
             return resp
         return wrapper
     return decorate
-
-
-def gateway_of(request: Request) -> "Gateway":
-    return request.app.state.gateway
 
 
 def with_cookie(request: Request, resp: Response, session: Session | None) -> Response:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from gateway.app import StartupError, create_app
+from gateway.app import create_app
+from gateway.state import StartupError
 from gateway.deployment import parse_deployment
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, chat, make_keys, put_policy, two_engine_deployment
