@@ -19,6 +19,8 @@ import yaml
 
 from . import yaml_fields
 from .replica_config import ReplicaSet, parse_replica_keys
+from .router_route import parse_router_settings
+from .routing import Routing
 from .spend_config import WebSettings, parse_web_settings
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "deploy" / "default.yaml"
@@ -64,15 +66,6 @@ class Limits:
     default_max_tokens: int = 1024         # when a request sets neither max_tokens nor max_completion_tokens
     stream_buffer_bytes: int = 256 << 10   # unsent SSE bytes per stream before it is cut as a slow reader
     stream_write_timeout_s: float = 30.0   # one write blocked longer than this cuts the stream
-
-
-@dataclass(slots=True)
-class Routing:
-    """Interim rule for model "auto" (until the trained router): short prompts to `small`."""
-
-    small: str | None = None
-    large: str | None = None
-    long_prompt_tokens: int = 256          # prompts with more tokens than this go to `large`
 
 
 @dataclass(slots=True)
@@ -142,7 +135,7 @@ class Deployment:
     routing: Routing = field(default_factory=Routing)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access (issue 11)
-    router: Any = None                     # issue 12: router_route.RouterSettings (the `router:` section)
+    router: Any = None                     # router_route.RouterSettings (the `router:` section)
     policy_file: Path | None = None        # issue 13: policy imported when Redis holds none (`policy:`)
 
     @property
@@ -235,7 +228,6 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
 
 def _router_and_policy(top: dict[str, Any], base: Path, dep: Deployment) -> None:
     """`router:` (the learned router, issue 12) and `policy:` (a policy file to import, issue 13)."""
-    from .router_route import parse_router_settings   # imports routing.py, which imports this module
     try:
         dep.router = parse_router_settings(top.get("router"), base, dep.engines)
     except ValueError as e:

@@ -1,6 +1,6 @@
 """Which engine serves a request: a pinned engine name, or the interim rule for model "auto".
 
-Interim rule (until the trained router of issue 12), decided on the prompt's token count:
+Interim rule (when no learned router is configured), decided on the prompt's token count:
   - `routing.small` and `routing.large` both set: prompts of at most `long_prompt_tokens`
     tokens go to small (reason "auto:short_prompt"), longer ones to large ("auto:long_prompt");
   - otherwise "auto" goes to the first engine in the file (reason "auto:default").
@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .deployment import Routing
 from .errors import NotFound
 
 AUTO = "auto"
+
+
+@dataclass(slots=True)
+class Routing:
+    """The interim rule for model "auto" when no learned router is configured: short prompts to `small`."""
+
+    small: str | None = None
+    large: str | None = None
+    long_prompt_tokens: int = 256          # prompts with more tokens than this go to `large`
 
 
 @dataclass(slots=True, frozen=True)
