@@ -85,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "(deploy/bench_w2.yaml; built on first use)")
     s.add_argument("--rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0], help="comma-separated req/s (inf: all)")
     s.add_argument("--baseline-rates", type=_rates, help="rate-sweep: the baseline's rates (default --rates)")
+    s.add_argument("--only-server", choices=("tokenyard", "static-batch"), help="rate-sweep: run one server only")
     s.add_argument("--duration-s", type=float, help="rate-sweep: hold each rate this long (Poisson arrivals) "
                                                     "instead of one burst of --num-prompts")
     s.add_argument("--drain-s", type=float, default=30.0, help="held rate-sweep: cancel requests still running "
@@ -163,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario == "rate-sweep":
         servers = {"tokenyard": sl.gateway_process(one, f"gateway-{engine}", engine),
                    f"static-batch-{args.batch_size}": sl.static_process(model_dir, args.batch_size)}
+        if args.only_server:
+            # One side again (e.g. after a burst of other work on the machine spoilt its run).
+            servers = {n: la for n, la in servers.items() if n.startswith(args.only_server)}
         cfg = sc.SweepConfig(args.rates, args.ttft_slo_ms or 2000.0, args.tpot_slo_ms, duration_s=args.duration_s,
                              drain_s=args.drain_s, dataset_size=args.num_prompts,
                              rates_by_server={f"static-batch-{args.batch_size}": args.baseline_rates}
