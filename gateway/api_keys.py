@@ -28,8 +28,11 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from policies.schema import (
+    PRIORITIES,  # admission classes, in order: interactive is always served first
+)
+
 ROLES = ("user", "admin")
-PRIORITIES = ("interactive", "batch")   # admission classes: interactive is always served first
 KEY_PREFIX = "ty-"
 DEV_TENANT = "dev"
 _TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # no braces: the tenant is a Redis hash tag

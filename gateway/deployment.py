@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from policies.schema import Prices
+
 from . import yaml_fields
 from .replica_config import ReplicaSet, parse_replica_keys
 from .router_route import parse_router_settings
@@ -31,21 +33,6 @@ _PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 class DeploymentError(ValueError):
     """The deployment file is missing, unreadable or has a bad key; the message names it."""
-
-
-@dataclass(slots=True)
-class Prices:
-    """Integer micro-units of currency per million tokens (1_000_000 = one unit per 1M tokens)."""
-
-    input: int = 0
-    cached_input: int = 0
-    output: int = 0
-
-    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
-        """Cost of one request in micro-units, rounded half up once over the exact total."""
-        total = ((prompt_tokens - cached_tokens) * self.input + cached_tokens * self.cached_input
-                 + completion_tokens * self.output)
-        return (total + 500_000) // 1_000_000
 
 
 @dataclass(slots=True)
@@ -304,12 +291,13 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     replicas = parse_replica_keys(spec, where, DeploymentError)   # issue 16
     prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
     _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
-    prices = Prices()
+    amounts = {}
     for key in ("input", "cached_input", "output"):
         value = _typed(prices_raw, f"{where}.prices.", key, int, 0)
         if value < 0:
             raise DeploymentError(f"{where}.prices.{key} must be an integer >= 0 (micro-units per million tokens)")
-        setattr(prices, key, value)
+        amounts[key] = value
+    prices = Prices(**amounts)
     try:  # validate the engine keys now, before anything loads
         if kind == "torch":
             from engines.config import EngineConfig

@@ -12,7 +12,9 @@ import asyncio
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-NUM_CLASSES = 2
+from policies.schema import PRIORITIES
+
+NUM_CLASSES = len(PRIORITIES)
 
 
 @dataclass(slots=True, eq=False)

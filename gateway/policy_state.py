@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from policies import Policy, PolicyError, PolicyVersion, next_version
+from policies.schema import Prices
 from router_models.calibration import threshold_from_quantiles
 
-from .deployment import Prices
 from .policy_store import PolicyStore, deployment_problems, events_channel
 from .policy_work import off_loop
 
@@ -75,7 +75,7 @@ class PolicyState:
         if policy.router.target_large_share is not None and self.learned is not None:
             threshold = threshold_from_quantiles(self.learned.scorer.artifact.quantiles,
                                                  policy.router.target_large_share)
-        prices = {e: Prices(p.input, p.cached_input, p.output) for e, p in policy.prices.items()}
+        prices = dict(policy.prices)
         return policy, prices, threshold
 
     def _swap(self, v: PolicyVersion, policy: Policy, prices: dict[str, Prices], threshold: float | None,

@@ -16,7 +16,7 @@ and so does everything after it, until the replay task has pushed the spool back
 record is thus always in exactly one of: the queue, Redis, the spool.
 
 Money: each record's cost is computed once, when the request ends, in integer micro-units
-(deployment.Prices.cost: the exact total over a million rounded half up, once); rollups are sums
+(policies.schema.Prices.cost: the exact total over a million rounded half up, once); rollups are sums
 of those integers (HINCRBY, 64-bit), so any report equals the sum of its records to the micro-unit.
 """
 from __future__ import annotations

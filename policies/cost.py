@@ -85,6 +85,12 @@ def estimate_cost(prices: Mapping[str, Prices], engine: str, prompt_tokens: int,
         p = prices[engine]
     except KeyError:
         raise KeyError(f"no prices for engine {engine!r}; priced: {', '.join(sorted(prices))}") from None
+    return request_cost(p, prompt_tokens, cached_tokens, completion_tokens)
+
+
+def request_cost(p: "Prices", prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+    """The cost rule: the exact total over a million tokens, rounded half up once, per request.
+    Every bill (the spend ledger's records, budgets, what-if simulation) goes through here."""
     exact = ((prompt_tokens - cached_tokens) * p.input + cached_tokens * p.cached_input
              + completion_tokens * p.output)
     return round_half_up(exact, TOKENS_PER_PRICE)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .cost import request_cost
+
 SCHEMA_VERSION = 1
 PRIORITIES = ("interactive", "batch")
 AT_LIMIT = ("deny", "downgrade")
@@ -21,11 +23,16 @@ AUTO = "auto"                    # the requested model that asks for the router
 
 @dataclass(slots=True, frozen=True)
 class Prices:
-    """Integer micro-units of currency per million tokens, per kind of token."""
+    """Integer micro-units of currency per million tokens, per kind of token. The one price table of
+    the project: the deployment's engine prices and a policy's prices are both this type."""
 
     input: int = 0
     cached_input: int = 0
     output: int = 0
+
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        """Cost of one request in integer micro-units, by the one rule in policies/cost.py."""
+        return request_cost(self, prompt_tokens, cached_tokens, completion_tokens)
 
 
 @dataclass(slots=True, frozen=True)
