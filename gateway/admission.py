@@ -32,11 +32,11 @@ from .fair_queue import FairQueue, Waiter
 from .shedding import ArrivalRate, ServiceRate, predicted_wait, shed
 
 if TYPE_CHECKING:
-    from engines.async_engine import AsyncEngine
+    from engines.backend import EngineBackend
 
 
 class EngineQueue:
-    def __init__(self, name: str, engine: AsyncEngine, cfg: AdmissionConfig, metrics: Any) -> None:
+    def __init__(self, name: str, engine: EngineBackend, cfg: AdmissionConfig, metrics: Any) -> None:
         self.name = name
         self.engine = engine
         self.cfg = cfg
@@ -180,14 +180,14 @@ class Slot:
 
 
 class Admission:
-    def __init__(self, cfg: AdmissionConfig, metrics: Any, engines: dict[str, AsyncEngine]) -> None:
+    def __init__(self, cfg: AdmissionConfig, metrics: Any, engines: dict[str, EngineBackend]) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.queues: dict[str, EngineQueue] = {}
         self.tenants: dict[str, int] = {}   # requests queued or running per tenant
         self.add_engines(engines)
 
-    def add_engines(self, engines: dict[str, AsyncEngine]) -> None:
+    def add_engines(self, engines: dict[str, EngineBackend]) -> None:
         """Queues for engines that joined (the gateway loads its engines after it is built)."""
         for name, eng in engines.items():
             self.queues[name] = EngineQueue(name, eng, self.cfg, self.metrics)

@@ -3,7 +3,7 @@ build several apps in one process). Every name is documented in the README ("Met
 
 Latency histograms carry the labels engine and prompt_bucket (the prompt's token count in
 PROMPT_BUCKETS), because TTFT depends mostly on prompt length and on which engine served.
-Engine gauges are read from each AsyncEngine's latest stats snapshot at scrape time.
+Engine gauges are read from each engine backend's latest stats snapshot at scrape time.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:   # engines/ pulls in torch: keep it out of processes that only need metrics
-    from engines.async_engine import AsyncEngine
+    from engines.backend import EngineBackend
 
 
 PROMPT_BUCKETS = ((128, "0-128"), (512, "129-512"), (2048, "513-2048"), (8192, "2049-8192"))
@@ -32,7 +32,7 @@ def prompt_bucket(num_tokens: int) -> str:
 
 
 class GatewayMetrics:
-    def __init__(self, engines: Callable[[], dict[str, AsyncEngine]]) -> None:
+    def __init__(self, engines: Callable[[], dict[str, EngineBackend]]) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         lab = ("engine", "prompt_bucket")
         self.ttft = Histogram("tokenyard_time_to_first_token_seconds",
@@ -111,7 +111,7 @@ class GatewayMetrics:
 class _EngineCollector(Collector):
     """Engine state gauges, read from the stats snapshot each engine took after its last step."""
 
-    def __init__(self, engines: Callable[[], dict[str, AsyncEngine]]) -> None:
+    def __init__(self, engines: Callable[[], dict[str, EngineBackend]]) -> None:
         self._engines = engines
 
     def describe(self) -> Iterable:
