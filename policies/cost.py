@@ -18,10 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation, localcontext
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .schema import Prices
+from typing import Protocol
 
 MICROS_PER_UNIT = 1_000_000
 TOKENS_PER_PRICE = 1_000_000     # prices are per million tokens
@@ -64,12 +61,20 @@ def format_money(micros: int) -> str:
     return f"{sign}{whole}.{frac:06d}".rstrip("0")
 
 
+class PriceTable(Protocol):
+    """What the cost rule reads of a price (schema.Prices is the one implementation)."""
+
+    input: int
+    cached_input: int
+    output: int
+
+
 def round_half_up(numerator: int, denominator: int) -> int:
     """numerator / denominator rounded half up, for numerator >= 0 and denominator > 0."""
     return (2 * numerator + denominator) // (2 * denominator)
 
 
-def estimate_cost(prices: Mapping[str, Prices], engine: str, prompt_tokens: int, cached_tokens: int,
+def estimate_cost(prices: Mapping[str, PriceTable], engine: str, prompt_tokens: int, cached_tokens: int,
                   completion_tokens: int) -> int:
     """Cost in integer micro-units of one request on `engine`, by the rule in the module doc.
 
@@ -88,7 +93,7 @@ def estimate_cost(prices: Mapping[str, Prices], engine: str, prompt_tokens: int,
     return request_cost(p, prompt_tokens, cached_tokens, completion_tokens)
 
 
-def request_cost(p: "Prices", prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+def request_cost(p: PriceTable, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
     """The cost rule: the exact total over a million tokens, rounded half up once, per request.
     Every bill (the spend ledger's records, budgets, what-if simulation) goes through here."""
     exact = ((prompt_tokens - cached_tokens) * p.input + cached_tokens * p.cached_input
