@@ -14,7 +14,7 @@ from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engines.tokenizer import LLAMA3_PATTERN
+from engines.byte_level import LLAMA3_PATTERN
 
 # Llama-3's split, but digits one at a time: addition and counting are far easier to learn for
 # a tiny model when every digit is its own token.

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from . import gguf_reader as gr
-from .checkpoint import PROGRESS_MIN_BYTES, _targets
+from .weight_names import PROGRESS_MIN_BYTES, parameter_targets
 from .errors import CheckpointError
 from .model import CausalLM
 from .model_config import ModelConfig
@@ -27,7 +27,7 @@ def plan(path: str | Path, cfg: ModelConfig) -> list[tuple[object, str, tuple[st
     """(gguf tensor, HF name, (our parameter, rows, shape)) for every weight tensor, checked:
     names known, shapes as the metadata implies, nothing missing; rope_freqs is left out."""
     reader = gr.open_gguf(path)
-    targets = _targets(cfg)
+    targets = parameter_targets(cfg)
     out, unexpected, seen = [], [], set()
     for t in reader.tensors:
         if t.name == gr.ROPE_FREQS:
@@ -73,7 +73,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
                     progress: bool = True, cfg: ModelConfig | None = None) -> tuple[CausalLM, ModelConfig]:
     """The GGUF counterpart of `checkpoint.load_model`: every weight dequantised to `dtype`."""
     path = Path(path)
-    cfg = cfg or gr.model_config(path)
+    cfg = cfg or ModelConfig.from_dir(path)
     reader = gr.open_gguf(path)
     gr.check_types(reader, path)
     jobs = plan(path, cfg)

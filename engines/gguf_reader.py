@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .model_config import ModelConfig
 
 GGUF_MAGIC = b"GGUF"
 SUFFIX = ".gguf"
@@ -109,8 +108,8 @@ def _tensor(reader: Any, name: str) -> Any | None:
     return next((t for t in reader.tensors if t.name == name), None)
 
 
-def model_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from the GGUF metadata (`{arch}.*` keys), validated like a config.json."""
+def config_dict(path: str | Path) -> dict[str, Any]:
+    """The GGUF metadata (`{arch}.*` keys) as a config.json-shaped dict; ModelConfig.from_dir validates it."""
     reader = open_gguf(path)
     arch = architecture(reader, path)
     hf_arch = ARCHITECTURES[arch]
@@ -150,7 +149,7 @@ def model_config(path: str | Path) -> ModelConfig:
         "eos_token_id": [int(i) for i in dict.fromkeys(
             metadata(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")) if i is not None],
     }
-    return ModelConfig.from_dict(raw)
+    return raw
 
 
 def _rope_scaling(reader: Any, arch: str, path: str | Path) -> dict[str, Any] | None:
@@ -201,7 +200,7 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def qk_heads(arch: str, cfg: ModelConfig, hf: str) -> int | None:
+def qk_heads(arch: str, cfg: Any, hf: str) -> int | None:
     """Heads to unpermute for a q/k tensor of a llama-architecture file, else None."""
     if arch not in PERMUTED_QK:
         return None
@@ -212,7 +211,7 @@ def qk_heads(arch: str, cfg: ModelConfig, hf: str) -> int | None:
     return None
 
 
-def rope_factors(path: str | Path, cfg: ModelConfig) -> torch.Tensor | None:
+def rope_factors(path: str | Path, cfg: Any) -> torch.Tensor | None:
     t = _tensor(open_gguf(path), ROPE_FREQS)
     if t is None:
         return None
@@ -223,7 +222,7 @@ def rope_factors(path: str | Path, cfg: ModelConfig) -> torch.Tensor | None:
     return factors
 
 
-def apply_rope_factors(model: torch.nn.Module, cfg: ModelConfig, factors: torch.Tensor) -> None:
+def apply_rope_factors(model: torch.nn.Module, cfg: Any, factors: torch.Tensor) -> None:
     """Rotary tables with inv_freq divided per frequency by `factors` (llama.cpp's rope_freqs)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

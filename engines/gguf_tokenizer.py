@@ -21,6 +21,7 @@ token-id prompts only, as for a checkpoint folder without tokenizer files.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, mo
 
 from . import gguf_reader as gr
 from .errors import CheckpointError
-from .tokenizer import LLAMA3_PATTERN, Tokenizer, _HFBackend, byte_level_table
+from .byte_level import LLAMA3_PATTERN, byte_level_table
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -121,8 +122,18 @@ def _byte_char(b: int) -> str:
     return _CHAR_OF_BYTE[b]
 
 
-def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """The engine's Tokenizer for a GGUF file: vocabulary, specials and chat template from metadata."""
+@dataclass(frozen=True, slots=True)
+class TokenizerParts:
+    """What Tokenizer.from_dir needs to wrap a GGUF file's tokenizer."""
+
+    hf: Any                               # tokenizers.Tokenizer
+    config: dict[str, Any]                # tokenizer_config.json-shaped special tokens
+    generation_config: dict[str, Any]     # extra end-of-sequence ids
+    template: str | None                  # tokenizer.chat_template
+
+
+def tokenizer_parts(path: str | Path) -> TokenizerParts:
+    """Vocabulary, specials and chat template of a GGUF file, from its metadata."""
     path = Path(path)
     reader = gr.open_gguf(path)
     hf = build_hf_tokenizer(reader, path)
@@ -141,5 +152,4 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     extra_eos = [gr.metadata(reader, f"tokenizer.ggml.{k}") for k in ("eot_token_id", "eom_token_id")]
     generation_config = {"eos_token_id": [int(i) for i in extra_eos if i is not None]}
     template = gr.metadata(reader, "tokenizer.chat_template")
-    backend = _HFBackend(path, tok=hf)
-    return Tokenizer(backend, config, generation_config, template if isinstance(template, str) else None, path)
+    return TokenizerParts(hf, config, generation_config, template if isinstance(template, str) else None)

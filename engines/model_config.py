@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import gguf_reader
 from .errors import CheckpointError
 
 # Llama, Mistral and Qwen2 share one decoder shape; they differ only in the flags below
@@ -42,8 +43,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         if Path(model_dir).suffix.lower() == ".gguf" and not Path(model_dir).is_dir():
-            from .gguf_reader import model_config  # a single-file checkpoint: its metadata is the config
-            return model_config(model_dir)
+            # a single-file checkpoint: its metadata is the config
+            return cls.from_dict(gguf_reader.config_dict(model_dir))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint folder?)")

@@ -43,7 +43,8 @@ from tqdm import tqdm
 
 from kernels.quant_layout import INT4_GROUP_SIZES, Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
-from .checkpoint import _targets, load_model, safetensors_files
+from .checkpoint import load_model, safetensors_files
+from .weight_names import parameter_targets
 from .errors import CheckpointError
 from .model import CausalLM
 from .model_config import ModelConfig
@@ -128,7 +129,7 @@ def checkpoint_quantization(model_dir: str | Path) -> dict | None:
 
 def _hf_linear_weights(cfg: ModelConfig, lm_head: bool) -> dict[str, int]:
     """HF weight name of each quantised projection -> its input size K."""
-    out = {hf: shape[1] for hf, (ours, _rows, shape) in _targets(cfg).items()
+    out = {hf: shape[1] for hf, (ours, _rows, shape) in parameter_targets(cfg).items()
            if ours.rpartition(".")[0].rpartition(".")[2] in LINEARS and hf.endswith(".weight")}
     if lm_head:
         out["lm_head.weight"] = cfg.hidden_size
@@ -216,7 +217,7 @@ def load_quantized_model(model_dir: str | Path, dtype: torch.dtype, device: torc
     cfg = cfg or ModelConfig.from_dir(model_dir)
     mode, group = qc["mode"], qc.get("group_size") or 0
     lm_head = bool(qc.get("lm_head", False))
-    plain = _targets(cfg)
+    plain = parameter_targets(cfg)
     # our module name -> [(row offset, HF base name)] for every quantised projection
     quant: dict[str, list[tuple[int, str]]] = {}
     for hf, (ours, rows, _shape) in list(plain.items()):

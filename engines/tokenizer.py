@@ -28,27 +28,13 @@ from typing import Any, Iterable
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 
+from . import gguf_tokenizer
+from .byte_level import LLAMA3_PATTERN, byte_level_table
 from .errors import CheckpointError, RequestError
-
-# Llama-3's pre-tokenizer split (the cl100k shape with digit runs of at most three).
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 TIKTOKEN_FILES = ("tokenizer.model", "tiktoken.model")
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]*={0,2} [0-9]+\r?$")
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def byte_level_table() -> dict[str, int]:
-    """GPT-2 byte-level alphabet, printable character -> byte (the inverse of what BPE vocabularies store)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in chars:  # control bytes and spaces move to 256+ so that every byte is visible
-            chars[b] = chr(256 + shifted)
-            shifted += 1
-    return {ch: b for b, ch in chars.items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -255,8 +241,9 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         model_dir = Path(model_dir)
         if model_dir.suffix.lower() == ".gguf" and not model_dir.is_dir():
-            from .gguf_tokenizer import tokenizer_from_gguf  # a single-file checkpoint: metadata holds it
-            return tokenizer_from_gguf(model_dir)
+            # a single-file checkpoint: its metadata holds the vocabulary, specials and template
+            p = gguf_tokenizer.tokenizer_parts(model_dir)
+            return cls(_HFBackend(model_dir, tok=p.hf), p.config, p.generation_config, p.template, model_dir)
         if not model_dir.is_dir():
             raise CheckpointError(f"{model_dir}: not a folder")
         config = _read_json(model_dir / "tokenizer_config.json")

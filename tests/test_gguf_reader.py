@@ -12,7 +12,8 @@ from engines import LLM
 from engines.checkpoint import load_model
 from engines.errors import CheckpointError
 from engines.model_config import ModelConfig, llama3_inv_freq
-from engines.tokenizer import Tokenizer, byte_level_table
+from engines.byte_level import byte_level_table
+from engines.tokenizer import Tokenizer
 from tests.engine_helpers import prompt_logits
 
 T = gguf.GGMLQuantizationType
@@ -135,9 +136,9 @@ def expected_params(hf_dir, qtype):
 
 def engine_param(model, cfg: ModelConfig, hf: str) -> torch.Tensor:
     """The rows of our (fused) parameter that hold HF tensor `hf`."""
-    from engines.checkpoint import _targets
+    from engines.weight_names import parameter_targets
 
-    ours, rows, _ = _targets(cfg)[hf]
+    ours, rows, _ = parameter_targets(cfg)[hf]
     p = dict(model.named_parameters())[ours]
     return p if rows is None else p[rows]
 

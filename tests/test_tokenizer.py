@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engines.errors import CheckpointError, RequestError
-from engines.tokenizer import Tokenizer, byte_level_table
+from engines.byte_level import byte_level_table
+from engines.tokenizer import Tokenizer
 from tokenizer_factory import (LLAMA3_SPECIALS, build_byte_fallback_dir, build_byte_level_dir,
                                build_sentencepiece_only_dir, build_tiktoken_dir, byte_level_alphabet)
 
