@@ -23,6 +23,8 @@ from .errors import EngineDeadError
 from .model_runner import ModelRunner, StepInputs
 from .tp_worker import WorkerSpec, init_group, worker_main
 
+DEATH_GRACE_S = 2.0   # how long a failed collective waits for a dead worker to be reaped
+
 log = logging.getLogger(__name__)
 
 
@@ -123,10 +125,17 @@ class TensorParallelRunner(ModelRunner):
         try:
             return super().forward(inputs)
         except RuntimeError as exc:  # gloo/nccl: a peer closed its socket or the timeout passed
-            try:
-                self.group.check_alive()
-            except EngineDeadError as dead:
-                raise dead from exc
+            # The peer's socket can close before its process is reaped: give the dead worker a
+            # moment to show as dead, so the error names it rather than the broken collective.
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while True:
+                try:
+                    self.group.check_alive()
+                except EngineDeadError as dead:
+                    raise dead from exc
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
             raise EngineDeadError(f"tensor-parallel collective failed: {exc}") from exc
 
     def close(self) -> None:
