@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .errors import CheckpointError
 from .gguf_loader import load_gguf_model
-from .model import CausalLM
+from .model import CausalLM, empty_model
 from .model_config import ModelConfig
 from .weight_names import PROGRESS_MIN_BYTES, parameter_targets
 
@@ -84,16 +84,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if Path(model_dir).suffix.lower() == ".gguf" and not Path(model_dir).is_dir():
         return load_gguf_model(model_dir, dtype, device, max_positions, progress, cfg)
     cfg = cfg or ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
-    # Materialise empty parameters directly in the target dtype/device, then fill them.
-    model = model.to_empty(device=device)
-    model.rotary = type(model.rotary)(cfg, max_positions).to(device)
-    model = model.to(dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = empty_model(cfg, dtype, device, max_positions)
     load_weights(model, model_dir, dtype, progress)
     model.eval()
     return model, cfg

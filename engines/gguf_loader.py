@@ -15,7 +15,7 @@ from tqdm import tqdm
 from . import gguf_reader as gr
 from .weight_names import PROGRESS_MIN_BYTES, parameter_targets
 from .errors import CheckpointError
-from .model import CausalLM
+from .model import CausalLM, empty_model
 from .model_config import ModelConfig
 
 
@@ -54,19 +54,6 @@ def float_weight(path: str | Path, cfg: ModelConfig, t: object, hf: str) -> torc
     w = gr.dequantize(t)
     heads = gr.qk_heads(gr.architecture(gr.open_gguf(path), path), cfg, hf)
     return gr.unpermute_rows(w, heads) if heads else w
-
-
-def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
-    with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
-    model = model.to_empty(device=device)
-    model.rotary = type(model.rotary)(cfg, max_positions).to(device)
-    model = model.to(dtype)
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,

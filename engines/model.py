@@ -88,3 +88,18 @@ class CausalLM(nn.Module):
             h = layer(h, positions, self.rotary, kv, meta)
         h = self.norm(h.index_select(0, logits_rows))
         return self.lm_head(h).float()
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> CausalLM:
+    """A model with uninitialised parameters in the target dtype/device, ready for a loader to fill
+    (built on the meta device first so no memory is spent on random weights)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to_empty(device=device)
+    model.rotary = type(model.rotary)(cfg, max_positions).to(device)
+    model = model.to(dtype)
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
