@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -169,6 +170,7 @@ def rate_sweep(servers: dict[str, Launcher], make_requests: Callable[[int], list
                     point["held_s"] = cfg.duration_s
                     point["arrivals"] = len(res.records)
                     point["unfinished"] = sum(r.error == UNFINISHED for r in res.records)
+                    point["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]   # a shared machine
                 points[name].append(point)
                 if _held(cfg) and not point["sustained"]:
                     break
