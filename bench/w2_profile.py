@@ -183,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = RunRecorder("w2_profile")
     model_dir = build_random_checkpoint(args.model_dir, "llama", seed=0, std=0.05, **W2_MODEL)
     reqs = w2(96, vocab_size=W2_MODEL["vocab_size"])
+    # Prefix caching off, as in bench/w2_throughput.py: the warm-up and the profiled decode
+    # reuse W2's prompts, which a warm cache would not prefill again.
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=128, max_num_batched_tokens=2048,
-              progress=False)
+              progress=False, enable_prefix_caching=False)
     # Linear layers every token passes through (the LM head runs only on sampled rows).
     linear_params = sum(m.weight.numel() for m in llm.engine.model.modules()
                         if isinstance(m, torch.nn.Linear) and m.weight.shape[0] != W2_MODEL["vocab_size"])

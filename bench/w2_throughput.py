@@ -102,8 +102,10 @@ def main() -> None:
     model_dir = build_random_checkpoint(args.model_dir, "llama", seed=0, std=0.05, **W2_MODEL)
     reqs = w2(args.requests, vocab_size=W2_MODEL["vocab_size"])
     useful = sum(r.output_len for r in reqs)
+    # Prefix caching off: the runs repeat the same prompts, and a warm cache would skip their
+    # prefill from run 2 on (the baseline has no cache; W2's random prompts share no prefix).
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=128,
-              max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, progress=False, enable_prefix_caching=False)
     params = sum(p.numel() for p in llm.engine.model.parameters())
     ref = None
     if not args.skip_baseline:
