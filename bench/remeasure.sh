@@ -8,6 +8,7 @@
 #   bench/remeasure.sh kernel w2prof   # only the named steps
 #
 # The serving rate sweep (Poisson arrivals held 60 s per rate) is the first step: ~15 minutes.
+# sweep_static runs the baseline's side of it alone (e.g. again after other work spoilt it).
 set -u
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -15,10 +16,12 @@ mkdir -p bench/out/logs
 
 declare -A CMD=(
   [sweep]="$PY -m bench.serve_cli serve --scenario rate-sweep --w2 --rates 2,3,4,5,6 --baseline-rates 0.125,0.25,0.5 --duration-s 60 --drain-s 30 --ttft-slo-ms 5000 --no-progress --results-name serve_rate_sweep_held"
+  [sweep_static]="$PY -m bench.serve_cli serve --scenario rate-sweep --w2 --rates 2,3,4,5,6 --baseline-rates 0.0625,0.125,0.25,0.5 --only-server static-batch --duration-s 60 --drain-s 30 --ttft-slo-ms 5000 --no-progress --results-name serve_rate_sweep_held_static"
   [router]="$PY -m bench.router_eval"
   [routerlat]="$PY -m bench.router_latency --rounds 5"
   [kernel]="$PY -m bench.kernel_micro --reps 30 --rounds 5"
   [sched]="$PY -m bench.scheduler_bench --only prefill waste ttft stutter"
+  [sched_timing]="$PY -m bench.scheduler_bench --only prefill ttft stutter"
   [w2prof]="$PY -m bench.w2_profile"
   [w2]="$PY -m bench.w2_throughput --runs 3"
   [quant]="$PY -m bench.quant_bench --out bench/out/quant.json"
@@ -35,8 +38,9 @@ declare -A CMD=(
   [speculation]="$PY -m bench.serve_cli serve --scenario speculation --engine demo-large --num-prompts 64 --spec-concurrency 1 --no-progress"
   [demo]="$PY -m bench.demo_eval --items 640"
 )
-ORDER=(sweep router routerlat kernel sched w2prof w2 quant qprefill qprefill_packed overhead overload replica spec
-       spec8 priorities srouter prefix speculation demo)
+# Priority order: the serving sweep, the figures that had no script before, then the rest.
+ORDER=(sweep sweep_static router w2prof kernel sched routerlat overhead overload priorities srouter prefix speculation
+       quant qprefill qprefill_packed w2 demo replica spec spec8)
 LIMIT=1500   # seconds per step
 
 steps=("$@")
