@@ -124,13 +124,13 @@ class SweepConfig:
     dataset_size: int = 96                   # burst: the requests; held: distinct prompts at least
     rates_by_server: dict[str, list[float]] = field(default_factory=dict)   # a server's own ladder
 
+    @property
+    def held(self) -> bool:
+        return self.duration_s is not None
+
     def rates_for(self, server: str) -> list[float]:
         rates = self.rates_by_server.get(server) or self.rates
-        return sorted(rates) if self.duration_s is not None else list(rates)
-
-
-def _held(cfg: SweepConfig) -> bool:
-    return cfg.duration_s is not None
+        return sorted(rates) if self.held else list(rates)
 
 
 def _sustains(s: Summary, cfg: SweepConfig) -> bool:
@@ -139,7 +139,7 @@ def _sustains(s: Summary, cfg: SweepConfig) -> bool:
 
 def _dataset_size(cfg: SweepConfig, opts: RunOptions) -> int:
     """Held loads send a fresh prompt per arrival (a repeated prompt would hit the prefix cache)."""
-    if not _held(cfg):
+    if not cfg.held:
         return cfg.dataset_size
     from bench.load_generator import held_offsets
     every = cfg.rates + [r for rs in cfg.rates_by_server.values() for r in rs]
@@ -163,16 +163,16 @@ def rate_sweep(servers: dict[str, Launcher], make_requests: Callable[[int], list
             _warm(ep, requests, opts)
             for rate in cfg.rates_for(name):
                 load = _load_cfg(ep, opts, rate)
-                load.duration_s, load.drain_s = cfg.duration_s, (cfg.drain_s if _held(cfg) else None)
+                load.duration_s, load.drain_s = cfg.duration_s, cfg.drain_s if cfg.held else None
                 s, res = _measure(ep, requests, load, slo, opts, f"rate {rate:g}/s")
                 point = {"rate": rate, "sustained": _sustains(s, cfg), "summary": s.to_dict()}
-                if _held(cfg):
+                if cfg.held:
                     point["held_s"] = cfg.duration_s
                     point["arrivals"] = len(res.records)
                     point["unfinished"] = sum(r.error == UNFINISHED for r in res.records)
                     point["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]   # a shared machine
                 points[name].append(point)
-                if _held(cfg) and not point["sustained"]:
+                if cfg.held and not point["sustained"]:
                     break
                 if cfg.stop_after_miss and s.ttft.percentiles["p99"] > 4 * cfg.ttft_slo_ms:
                     break
@@ -215,7 +215,7 @@ def rate_sweep(servers: dict[str, Launcher], make_requests: Callable[[int], list
     _plot_sweep(opts.out_dir / "serve_rate_sweep.png", points, cfg)
     result = {"scenario": "rate_sweep", "slo": asdict(slo), "rates": {n: cfg.rates_for(n) for n in servers},
               "num_requests": len(requests),
-              "held_s": cfg.duration_s, "drain_s": cfg.drain_s if _held(cfg) else None,
+              "held_s": cfg.duration_s, "drain_s": cfg.drain_s if cfg.held else None,
               "points": points, "highest_sustained_rate": {n: (b["rate"] if b else None) for n, b in best.items()},
               "throughput_ratio": ratio, "throughput_ratio_by_rate": ratio_by_rate}
     return _write(opts, "rate_sweep", result, table)
