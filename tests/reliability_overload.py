@@ -64,7 +64,7 @@ async def _overload_client(url: str, keys: list[str], rate: float, seconds: floa
 
 def run_overload(seconds: float, overload: float = 3.0, slots: int = 8, output_len: int = 16,
                  token_ms: float = 10.0, deadline_ms: int = 1000, shed_p99_ms: float = 5.0,
-                 server_shed_p99_ms: float = 5.0) -> Report:
+                 server_shed_p99_ms: float = 5.0, timing_goals: bool = True) -> Report:
     """overload x the mock engine's capacity (slots / (output_len x token_ms)) for `seconds`.
 
     Shed latency is checked twice: as the client saw it (send to the whole reply read; p99 <=
@@ -150,16 +150,19 @@ def run_overload(seconds: float, overload: float = 3.0, slots: int = 8, output_l
     report.check(not hung, f"{len(hung)} requests neither finished nor were shed within {bound_s:.1f} s")
     report.check(all(r["retry_after"] for r in shed), "a shed reply without retry-after / retry-after-ms")
     report.check(len(shed) > len(results) // 3, f"only {len(shed)} of {len(results)} shed at {overload}x capacity")
-    report.check(pct(at_once, 0.99) <= shed_p99_ms, f"shed p99 {pct(at_once, 0.99):.2f} ms > {shed_p99_ms} ms")
-    report.check(pct(server_shed, 0.99) <= server_shed_p99_ms,
-                 f"gateway-side shed p99 {pct(server_shed, 0.99):.2f} ms > {server_shed_p99_ms} ms")
     report.check(len(server_shed) == len(at_once), f"{len(server_shed)} shed access-log lines, {len(at_once)} sheds")
-    report.check(pct(ttft, 0.99) <= deadline_ms, f"admitted TTFT p99 {pct(ttft, 0.99):.0f} ms > SLO {deadline_ms} ms")
-    share = report.figures["gateway_ttft_within_deadline"]
-    report.check(share is not None and share >= 0.99, f"gateway-side TTFT: only {share} of admitted within the deadline")
+    if timing_goals:   # latency and throughput goals: figures of the full run, not pass/fail of a short one
+        report.check(pct(at_once, 0.99) <= shed_p99_ms, f"shed p99 {pct(at_once, 0.99):.2f} ms > {shed_p99_ms} ms")
+        report.check(pct(server_shed, 0.99) <= server_shed_p99_ms,
+                     f"gateway-side shed p99 {pct(server_shed, 0.99):.2f} ms > {server_shed_p99_ms} ms")
+        report.check(pct(ttft, 0.99) <= deadline_ms,
+                     f"admitted TTFT p99 {pct(ttft, 0.99):.0f} ms > SLO {deadline_ms} ms")
+        share = report.figures["gateway_ttft_within_deadline"]
+        report.check(share is not None and share >= 0.99,
+                     f"gateway-side TTFT: only {share} of admitted within the deadline")
+        report.check(len(ok) / wall >= 0.7 * capacity, f"served {len(ok) / wall:.1f} rps of {capacity:.1f} capacity")
+        report.check(expired == [] or max(expired) <= deadline_ms + 250, "an expired request was answered late")
     report.check(all(r["done"] for r in ok), "an admitted stream ended without [DONE]")
-    report.check(len(ok) / wall >= 0.7 * capacity, f"served {len(ok) / wall:.1f} rps of {capacity:.1f} capacity")
-    report.check(expired == [] or max(expired) <= deadline_ms + 250, "an expired request was answered late")
     report.check(report.figures["kv_usage_after"] == 0, "KV blocks still in use after the load")
     report.check(health.get("status") == "ok" and health["engines"] == {"mock": "ok"}, f"health: {health}")
     return report
