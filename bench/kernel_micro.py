@@ -11,7 +11,7 @@ projection of the quantisation benchmark's 200M Llama (5632 x 1024) at M = 32 ro
   rows by a dim-0 index_select over [kv_heads * slots, hd] (its prefill path), and token rows
   along dim 1 (index_select(1, ...) and advanced indexing).
 - decode_attention: 32 one-token queries over 512 keys with a mask: SDPA's fused CPU kernel with
-  GQA vs two batched matmuls around a softmax (the keys expanded to every head).
+  GQA vs two batched matmuls around a softmax (each KV head's 4 query heads as rows of one matmul).
 - prefill_attention: one 512-token chunk attending causally to itself: 128-query tiles that each
   stop at their last visible key (the engine's path) vs one call over the whole [512, 512]
   score matrix with an explicit mask (bmm-softmax-bmm), and SDPA with is_causal for reference.
@@ -83,11 +83,12 @@ def decode_cases(g: torch.Generator) -> dict[str, Callable[[], object]]:
                                                    float("-inf"))
     scale = HD ** -0.5
 
+    group = HEADS // KV_HEADS
+    qg = q.view(b, KV_HEADS, group, HD)               # a KV head's query heads as rows: no K/V copies
+
     def two_bmm():
-        ke = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-        ve = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-        s = torch.matmul(q, ke.transpose(-1, -2)).mul_(scale).add_(mask)
-        return torch.matmul(torch.softmax(s, dim=-1), ve)
+        s = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(mask)
+        return torch.matmul(torch.softmax(s, dim=-1), v)
 
     return {"SDPA fused, GQA": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                       enable_gqa=True),
