@@ -120,7 +120,9 @@ class RunRecorder:
         self.started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         self.load_before = load_avg()
         if self.command is None:
-            self.command = [Path(sys.executable).name, *sys.argv]
+            # orig_argv keeps "-m bench.x" as typed (argv[0] would be the module's file path).
+            argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+            self.command = [Path(argv[0]).name, *argv[1:]]
 
     def document(self, figures: dict[str, Any], runs: list[Any], **extra: Any) -> dict[str, Any]:
         commit, changed = git_state()
