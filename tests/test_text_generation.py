@@ -74,7 +74,7 @@ def test_generate_cli_streams_text(text_model, capsys):
     d, llm, _, _ = text_model
     buf = io.StringIO()
     args = Namespace(model=str(d), prompt=TEXTS[0], chat=False, system=None, max_tokens=12, temperature=0.0,
-                     top_p=1.0, top_k=0, seed=None, stop=[])
+                     top_p=1.0, top_k=0, seed=None, stop=[], quantization="none")
     assert generate_cli.run(args, out=buf) == 0
     expected = llm.generate(TEXTS[0], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     assert buf.getvalue() == expected.outputs[0].text + "\n"
