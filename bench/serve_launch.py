@@ -215,7 +215,7 @@ def derive_deployment(src: Path, dst: Path, engine_options: dict[str, Any] | Non
                 routing.pop(role, None)
     for spec in engines.values():
         for key in ("model", "draft_model"):
-            if spec.get(key):
+            if spec.get(key) and not str(spec[key]).startswith("package:"):   # package: refs are not paths
                 spec[key] = str((base / spec[key]).resolve())
         if spec.get("type", "torch") == "torch" and engine_options:
             spec.update(engine_options)

@@ -292,6 +292,7 @@ def test_derived_deployments_load_from_another_folder(tmp_path):
     src = Path(__file__).resolve().parents[1] / "deploy" / "default.yaml"
     full = load_deployment(derive_deployment(src, tmp_path / "a" / "full.yaml"))
     assert full.router.artifact is not None and full.router.artifact.is_file()
-    assert len(full.engines) == 2
+    assert set(full.engines) == {"demo-small", "demo-large", "smollm2-135m"}
+    assert full.engines["smollm2-135m"].model.is_file()    # a package: reference is kept, not made a path
     one = load_deployment(derive_deployment(src, tmp_path / "b" / "one.yaml", only_engines=["demo-large"]))
     assert list(one.engines) == ["demo-large"] and one.router.artifact is None
