@@ -2,7 +2,7 @@
 
 On a CPU, two engines stepping at once would fight over the same cores and both run slower than
 taking turns; torch also parallelises each op across cores already. So every engine's step runs
-on this single worker thread, and callers on an event loop await it (issue 9).
+on this single worker thread, and callers on an event loop await it.
 """
 from __future__ import annotations
 

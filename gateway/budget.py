@@ -2,7 +2,7 @@
 
     spend = await budgets.spend("acme")        # policies.TenantSpend(today, month), micro-units
 
-Read from issue 11's hourly rollups ({prefix}spend:{T}:h:{hour}), which equal the sum of the
+Read from the spend ledger's hourly rollups ({prefix}spend:{T}:h:{hour}), which equal the sum of the
 usage records exactly: today = the hours since 00:00 UTC, month = the hours since the 1st, 00:00
 UTC. Cached per tenant for CACHE_S seconds (a busy tenant costs one rollup read per CACHE_S, not
 one per request), so a budget may be overrun by what a tenant spends in that time plus the

@@ -50,7 +50,7 @@ async def chat_completions(request: Request) -> Any:
     elapsed = time.perf_counter() - arrival
     deadline = gw.admission.deadline(_deadline_header(request), elapsed)
     deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
-    # Policy and route (issue 13): rules, the learned router, budget, overflow; may refuse here.
+    # Policy and route: rules, the learned router, budget, overflow; may refuse here.
     route = await plan_route(gw, req, key, deadline)
     prompt_ids = route.prompt_ids
     handle = gw.handles[route.engine]
@@ -72,7 +72,7 @@ async def chat_completions(request: Request) -> Any:
                                          route.rate)
     request_id = info.get("request_id") or secrets.token_hex(12)
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
-    # Everything the usage record needs besides the engine's counts (issue 11; issue 13 replays it).
+    # Everything the usage record needs besides the engine's counts (the policy replay reads it too).
     context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id, tags=req.metadata,
                             user=req.user, router_score=route.score, deadline_ms=deadline_ms,
                             baseline_engine=gw.baseline_engine,

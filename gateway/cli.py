@@ -46,17 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.set_defaults(func=_serve)
-    # --- keys (issue 10) ---
+    # --- keys ---
     from . import keys_cli
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_cli.add_arguments(keys)
     # --- end keys ---
-    # --- spend (issue 11) ---
+    # --- spend ---
     from . import spend_cli
     spend = sub.add_parser("spend", help="spend reports from the ledger (`tokenyard spend report --by model`)")
     spend_cli.add_arguments(spend)
     # --- end spend ---
-    # --- policy (issue 13) ---
+    # --- policy ---
     from . import policy_cli
     pol = sub.add_parser("policy", help="routing policies: apply, show, history, rollback, simulate, validate")
     policy_cli.add_arguments(pol)
@@ -72,18 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     from demo import cli as demo_cli
     demo = sub.add_parser("demo", help="train, evaluate and plot the demo model pair")
     demo_cli.add_arguments(demo)
-    # --- bench (issue 14) ---
+    # --- bench ---
     from bench import serve_cli
     bench = sub.add_parser("bench", help="benchmarks: `tokenyard bench serve` drives servers over HTTP")
     serve_cli.add_arguments(bench)
     bench.set_defaults(func=serve_cli.run)
     # --- end bench ---
-    # --- engine (issue 16) ---
+    # --- engine replicas ---
     from . import engine_cli
     engine = sub.add_parser("engine", help="run one engine as a replica process (`tokenyard engine serve`)")
     engine_cli.add_arguments(engine)
     # --- end engine ---
-    # --- router (issue 12) ---
+    # --- router ---
     from router_models import cli as router_cli
     router = sub.add_parser("router", help="train and evaluate the learned router for model auto")
     router_cli.add_arguments(router)

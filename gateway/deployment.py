@@ -45,7 +45,7 @@ class EngineSpec:
     model: Path                   # checkpoint folder or .gguf file (mock: where its tokenizer comes from)
     options: dict[str, Any]       # EngineConfig / MockConfig keys
     prices: Prices
-    replicas: ReplicaSet | None = None   # issue 16: `replicas:` / `replica_pool:` (None: one in-process engine)
+    replicas: ReplicaSet | None = None   # `replicas:` / `replica_pool:` (None: one in-process engine)
 
 
 @dataclass(slots=True)
@@ -60,7 +60,7 @@ class Limits:
 
 @dataclass(slots=True)
 class Auth:
-    """API keys (issue 10). Records live in Redis; each gateway caches them (gateway/key_cache.py)."""
+    """API keys. Records live in Redis; each gateway caches them (gateway/key_cache.py)."""
 
     dev_key: str | None = None             # None: TOKENYARD_DEV_KEY, else an admin key made on first start
     key_cache_ttl_s: float = 30.0          # a cached key record is re-read from Redis after this long
@@ -124,9 +124,9 @@ class Deployment:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     routing: Routing = field(default_factory=Routing)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
-    web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access (issue 11)
+    web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access
     router: Any = None                     # router_route.RouterSettings (the `router:` section)
-    policy_file: Path | None = None        # issue 13: policy imported when Redis holds none (`policy:`)
+    policy_file: Path | None = None        # policy imported when Redis holds none (`policy:`)
 
     @property
     def baseline_engine(self) -> str:
@@ -217,7 +217,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
 
 
 def _router_and_policy(top: dict[str, Any], base: Path, dep: Deployment) -> None:
-    """`router:` (the learned router, issue 12) and `policy:` (a policy file to import, issue 13)."""
+    """`router:` (the learned router) and `policy:` (a policy file to import)."""
     try:
         dep.router = parse_router_settings(top.get("router"), base, dep.engines)
     except ValueError as e:
@@ -290,7 +290,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
         raise DeploymentError(f"{where}.model must be a checkpoint: a folder, a .gguf file, or "
                               f"package:<distribution>/<file.gguf>")
     model_dir = _model_path(model, base, where)
-    replicas = parse_replica_keys(spec, where, DeploymentError)   # issue 16
+    replicas = parse_replica_keys(spec, where, DeploymentError)
     prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
     _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
     amounts = {}

@@ -1,4 +1,4 @@
-"""`tokenyard engine serve`: one engine of a deployment as a replica process (issue 16).
+"""`tokenyard engine serve`: one engine of a deployment as a replica process.
 
     tokenyard engine serve --engine demo-large --port 9000 [--config deploy.yaml] [--host 0.0.0.0]
 

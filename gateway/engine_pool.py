@@ -55,7 +55,7 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
         tok = tokenizers.get(fp)
         if tok is None:
             tok = tokenizers[fp] = Tokenizer.from_dir(spec.model)
-        if spec.replicas is not None:   # issue 16: remote and/or local replicas behind one pool
+        if spec.replicas is not None:   # remote and/or local replicas behind one pool
             from .replica_pool import build_pool
             engine = build_pool(name, spec, _build, fp)
         else:

@@ -4,7 +4,7 @@
     ...                                      # the engine runs the request
     p.end(used_tokens)                       # or p.end(None) when it never ran
 
-Order (ARCHITECTURE.md): reserve limits, then admit. The limit is reserved first so a tenant over
+Order (docs/architecture.md, the request path): reserve limits, then admit. The limit is reserved first so a tenant over
 its limits is told so (429 with its own retry hint) instead of taking a queue place; a request
 that is then shed or expires in the queue gets its whole reservation back, since it cost
 nothing. A request that ran gives back the tokens it did not use (max_tokens it never reached).

@@ -57,7 +57,7 @@ class GatewayMetrics:
         self.completion_tokens = Counter("tokenyard_completion_tokens", "Output tokens generated", ("engine",),
                                          registry=r)
         self.in_flight = Gauge("tokenyard_in_flight_requests", "Chat requests being served now", registry=r)
-        # Admission, limits, keys, Redis (issue 10).
+        # Admission, limits, keys, Redis.
         self.shed = Counter("tokenyard_admission_shed", "Requests turned away before reaching the engine, by reason",
                             ("engine", "reason"), registry=r)
         self.expired = Counter("tokenyard_admission_expired", "Queued requests whose deadline passed in the queue",
@@ -73,7 +73,7 @@ class GatewayMetrics:
                                     registry=r)
         self.redis_latency = Histogram("tokenyard_redis_latency_seconds", "Latency of Redis calls on the request path",
                                        ("op",), buckets=REDIS_S, registry=r)
-        # Spend ledger and dashboard (issue 11).
+        # Spend ledger and dashboard.
         self.spend_records = Counter("tokenyard_spend_records",
                                      "Usage records by outcome: stored, duplicate, spooled, replayed, lost",
                                      ("outcome",), registry=r)
@@ -82,7 +82,7 @@ class GatewayMetrics:
                                           registry=r)
         self.dashboard_logins = Counter("tokenyard_dashboard_logins", "Dashboard sign-in attempts by outcome",
                                         ("outcome",), registry=r)
-        # Routing policies and the learned router (issues 12, 13).
+        # Routing policies and the learned router.
         self.policy_version = Gauge("tokenyard_policy_version",
                                     "Policy version in force in this gateway (0: the built-in default)", registry=r)
         self.policy_decisions = Counter("tokenyard_policy_decisions",

@@ -145,7 +145,7 @@ def _q(name: str, description: str, schema: dict[str, Any] | None = None) -> dic
 
 
 def _spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 11: the spend ledger (money in integer micro-units)."""
+    """The spend ledger (money in integer micro-units)."""
     window = [_q("start", "unix seconds, ISO 8601, or a span before now (7d, 12h); default: end - 7 days"),
               _q("end", "unix seconds or ISO 8601; default: now"),
               _q("tenant", "admin keys: one tenant; a tenant key may only name its own")]
@@ -180,7 +180,7 @@ def _spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _dashboard_paths() -> dict[str, Any]:
-    """Issue 11: the dashboard pages (session cookie, CSRF token on every form)."""
+    """The dashboard pages (session cookie, CSRF token on every form)."""
     html = {"description": "an HTML page", "content": {"text/html": {"schema": {"type": "string"}}}}
     redirect = {"description": "redirect (sign-in page, or the dashboard)"}
     form = {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": {
@@ -210,7 +210,7 @@ def _dashboard_paths() -> dict[str, Any]:
 
 
 def _policy_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 13: the routing-policy admin API (admin keys only) and the operator page."""
+    """The routing-policy admin API (admin keys only) and the operator page."""
     doc = {"required": True, "content": {
         "application/yaml": {"schema": {"type": "string", "description": "a policy document (policies/README.md)"}},
         "application/json": {"schema": {"type": "object", "description": "the same document as JSON"}}}}

@@ -3,7 +3,7 @@
     version, applied = await apply(gw_store, text, author, engines)
     result = await simulate_text(redis, prefix, current, proposed_text, learned, engines, start, end, limit)
 
-Simulation replays recorded traffic: the spend ledger's usage records (issue 11; they carry the
+Simulation replays recorded traffic: the spend ledger's usage records (they carry the
 features the policy looks at and the token counts, never prompt text), newest `limit` records in
 [start, end) across every tenant (or one), under the proposed policy and under the current one
 (policies.simulate / Comparison). Only requests that reached an engine are recorded, so requests

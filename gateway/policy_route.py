@@ -5,7 +5,7 @@
 1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
 2. The prompt is tokenised once (the pinned engine's tokenizer, else the counting engine's; again
    only if the engine finally chosen has another tokenizer).
-3. The learned router (issue 12, deployment `router:`) scores every prompt: P(small is enough),
+3. The learned router (deployment `router:`) scores every prompt: P(small is enough),
    to metrics, the response headers and the usage record (the replay of a policy needs it).
 4. Without a policy (the built-in default, version 0) the deployment's routing decides: a named
    engine is served ("pinned"); "auto" goes through the learned router ("router": small when the

@@ -88,8 +88,8 @@ class RateLimiter:
 
     async def reserve(self, rec: KeyRecord, tokens: int, engine: str,
                       rate: tuple[int, int, int] | None = None) -> Reservation:
-        """rate: (request_limit, token_limit, window_us) from the policy's rate class for the tenant
-        (issue 13); None: the key's own limits, else the deployment's."""
+        """rate: (request_limit, token_limit, window_us) from the policy's rate class for the tenant;
+        None: the key's own limits, else the deployment's."""
         req_limit, tok_limit = self.limits_for(rec) if rate is None else rate[:2]
         window_us = self.window_us if rate is None else rate[2]
         if not self.active or (req_limit == 0 and tok_limit == 0):

@@ -1,4 +1,4 @@
-"""Deployment keys of an engine served by several replicas (issue 16).
+"""Deployment keys of an engine served by several replicas.
 
     engines:
       demo-large:

@@ -1,4 +1,4 @@
-"""Prometheus series of replica pools and the per-engine load ratio (issue 16), read at scrape time.
+"""Prometheus series of replica pools and the per-engine load ratio, read at scrape time.
 
 Every name is documented in the README ("Metrics"). Registered on the gateway's registry by
 app.py; engines without replicas only appear in tokenyard_engine_load_ratio and

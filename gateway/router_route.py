@@ -1,4 +1,4 @@
-"""Model "auto" through the learned router (issue 12), with the interim rule as the fallback.
+"""Model "auto" through the learned router, with the interim rule as the fallback.
 
 Deployment YAML (all keys optional; without `router.artifact` nothing changes):
 

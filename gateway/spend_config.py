@@ -1,4 +1,4 @@
-"""Deployment sections of the spend ledger, the dashboard and /metrics access (issue 11).
+"""Deployment sections of the spend ledger, the dashboard and /metrics access.
 
     spend:      {enabled, baseline_engine, rollup_retention_days, stream_max_len, stream_retention_days,
                  spool_dir, spool_fsync, replay_interval_s}

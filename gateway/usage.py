@@ -4,7 +4,7 @@ A `UsageSink` is any callable taking a record. The gateway fans each record out 
 in-memory `RecentUsage` (the access log and tests read it) and, with Redis configured, to the
 spend ledger (gateway/spend_ledger.py), which stores it exactly once by `request_id`.
 
-A record keeps the request's features that issue 13's what-if replay needs (token counts,
+A record keeps the request's features that the policy what-if replay needs (token counts,
 requested model, served engine, route reason, router score, tags, deadline, tenant, key) and
 never any prompt or completion text.
 """
@@ -27,11 +27,11 @@ class RecordContext:
     client_request_id: str = ""        # x-request-id as the client saw it (may repeat across requests)
     tags: dict[str, str] = field(default_factory=dict)   # the request's metadata (never prompt text)
     user: str | None = None
-    router_score: float | None = None  # None until the learned router is wired (issue 12)
+    router_score: float | None = None  # None: no learned router configured (or a pinned engine)
     deadline_ms: int | None = None     # the request's start deadline budget
     baseline_engine: str = ""          # the "large" engine savings are measured against
     baseline_prices: Any = None        # its deployment.Prices
-    # Issue 13: what the policy decided with, so the what-if replay sees the same features.
+    # What the policy decided with, so the what-if replay sees the same features.
     key_name: str = ""
     requested_max_tokens: int | None = None   # what the client asked (None: not set); max_tokens is what ran
     engine_state: dict[str, dict[str, Any]] | None = None   # {engine: {predicted_ttft_ms, healthy}} at decision

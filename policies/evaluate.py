@@ -34,7 +34,7 @@ DEFAULT_THRESHOLD = 0.5
 
 @dataclass(slots=True, frozen=True)
 class TenantSpend:
-    """Spend so far in micro-units: this UTC day and this UTC calendar month (issue 11's rollups)."""
+    """Spend so far in micro-units: this UTC day and this UTC calendar month (from the spend ledger's rollups)."""
 
     today: int = 0
     month: int = 0

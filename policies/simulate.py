@@ -4,7 +4,7 @@
     compare(current, proposed, records, router_threshold=None) -> Comparison
 
 A record is a UsageFeatures: the features and usage of one served request, never its text.
-Issue 11's spend records must carry these fields (same names) for the replay to work:
+The spend ledger's usage records must carry these fields (same names) for the replay to work:
 request_id, time, tenant, key_id, key_name, requested_model, tags, prompt_tokens,
 cached_prompt_tokens, completion_tokens, max_tokens, router_score, deadline_ms and, when the
 gateway had them, engine_state (per engine: predicted_ttft_ms, healthy) at admission.
