@@ -11,6 +11,9 @@ and keeps only what its backend reads:
   `aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_and_zero bf16 [K/g, N, 2])`
   computes w = (q - 8) * scale + zero'. Ours is w = (q - z) * scale, so
   zero' = (8 - z) * scale (needs N % 16 == 0: other N are padded with zero rows here).
+  The float-minimum form (w = q * scale + min, GGUF Q4_1) maps as zero' = min + 8 * scale. Scale
+  and zero' are stored in bf16 by this op, so the CPU weight matches the layout's only to bf16
+  rounding of both (tests/test_gguf_quant.py measures it).
 - "triton": `kernels.quant_matmul_triton` reads the stored layout directly (CUDA).
 - "torch": `kernels.quant_matmul_torch`, the reference (dequantises per call: slow, exact in
   fp32); used where a packed op is missing or a shape does not suit it.
@@ -85,7 +88,10 @@ class QuantLinear(nn.Module):
         elif self.int4:
             self.register_buffer("packed", weight.packed.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
-            self.register_buffer("zeros", weight.zeros.contiguous(), persistent=False)
+            self.register_buffer("zeros", None if weight.zeros is None else weight.zeros.contiguous(),
+                                 persistent=False)
+            self.register_buffer("mins", None if weight.mins is None else weight.mins.float().contiguous(),
+                                 persistent=False)
         else:
             self.register_buffer("w_q", weight.w_q.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
@@ -102,7 +108,10 @@ class QuantLinear(nn.Module):
             return
         q = unpack_int4(weight.packed).to(torch.int32)
         scales = weight.scales.float()
-        shifted_zero = (8.0 - weight.zeros.float()) * scales
+        if weight.mins is not None:  # q * s + m == (q - 8) * s + (m + 8 * s)
+            shifted_zero = weight.mins.float() + 8.0 * scales
+        else:
+            shifted_zero = (8.0 - weight.zeros.float()) * scales
         pad = -self.out_features % 16
         if pad:  # zero rows: q = 0, scale = 0, zero' = 0 -> w = 0; the extra outputs are sliced off
             q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
@@ -126,11 +135,11 @@ class QuantLinear(nn.Module):
         elif self.backend == "triton":
             from kernels import quant_matmul_triton as triton_ops  # imported only on CUDA
             if self.int4:
-                y = triton_ops.int4_matmul(x2, self.packed, self.scales, self.zeros, self.group_size)
+                y = triton_ops.int4_matmul(x2, self.packed, self.scales, self.zeros, self.group_size, mins=self.mins)
             else:
                 y = triton_ops.int8_matmul(x2, self.w_q, self.scales)
         elif self.int4:
-            y = ref_ops.int4_matmul(x2, self.packed, self.scales, self.zeros, self.group_size)
+            y = ref_ops.int4_matmul(x2, self.packed, self.scales, self.zeros, self.group_size, mins=self.mins)
         else:
             y = ref_ops.int8_matmul(x2, self.w_q, self.scales)
         if self.bias is not None:

@@ -9,6 +9,10 @@ Checkpoints store these layouts; each backend repacks them at load if it wants s
   w ~= (q - zero) * scale, q in [0, 15] packed two per byte along K (low nibble = even k,
   high nibble = odd k) into uint8 [N, K // 2]; scales [N, K // group_size] float,
   zeros [N, K // group_size] uint8 in [0, 15] (an integer zero point keeps 0.0 exact).
+- int4 with float minimums (`Int4Weight.mins` set, `zeros` None): w = q * scale + min, the form
+  of GGUF's Q4_1 (groups of 32, fp16 scale and minimum). An integer zero point cannot express an
+  arbitrary float offset, so this second form exists to take such weights as stored, with no
+  requantisation. The two forms share the packing and the scales; each backend reads either.
 """
 from __future__ import annotations
 
@@ -27,10 +31,22 @@ class Int8Weight:
 
 @dataclass(slots=True)
 class Int4Weight:
-    packed: torch.Tensor   # uint8 [N, K // 2]
-    scales: torch.Tensor   # [N, K // group_size]
-    zeros: torch.Tensor    # uint8 [N, K // group_size]
+    packed: torch.Tensor         # uint8 [N, K // 2]
+    scales: torch.Tensor         # [N, K // group_size]
+    zeros: torch.Tensor | None   # uint8 [N, K // group_size]; None when `mins` is set
     group_size: int
+    mins: torch.Tensor | None = None  # float [N, K // group_size]: w = q * scale + min
+
+    def __post_init__(self) -> None:
+        if (self.zeros is None) == (self.mins is None):
+            raise ValueError("Int4Weight needs exactly one of zeros (integer zero points) or mins (float minimums)")
+
+    def with_mins(self) -> "Int4Weight":
+        """The same weight in the float-minimum form (a no-op if it already is), so that parts of a
+        fused projection stored in different forms can be concatenated."""
+        if self.mins is not None:
+            return self
+        return Int4Weight(self.packed, self.scales, None, self.group_size, mins=zeros_to_mins(self.scales, self.zeros))
 
 
 # Floor for scales: an all-zero channel or group would otherwise divide by zero.
@@ -61,8 +77,19 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype = t
     scales = ((hi - lo) / 15.0).clamp_min(_MIN_SCALE)
     zeros = torch.round(-lo / scales).clamp_(0, 15)
     q = (torch.round(g / scales[..., None]) + zeros[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return Int4Weight(packed.contiguous(), scales.to(scale_dtype), zeros.to(torch.uint8), group_size)
+    return Int4Weight(pack_int4(q), scales.to(scale_dtype), zeros.to(torch.uint8), group_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] of values in [0, 15] -> uint8 [N, K // 2] (low nibble = even k)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def zeros_to_mins(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """(q - z) * s == q * s + (-z * s). In float32 this is exact when s has at most 20
+    significant bits (fp16 scales, e.g. GGUF Q4_0): z * s then needs at most 24, and q * s - z * s
+    = (q - z) * s is exactly representable too. Wider scales may differ by an ulp of w."""
+    return -zeros.float() * scales.float()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -70,10 +97,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                    dtype: torch.dtype = torch.float32, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """w = (q - zero) * scale, or q * scale + min when `mins` is given (then `zeros` is ignored)."""
     q = unpack_int4(packed).float()
     n, k = q.shape
     g = q.reshape(n, k // group_size, group_size)
-    w = (g - zeros.float()[..., None]) * scales.float()[..., None]
+    if mins is not None:
+        # Multiply, round, then add, round: the same two fp32 operations as gguf's Q4_1
+        # dequantisation (d * q + m), so the values agree bit for bit (no fused multiply-add).
+        w = g * scales.float()[..., None] + mins.float()[..., None]
+    else:
+        w = (g - zeros.float()[..., None]) * scales.float()[..., None]
     return w.reshape(n, k).to(dtype)
+
+
+def dequantize_int4_weight(w: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_int4(w.packed, w.scales, w.zeros, w.group_size, dtype, mins=w.mins)

@@ -17,8 +17,8 @@ def int8_matmul(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor) -> tor
     return y.to(x.dtype)
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """x [..., K] @ dequantize_int4(packed [N, K // 2], scales, zeros).T -> [..., N]."""
-    w = dequantize_int4(packed, scales, zeros, group_size, torch.float32)
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group_size: int, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_int4(packed [N, K // 2], scales, zeros or mins).T -> [..., N]."""
+    w = dequantize_int4(packed, scales, zeros, group_size, torch.float32, mins=mins)
     return torch.matmul(x.float(), w.t()).to(x.dtype)

@@ -8,6 +8,10 @@ Both read the device-neutral layouts of `quant_layout` as stored, so no repack i
   nibbles of a byte hold k and k+1; rather than interleave the weights, the kernel splits the
   x tile (much smaller than the weight tile at decode sizes) into its even and odd columns and
   runs two half-width products, so every nibble is used where it lies.
+- int4 with float minimums (w = q * scale + min, GGUF Q4_1): the min is constant over a group,
+  so sum_k x_k (q_k s + m) = s * (x . q) + m * sum_k x_k. The products use the raw nibbles
+  (exact small integers) and the tile's row sums of x, in fp32, carry the minimums: one extra
+  reduction per tile instead of a float add per weight.
 
 Grid: (M tiles, N tiles, K splits). Decode-sized batches (M <= 16) give few (M, N) tiles, so on
 a GPU the K range is split across programs into an fp32 workspace that a sum then reduces:
@@ -27,7 +31,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
                          M, N, tiles_per_split, num_k_tiles,
                          stride_xm, stride_xk, stride_wn, stride_sn, stride_zn,
                          stride_os, stride_om, stride_on,
-                         INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         INT4: tl.constexpr, MINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -47,16 +51,23 @@ def _quant_matmul_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
         if INT4:
             j = tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_cols + (t * (BLOCK_K // 2) + j)[:, None], mask=n_ok[None, :], other=0)
+            # zero_ptr holds the integer zero points, or the float minimums when MINS.
             zero = tl.load(zero_ptr + offs_n * stride_zn + t, mask=n_ok, other=0).to(tl.float32)
             scale = tl.load(scale_ptr + offs_n * stride_sn + t, mask=n_ok, other=0).to(tl.float32)
-            w_even = ((packed & 0xF).to(tl.float32) - zero[None, :]).to(x_ptr.dtype.element_ty)
-            w_odd = ((packed >> 4).to(tl.float32) - zero[None, :]).to(x_ptr.dtype.element_ty)
+            if MINS:
+                w_even = (packed & 0xF).to(x_ptr.dtype.element_ty)
+                w_odd = (packed >> 4).to(x_ptr.dtype.element_ty)
+            else:
+                w_even = ((packed & 0xF).to(tl.float32) - zero[None, :]).to(x_ptr.dtype.element_ty)
+                w_odd = ((packed >> 4).to(tl.float32) - zero[None, :]).to(x_ptr.dtype.element_ty)
             # x was loaded contiguous (vectorised, pipelined); its even and odd columns are
             # split apart in registers.
             x_even, x_odd = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_K // 2, 2]))
             part = tl.dot(x_even, w_even, input_precision="ieee")
             part = tl.dot(x_odd, w_odd, acc=part, input_precision="ieee")
             acc += part * scale[None, :]
+            if MINS:
+                acc += tl.sum(xt.to(tl.float32), axis=1)[:, None] * zero[None, :]
         else:
             w = tl.load(w_cols + k[:, None], mask=n_ok[None, :], other=0)
             acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc=acc, input_precision="ieee")
@@ -87,7 +98,8 @@ def _auto_split_k(programs: int, k_tiles: int, device: torch.device) -> int:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            n: int, block_k: int, int4: bool, split_k: int | None, out: torch.Tensor | None) -> torch.Tensor:
+            n: int, block_k: int, int4: bool, split_k: int | None, out: torch.Tensor | None,
+            mins: bool = False) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -111,7 +123,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch
         x2, w, scales, z, dst, m, n, per_split, k_tiles,
         x2.stride(0), x2.stride(1), w.stride(0), scales.stride(0), z.stride(0),
         os_, om, on,
-        INT4=int4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INT4=int4, MINS=mins, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=8 if block_m * block_n >= 128 * 128 else 4)
     if split_k > 1:
         out2.copy_(dst.sum(dim=0))
@@ -132,14 +144,19 @@ def int8_matmul(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, split_
     return _launch(x, w_q, scales, None, n, block_k, False, split_k, out)
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantize_int4(packed uint8 [N, K // 2], scales, zeros, group_size).T -> [..., N]."""
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group_size: int, split_k: int | None = None, out: torch.Tensor | None = None,
+                mins: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize_int4(packed uint8 [N, K // 2], scales, zeros or mins, group_size).T -> [..., N].
+
+    With `mins` (float [N, K / group_size]) the weight is q * scale + min and `zeros` is ignored.
+    """
     n, half_k = packed.shape
     k = half_k * 2
     groups = k // group_size
     assert x.shape[-1] == k and packed.dtype == torch.uint8 and packed.stride(1) == 1
     assert group_size in (32, 64, 128) and k % group_size == 0
-    assert scales.shape == (n, groups) and zeros.shape == (n, groups)
-    assert scales.stride(1) == 1 and zeros.stride(1) == 1
-    return _launch(x, packed, scales, zeros, n, group_size, True, split_k, out)
+    offsets = zeros if mins is None else mins
+    assert scales.shape == (n, groups) and offsets.shape == (n, groups)
+    assert scales.stride(1) == 1 and offsets.stride(1) == 1
+    return _launch(x, packed, scales, offsets, n, group_size, True, split_k, out, mins=mins is not None)
