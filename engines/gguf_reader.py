@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.quant_layout import Int4Weight, pack_int4
+
 from .errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
@@ -41,6 +43,10 @@ PERMUTED_QK = ("llama", "mistral")
 DEQUANTISED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ROPE_FREQS = "rope_freqs.weight"
+# Types whose blocks are the engine's int4 layout with group 32 as they are (only repacked):
+# Q4_0 is w = d * (q - 8) (integer zero 8), Q4_1 is w = d * q + m (float minimum).
+NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
+BLOCK = 32  # elements per block of the legacy types
 
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _LAYER_NAMES = {
@@ -190,6 +196,31 @@ def dequantize(t: Any) -> torch.Tensor:
     values = gguf_dequantize(t.data, t.tensor_type)
     # A copy: float tensors come back as read-only views of the memory-mapped file.
     return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(logical_shape(t))
+
+
+def int4_blocks(t: Any) -> Int4Weight:
+    """A Q4_0 or Q4_1 tensor as an `Int4Weight` with group 32, holding the file's values as stored.
+
+    A block is fp16 d (Q4_1: then fp16 m) and 16 bytes whose low nibbles are elements 0-15 and high
+    nibbles elements 16-31; the engine packs neighbours (k, k + 1) into a byte, so only the nibbles
+    move. Scales and minimums are the fp16 values widened to float32 (exact).
+    """
+    kind = t.tensor_type.name
+    if kind not in NATIVE_INT4_TYPES:
+        raise ValueError(f"tensor {t.name} is {kind}, not one of {NATIVE_INT4_TYPES}")
+    n, k = logical_shape(t)
+    head = 2 if kind == "Q4_0" else 4
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(n, k // BLOCK, head + BLOCK // 2)
+
+    def fp16(lo: int) -> torch.Tensor:  # GGUF is little-endian, as every host torch runs on here
+        return raw[..., lo:lo + 2].contiguous().view(torch.float16).reshape(n, k // BLOCK).float()
+
+    qs = raw[..., head:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)
+    if kind == "Q4_0":
+        zeros = torch.full((n, k // BLOCK), 8, dtype=torch.uint8)
+        return Int4Weight(pack_int4(q), fp16(0), zeros, BLOCK)
+    return Int4Weight(pack_int4(q), fp16(0), None, BLOCK, mins=fp16(2))
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

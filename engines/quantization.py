@@ -26,6 +26,9 @@ low nibble = even k), `<name>.scales` (float32 [N] or [N, K/g]) and, for int4,
 stored. The layout is the one of `kernels.quant_layout`: no backend's packing is on disk, each
 backend repacks at load (QuantLinear).
 
+A GGUF file quantised at load keeps its Q4_0/Q4_1 blocks as they are for int4 with group 32
+and requantises the rest (engines/gguf_loader.py, `load_gguf_quantized`).
+
 Quantising at load and loading a saved checkpoint give the same bits: both quantise the
 checkpoint's tensors in float32, row by row (q, k and v quantise the same fused or not, since
 scales are per output row).
@@ -46,6 +49,7 @@ from kernels.quant_layout import INT4_GROUP_SIZES, Int4Weight, Int8Weight, quant
 from .checkpoint import load_model, safetensors_files
 from .weight_names import parameter_targets
 from .errors import CheckpointError
+from .gguf_reader import is_gguf
 from .model import CausalLM
 from .model_config import ModelConfig
 from .quantized_linear import QuantLinear
@@ -299,6 +303,13 @@ def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
     if quantization == "none":
         return load_model(model_dir, dtype, device, max_positions, progress, cfg)
     check_mode(quantization, group_size)
+    if is_gguf(model_dir):
+        # GGUF blocks that match a layout are taken as stored, the rest requantised (gguf_loader).
+        from .gguf_loader import load_gguf_quantized  # not at import: gguf_loader imports this module lazily too
+
+        model, cfg, _report = load_gguf_quantized(model_dir, dtype, device, max_positions, quantization,
+                                                  group_size, progress=progress, cfg=cfg)
+        return model, cfg
     # Quantise from float32 weights (as save_quantized does), then bring the rest to dtype.
     model, cfg = load_model(model_dir, torch.float32, device, max_positions, progress, cfg)
     quantize_model(model, quantization, group_size)
