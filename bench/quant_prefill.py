@@ -1,7 +1,7 @@
 """Prefill time (TTFT of a one-token request) for none / int8 / int4 on the quantisation
 benchmark's 200M Llama: the packed CPU ops cost per row, so long prompts are where they hurt.
 
-    .venv/bin/python -m bench.quant_prefill [--tokens 512] [--prompts 4] [--packed-int8]
+    .venv/bin/python -m bench.quant_prefill [--tokens 512] [--prompts 8] [--packed-int8]
 
 The model is the one `python -m bench.quant_bench` builds in bench/out/quant-llama-200m (run
 that first). The engines are loaded side by side and the prompts interleaved across modes;
