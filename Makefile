@@ -43,7 +43,13 @@ chromium:
 	  $$SUDO apt-get install -y chromium || { $$SUDO apt-get update && $$SUDO apt-get install -y chromium; } || \
 	    echo "make: could not install chromium; the dashboard page tests will skip"; }
 
-test: $(STAMP) chromium
+# The house's rules, checked before the tests: ruff (lint + import order) and the import-linter
+# contracts in pyproject.toml (layers point down; policies/ and the router runtime stay pure).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: $(STAMP) chromium lint
 	$(BIN)/python -m pytest tests
 
 # The full-size reliability runs (tests marked `reliability`, deselected from `make test`): Redis

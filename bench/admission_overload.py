@@ -90,7 +90,7 @@ async def load(url: str, keys: list[str], rate: float, seconds: float, deadline_
 def make_keys(redis_url: str, prefix: str) -> list[str]:
     import redis
 
-    from gateway.api_keys import KeyStore
+    from gateway.auth.api_keys import KeyStore
     client = redis.Redis.from_url(redis_url)
     store = KeyStore(client, prefix)
     keys = [store.create("interactive-tenant", priority="interactive", rpm=0, tpm=0, max_concurrent=0)[0],

@@ -43,10 +43,10 @@ def _pct(values: list[float], q: float) -> float:
 
 async def direct_latencies(n: int) -> list[float]:
     """The baseline: the same request straight into the AsyncEngine (tokenised once up front)."""
-    from engines.async_engine import AsyncEngine
-    from engines.chat_template import apply_chat_template
-    from engines.mock_engine import MockEngine
-    from engines.sampling_params import SamplingParams
+    from engines.core.async_engine import AsyncEngine
+    from engines.core.sampling_params import SamplingParams
+    from engines.serving.mock_engine import MockEngine
+    from engines.text.chat_template import apply_chat_template
 
     engine = MockEngine(ROOT / "models" / "demo-small")
     ae = AsyncEngine(engine, "mock")

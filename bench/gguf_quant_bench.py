@@ -21,9 +21,9 @@ import time
 import torch
 
 from engines import LLM, SamplingParams
-from engines import gguf_reader as gr
-from engines.gguf_models import smollm2_path
-from engines.quantized_linear import QuantLinear
+from engines.quant.quantized_linear import QuantLinear
+from engines.weights import gguf_reader as gr
+from engines.weights.gguf_models import smollm2_path
 
 from .results_io import RunRecorder
 

@@ -28,14 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from bench import gpu_timing
+from bench.gpu_check_summary import Check, Timing
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,25 +56,6 @@ QUANT_TIMINGS = dict(shapes=((4096, 4096), (14336, 4096), (4096, 14336)), ms=(1,
 COPY_ELEMS = 1 << 30                                             # fp16: 2 GiB
 
 
-@dataclass(slots=True)
-class Check:
-    name: str
-    ok: bool
-    rel_err: float
-    tol: float
-
-
-@dataclass(slots=True)
-class Timing:
-    name: str
-    ms: float
-    bytes: int
-    floor_ms: float
-    baseline: str = ""
-    baseline_ms: float = float("nan")
-    extra: dict = field(default_factory=dict)
-
-
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if out.isnan().any():
         return float("inf")
@@ -82,6 +64,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # Random paged batches
+
 
 @dataclass(slots=True)
 class Batch:
@@ -202,34 +185,9 @@ def check_quant(checks: list[Check], quick: bool) -> None:
 # ----------------------------------------------------------------------------------------------
 # (b) timings
 
-_flush = None
-
-
 def time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median device time of fn, L2 flushed before each run (outside the timed events)."""
-    global _flush
-    if DEVICE == "cpu":  # the dry run: wall clock, a few runs; the figures only prove the plumbing
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    if _flush is None:
-        _flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        _flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median device time of fn on this run's device (see gpu_timing.time_ms)."""
+    return gpu_timing.time_ms(fn, DEVICE, iters, warmup)
 
 
 def time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> float:
@@ -243,11 +201,8 @@ def time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
 
 
 def copy_bandwidth() -> float:
-    """Bytes/ms of a large device-to-device copy (read + write counted)."""
-    src = torch.empty(COPY_ELEMS, dtype=torch.float16, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() * src.element_size() / ms
+    """Bytes/ms of a large device-to-device copy on this run's device (read + write counted)."""
+    return gpu_timing.copy_bandwidth(DEVICE, COPY_ELEMS)
 
 
 def _attention_bytes(b: Batch) -> int:

@@ -8,15 +8,33 @@ bench/gpu_engine_checks.py, each guarded so one that raises is a FAIL row, not a
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from bench.gpu_engine_checks import Row
 
-if TYPE_CHECKING:
-    from bench.gpu_check import Check, Timing
+
+@dataclass(slots=True)
+class Check:
+    name: str
+    ok: bool
+    rel_err: float
+    tol: float
+
+
+@dataclass(slots=True)
+class Timing:
+    name: str
+    ms: float
+    bytes: int
+    floor_ms: float
+    baseline: str = ""
+    baseline_ms: float = float("nan")
+    extra: dict = field(default_factory=dict)
+
 
 __all__ = ["Row", "engine_rows", "print_summary", "summary_rows"]
 

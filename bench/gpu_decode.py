@@ -51,8 +51,8 @@ TINY = {**LLAMA_1B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 1
 
 
 def build_model(dtype: torch.dtype, device: torch.device, max_positions: int, shapes: dict):
-    from engines.model import CausalLM
-    from engines.model_config import ModelConfig
+    from engines.model.model import CausalLM
+    from engines.model.model_config import ModelConfig
 
     cfg = ModelConfig.from_dict(shapes)
     torch.manual_seed(0)
@@ -69,9 +69,9 @@ def run(batches: list[int], context: int, steps: int, bandwidth_bytes_per_ms: fl
         dry_run: bool = False) -> list[DecodeResult]:
     """dry_run: a tiny fp32 model on the CPU with the graph path run eagerly (needs
     TRITON_INTERPRET=1); checks this script's plumbing, not speed."""
-    from engines.attention import AttentionMetadata
-    from engines.cuda_graph_runner import CudaGraphDecoder
-    from engines.kv_cache import allocate_kv_cache
+    from engines.model.attention import AttentionMetadata
+    from engines.model.cuda_graph_runner import CudaGraphDecoder
+    from engines.model.kv_cache import allocate_kv_cache
 
     dev = torch.device("cpu" if dry_run else "cuda")
     dtype = torch.float32 if dry_run else torch.bfloat16
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_decode: needs a CUDA device")
         return 2
-    from bench.gpu_check import copy_bandwidth
-    print_table(run(args.batches, args.context, args.steps, copy_bandwidth()))
+    from bench.gpu_timing import copy_bandwidth
+    print_table(run(args.batches, args.context, args.steps, copy_bandwidth("cuda")))
     return 0
 
 

@@ -31,8 +31,8 @@ import torch
 from tqdm import tqdm
 
 from engines import LLM, Engine, SamplingParams
-from engines.attention import AttentionMetadata
-from engines.kv_cache import allocate_kv_cache
+from engines.model.attention import AttentionMetadata
+from engines.model.kv_cache import allocate_kv_cache
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODELS = (REPO / "models" / "demo-small", REPO / "models" / "demo-large")
@@ -91,7 +91,7 @@ def encoded_items(model_dir: Path, n: int, seed: int = 7) -> list[tuple[list[int
     """Held-out (test split) task-suite items as (prompt + answer + end ids, answer start)."""
     from demo import task_suite
     from demo.train import encode_item
-    from engines.tokenizer import Tokenizer
+    from engines.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     return [encode_item(tok, it) for it in task_suite.generate_items("test", n, seed=seed)]
@@ -116,7 +116,7 @@ def keep_float_head(model, model_dir: Path) -> None:
     the checkpoint's lm_head.weight in the model dtype."""
     from safetensors import safe_open
 
-    from engines.checkpoint import safetensors_files
+    from engines.weights.checkpoint import safetensors_files
 
     dtype = model.embed_tokens.weight.dtype
     head = torch.nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
@@ -131,9 +131,9 @@ def keep_float_head(model, model_dir: Path) -> None:
 
 
 def load_mode(model_dir: Path, dtype: str, mode: str, group_size: int, lm_head: bool):
-    from engines.config import EngineConfig
-    from engines.model_config import ModelConfig
-    from engines.quantization import load_engine_model
+    from engines.core.config import EngineConfig
+    from engines.model.model_config import ModelConfig
+    from engines.weights.engine_model import load_engine_model
 
     tdtype = EngineConfig(dtype=dtype).torch_dtype(torch.device("cpu"))
     cfg = ModelConfig.from_dir(model_dir)
@@ -291,7 +291,7 @@ def main() -> None:
 def _param_count(model_dir: Path):
     from safetensors import safe_open
 
-    from engines.checkpoint import safetensors_files
+    from engines.weights.checkpoint import safetensors_files
 
     for f in safetensors_files(model_dir):
         with safe_open(str(f), framework="pt") as fh:

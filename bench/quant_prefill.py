@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{MODEL} is missing: run `python -m bench.quant_bench` first (it builds the model)")
         return 2
     if args.packed_int8:
-        import engines.quantized_linear as ql
+        import engines.quant.quantized_linear as ql
         ql.DENSE_MIN_ROWS = 1 << 60
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 30000, (args.tokens,), generator=g).tolist() for _ in range(args.prompts)]

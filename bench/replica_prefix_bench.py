@@ -42,9 +42,10 @@ def _free_port() -> int:
 
 
 def start_replicas(n: int, kv_blocks: int, workdir: Path) -> list[tuple[subprocess.Popen, str]]:
-    from engines.kv_cache import bytes_per_block
-    from engines.model_config import ModelConfig
     import torch
+
+    from engines.model.kv_cache import bytes_per_block
+    from engines.model.model_config import ModelConfig
     model = ROOT / "models" / "demo-large"
     per_block = bytes_per_block(ModelConfig.from_dir(model), 16, torch.float32)   # dtype auto: float32 on CPU
     cfg = workdir / "replica.yaml"
@@ -54,7 +55,7 @@ def start_replicas(n: int, kv_blocks: int, workdir: Path) -> list[tuple[subproce
     out = []
     for i in range(n):
         port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine", "serve", "--engine", "demo-large",
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "engine", "serve", "--engine", "demo-large",
                                  "--port", str(port), "--config", str(cfg)], cwd=ROOT, env=env,
                                 stdout=(workdir / f"r{i}.log").open("wb"), stderr=subprocess.STDOUT)
         out.append((proc, f"http://127.0.0.1:{port}"))
@@ -84,10 +85,10 @@ def workload(args) -> list[list[int]]:
 
 
 async def run_policy(policy: str, urls: list[str], prompts: list[list[int]], args) -> dict:
-    from engines.sampling_params import SamplingParams
-    from gateway.remote_engine import RemoteEngine
-    from gateway.replica_config import PoolConfig
-    from gateway.replica_pool import Replica, ReplicaPool
+    from engines.core.sampling_params import SamplingParams
+    from gateway.backends.remote_engine import RemoteEngine
+    from gateway.backends.replica_config import PoolConfig
+    from gateway.backends.replica_pool import Replica, ReplicaPool
 
     cfg = PoolConfig(policy=policy, health_interval_s=5.0, affinity_weight=args.affinity_weight)
     pool = ReplicaPool("demo-large", [Replica(u, RemoteEngine(u, "demo-large"), cfg, remote=True) for u in urls],
@@ -128,7 +129,7 @@ async def run_policy(policy: str, urls: list[str], prompts: list[list[int]], arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gateway.replica_config import PoolConfig
+    from gateway.backends.replica_config import PoolConfig
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--turns", type=int, default=16)

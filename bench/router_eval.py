@@ -4,7 +4,7 @@ each prompt's task, level and phrasing.
     .venv/bin/python -m bench.router_eval [--artifact router_models/artifacts/demo_router.json]
                                           [--test router_models/data/test.jsonl]
 
-Overall figures are `tokenyard router eval`'s (router_models.evaluation.evaluate). Added here:
+Overall figures are `tokenyard router eval`'s (router_models.training.evaluation.evaluate). Added here:
 - by phrasing: the same APGR / CPT on the familiar phrasings (0-2, seen in training) and on the
   held-out phrasing (3, never trained on), each subset with its own single-model qualities;
 - the told oracle: every prompt scored by the share of its (task, level, phrasing) group on the
@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.results_io import RunRecorder
-from router_models.artifact import load
-from router_models.evaluation import TARGETS, evaluate, score_all
-from router_models.routing_metrics import oracle_scores, routing_curve, summary
-from router_models.scorer import Scorer
-from router_models.train import Labelled, load_labels
+from router_models.runtime.artifact import load
+from router_models.runtime.scorer import Scorer
+from router_models.training.evaluation import TARGETS, evaluate, score_all
+from router_models.training.routing_metrics import oracle_scores, routing_curve, summary
+from router_models.training.train import Labelled, load_labels
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT_PHRASING = 3            # demo.task_suite.HELD_OUT_PHRASING: never in the training split

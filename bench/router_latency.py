@@ -5,7 +5,7 @@
 
 Times what the gateway does for model "auto" once the prompt is counted: join the message
 contents (prompt_text), extract the hashed features, score with the numpy scorer, compare with
-the threshold (gateway.router_route.LearnedRouter.decide). One request at a time, each timed
+the threshold (gateway.routing.learned_router.LearnedRouter.decide). One request at a time, each timed
 with perf_counter_ns (wall) and thread_time_ns (CPU of this thread), over every test prompt:
 one cold round first (the n-gram caches emptied, so every word is new), then warm rounds.
 Wall-clock percentiles include being descheduled when the machine is busy (`load` is printed);
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.router_route import LearnedRouter, RouterSettings, prompt_text
-from router_models import features
-from router_models.train import read_jsonl
+from gateway.routing.learned_router import LearnedRouter, RouterSettings, prompt_text
+from router_models.runtime import features
+from router_models.training.train import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -296,12 +296,12 @@ def priorities(gateway: Launcher, interactive: list[ChatRequest], batch: list[Ch
 def _prices(deployment: Path | None) -> dict[str, Any]:
     if deployment is None:
         return {}
-    from gateway.deployment import load_deployment
+    from gateway.config.deployment import load_deployment
     return {name: spec.prices for name, spec in load_deployment(deployment).engines.items()}
 
 
 def _cost(records: Sequence[RequestRecord], prices: dict[str, Any]) -> int:
-    """Micro-units, the gateway's own rounding per request (gateway.deployment.Prices.cost)."""
+    """Micro-units, the gateway's own rounding per request (policies.schema.Prices.cost)."""
     total = 0
     for r in records:
         if r.ok and r.model in prices:

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     if args.w2:
         sl.serving_checkpoint(ROOT / "bench" / "out" / "w2-serve-llama")   # where deploy/bench_w2.yaml points
         config, engine = ROOT / "deploy" / "bench_w2.yaml", "w2"
-    from gateway.deployment import load_deployment
+    from gateway.config.deployment import load_deployment
     dep = load_deployment(config)
     if engine not in dep.engines:
         print(f"tokenyard bench serve: engine {engine!r} is not in {config} (has {', '.join(dep.engines)})",

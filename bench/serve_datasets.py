@@ -37,7 +37,7 @@ class TokenSizer:
     """Cuts text to a token count with one tokenizer (the serving model's)."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from engines.tokenizer import Tokenizer
+        from engines.text.tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_dir(model_dir)
 
     def text_of(self, n_tokens: int, rng: random.Random, words: Sequence[str]) -> str:

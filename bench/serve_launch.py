@@ -58,7 +58,7 @@ def free_port() -> int:
 def spawn_gateway(config: Path, env: dict[str, str], port: int, timeout_s: float = 60) -> subprocess.Popen:
     """`tokenyard serve --config config --port port`, output discarded, returned once /ready says
     200 (killed if it never does)."""
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config),
                              "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -108,7 +108,7 @@ def gateway_process(config: Path, name: str = "gateway", model: str = "auto", re
         log_path = log_dir / f"{name}.log"
         env = {**os.environ, "TOKENYARD_DEV_KEY": key}
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+            proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config),
                                      "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -155,7 +155,7 @@ def _redis_url_from_log(log_path: Path) -> str | None:
 
 def create_key(config: Path, redis_url: str | None, tenant: str, priority: str) -> str:
     """A new API key through `tokenyard keys create` (the way an operator makes one)."""
-    cmd = [sys.executable, "-m", "gateway.cli", "keys", "--config", str(config)]
+    cmd = [sys.executable, "-m", "cli.main", "keys", "--config", str(config)]
     if redis_url:
         cmd += ["--redis-url", redis_url]
     cmd += ["create", "--tenant", tenant, "--priority", priority, "--rpm", "0", "--tpm", "0"]

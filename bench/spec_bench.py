@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from demo import task_suite
 from engines import Engine, SamplingParams
-from engines.chat_template import apply_chat_template
-from engines.tokenizer import Tokenizer
+from engines.text.chat_template import apply_chat_template
+from engines.text.tokenizer import Tokenizer
 
 LARGE = "models/demo-large"
 SMALL = "models/demo-small"

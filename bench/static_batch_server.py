@@ -14,7 +14,7 @@ during a batch wait for the next one. Every row costs the longest row's steps.
 
 Same weights and dtype as the engine: the same HF checkpoint folder through
 AutoModelForCausalLM; prompts rendered with the same chat template and tokenizer
-(engines.tokenizer / engines.chat_template) so the prompts are token-for-token the same.
+(engines.text.tokenizer / engines.text.chat_template) so the prompts are token-for-token the same.
 One sampling setting per batch (the first request's): the benchmarks use temperature 0.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engines.chat_template import apply_chat_template
-from engines.tokenizer import Tokenizer
+from engines.text.chat_template import apply_chat_template
+from engines.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@
 
 The engine is built from the deployment's engine spec (type, model and engine keys; its
 `replicas`/`replica_pool`/`prices` keys are the gateway's business and are ignored here) and
-served by engines/replica_server.py. Gateways list the replica under `engines.NAME.replicas`.
+served by engines/serving/replica_server.py. Gateways list the replica under `engines.NAME.replicas`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .deployment import DeploymentError, load_deployment
+    from gateway.config.deployment import DeploymentError, load_deployment
 
     try:
         dep = load_deployment(args.config)
@@ -39,10 +39,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engines.async_engine import AsyncEngine
-    from engines.replica_server import serve
-
-    from .engine_pool import _build, tokenizer_fingerprint
+    from engines.core.async_engine import AsyncEngine
+    from engines.serving.replica_server import serve
+    from gateway.backends.engine_pool import _build, tokenizer_fingerprint
     engine = AsyncEngine(_build(spec), spec.name)
     grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
     return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model))

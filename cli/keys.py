@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Iterator
 
-from .api_keys import PRIORITIES, KeySpecError, KeyStore
+from gateway.auth.api_keys import PRIORITIES, KeySpecError, KeyStore
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -46,8 +46,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _store(args: argparse.Namespace) -> Iterator[KeyStore]:
     import redis
 
-    from .deployment import load_deployment
-    from .embedded_redis import command_redis_url
+    from gateway.config.deployment import load_deployment
+    from gateway.store.embedded_redis import command_redis_url
     dep = load_deployment(args.config)
     with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
@@ -64,7 +64,7 @@ def _when(ts: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from .deployment import DeploymentError
+    from gateway.config.deployment import DeploymentError
     try:
         with _store(args) as store:
             if args.keys_command == "create":

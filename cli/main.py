@@ -18,8 +18,8 @@ import sys
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .deployment import DeploymentError, apply_env, load_deployment
-    from .server import serve
+    from gateway.config.deployment import DeploymentError, apply_env, load_deployment
+    from gateway.http.server import serve
 
     try:
         dep = apply_env(load_deployment(args.config))
@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
         dep.host = args.host
     if args.port is not None:
         dep.port = args.port
-    from .state import StartupError
+    from gateway.state import StartupError
     try:
         return serve(dep)
     except StartupError as e:
@@ -47,25 +47,25 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.set_defaults(func=_serve)
     # --- keys ---
-    from . import keys_cli
+    from cli import keys as keys_cli
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_cli.add_arguments(keys)
     # --- end keys ---
     # --- spend ---
-    from . import spend_cli
+    from cli import spend as spend_cli
     spend = sub.add_parser("spend", help="spend reports from the ledger (`tokenyard spend report --by model`)")
     spend_cli.add_arguments(spend)
     # --- end spend ---
     # --- policy ---
-    from . import policy_cli
+    from cli import policy as policy_cli
     pol = sub.add_parser("policy", help="routing policies: apply, show, history, rollback, simulate, validate")
     policy_cli.add_arguments(pol)
     # --- end policy ---
-    from engines import generate_cli
+    from engines.serving import generate_cli
     gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
     generate_cli.add_arguments(gen)
     gen.set_defaults(func=generate_cli.run)
-    from engines import quantize_cli
+    from engines.quant import quantize_cli
     quant = sub.add_parser("quantize", help="write an int8/int4 weight-only quantised checkpoint")
     quantize_cli.add_arguments(quant)
     quant.set_defaults(func=quantize_cli.run)
@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=serve_cli.run)
     # --- end bench ---
     # --- engine replicas ---
-    from . import engine_cli
+    from cli import engine as engine_cli
     engine = sub.add_parser("engine", help="run one engine as a replica process (`tokenyard engine serve`)")
     engine_cli.add_arguments(engine)
     # --- end engine ---
     # --- router ---
-    from router_models import cli as router_cli
+    from router_models.training import cli as router_cli
     router = sub.add_parser("router", help="train and evaluate the learned router for model auto")
     router_cli.add_arguments(router)
     # --- end router ---

@@ -68,11 +68,11 @@ def _read(path: str) -> str:
 async def _run(args: argparse.Namespace, url: str, dep) -> int:
     import redis.asyncio as aioredis
 
+    from gateway.policy.admin import check_document, compare_policies, recorded_traffic
+    from gateway.policy.store import NoSuchVersion, PolicyStore
+    from gateway.spend.reports import parse_since, parse_time
+    from gateway.state import load_learned_router
     from policies import PolicyError
-    from .state import load_learned_router
-    from .policy_admin import check_document, compare_policies, recorded_traffic
-    from .policy_store import NoSuchVersion, PolicyStore
-    from .spend_reports import parse_since, parse_time
 
     client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
     store = PolicyStore(client, dep.redis_prefix)
@@ -154,16 +154,16 @@ async def _run(args: argparse.Namespace, url: str, dep) -> int:
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from .deployment import DeploymentError, load_deployment
-    from .embedded_redis import command_redis_url
+    from gateway.config.deployment import DeploymentError, load_deployment
+    from gateway.store.embedded_redis import command_redis_url
     try:
         dep = load_deployment(args.config)
     except DeploymentError as e:
         print(f"tokenyard: {e}", file=sys.stderr)
         return 2
     if args.policy_command == "validate":
+        from gateway.policy.admin import check_document
         from policies import PolicyError
-        from .policy_admin import check_document
         try:
             policy = check_document(_read(args.file), list(dep.engines))
         except PolicyError as e:

@@ -16,8 +16,8 @@ import json
 import sys
 import time
 
-from . import spend_reports as reports
-from . import spend_store as store
+from gateway.spend import reports as reports
+from gateway.spend import store as store
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -51,8 +51,8 @@ async def _report(url: str, prefix: str, tenant: str | None, start: float, end: 
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from .deployment import DeploymentError, load_deployment
-    from .embedded_redis import command_redis_url
+    from gateway.config.deployment import DeploymentError, load_deployment
+    from gateway.store.embedded_redis import command_redis_url
     try:
         group_by = reports.parse_group_by(args.by)
         now = time.time()

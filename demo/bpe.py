@@ -3,7 +3,7 @@
 Trained with the `tokenizers` library, then written in the Llama-3 `tokenizer.model` layout
 (tiktoken format: one "base64(bytes) rank" line per token) with the chat special tokens and a
 jinja chat template in tokenizer_config.json, so it loads through the same code as any other
-checkpoint (engines.tokenizer).
+checkpoint (engines.text.tokenizer).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engines.byte_level import LLAMA3_PATTERN
+from engines.text.byte_level import LLAMA3_PATTERN
 
 # Llama-3's split, but digits one at a time: addition and counting are far easier to learn for
 # a tiny model when every digit is its own token.

@@ -23,7 +23,7 @@ greedy (temperature 0), through `LLM.chat` (chat template, batching, detokeniser
 path as `tokenyard demo eval`.
 
 Each JSONL line: id, split, task, level, phrasing, messages, prompt (the text the router
-scores: message contents joined by newlines, see router_models.features.prompt_text),
+scores: message contents joined by newlines, see router_models.runtime.features.prompt_text),
 prompt_tokens (chat-templated prompt length with the serving tokenizer, what the gateway
 counts), answer, small_reply, large_reply, small_correct, large_correct, label.
 """
@@ -39,7 +39,7 @@ import zlib
 from pathlib import Path
 
 from demo import task_suite
-from router_models.features import prompt_text
+from router_models.runtime.features import prompt_text
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -103,7 +103,7 @@ def small_engine_options(quantization: str) -> dict:
 def detect_quantization() -> str:
     """"int8" when the engine accepts it (the small model is served that way), else "none"."""
     try:
-        from engines.config import EngineConfig
+        from engines.core.config import EngineConfig
         EngineConfig.from_options({"quantization": "int8"})
         return "int8"
     except (TypeError, ValueError):
@@ -121,8 +121,8 @@ def run_model(model_dir: Path, items: list[task_suite.TaskItem], desc: str, **op
 
 
 def count_prompt_tokens(items: list[task_suite.TaskItem]) -> list[int]:
-    from engines.chat_template import apply_chat_template
-    from engines.tokenizer import Tokenizer
+    from engines.text.chat_template import apply_chat_template
+    from engines.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(MODELS / "demo-small")
     return [len(tok.encode(apply_chat_template(tok, list(it.messages), add_generation_prompt=True),

@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from demo import task_suite
 from demo.bpe import END, SPECIALS, train_tokenizer
-from engines.chat_template import apply_chat_template
-from engines.tokenizer import Tokenizer
+from engines.text.chat_template import apply_chat_template
+from engines.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -18,23 +18,23 @@ from typing import Any
 
 from starlette.requests import Request
 
-from .admission import Admission
-from .api_keys import DEV_TENANT, KeyStore, new_record
-from .budget import BudgetReader
-from .deployment import Deployment
-from .engine_pool import EngineHandle
-from .gatekeeper import Gatekeeper
-from .key_cache import KeyCache
-from .metrics import GatewayMetrics
-from .policy_state import PolicyState
-from .rate_limiter import RateLimiter
-from .redis_guard import RedisGuard
-from .replica_metrics import ReplicaCollector
-from .router_route import ArtifactError, LearnedRouter, RouterSettings
-from .routing import Router
-from .sessions import SessionStore
-from .spend_ledger import SpendLedger
-from .usage import FanOut, RecentUsage, UsageRecord, UsageSink
+from gateway.admission.engine_queues import Admission
+from gateway.admission.gatekeeper import Gatekeeper
+from gateway.admission.rate_limiter import RateLimiter
+from gateway.auth.api_keys import DEV_TENANT, KeyStore, new_record
+from gateway.auth.key_cache import KeyCache
+from gateway.auth.sessions import SessionStore
+from gateway.backends.engine_pool import EngineHandle
+from gateway.backends.replica_metrics import ReplicaCollector
+from gateway.config.deployment import Deployment
+from gateway.observability.metrics import GatewayMetrics
+from gateway.policy.state import PolicyState
+from gateway.routing.interim_rule import Router
+from gateway.routing.learned_router import ArtifactError, LearnedRouter, RouterSettings
+from gateway.spend.budget import BudgetReader
+from gateway.spend.ledger import SpendLedger
+from gateway.spend.usage import FanOut, RecentUsage, UsageRecord, UsageSink
+from gateway.store.redis_guard import RedisGuard
 
 log = logging.getLogger("tokenyard.gateway")
 POOL_RESERVE = 8   # Redis connections beyond redis_pool_size, for callers outside the guard

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Gathers and scatters go through a 2-D view [kv_heads * rows, row_width] with per-head row
 # indices: torch's dim-0 index_select/index_copy are several times faster on CPU than the same
 # operation along dim 1.

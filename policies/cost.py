@@ -7,7 +7,7 @@ float the YAML library made) and converted exactly with decimal.Decimal into int
 micro-units (1 unit = 1_000_000 micro-units). A value with finer precision than one micro-unit
 is refused, never rounded.
 
-Rounding rule (the same as gateway/deployment.py Prices.cost, so the ledger, the simulation and
+Rounding rule (the same as gateway/config/deployment.py Prices.cost, so the ledger, the simulation and
 the bill agree): the exact cost of a request is
     ((prompt - cached) * input + cached * cached_input + completion * output) / 1_000_000
 micro-units, an exact rational; it is rounded ONCE, per request, half up (x.5 goes up), with

@@ -23,8 +23,21 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .errors import PolicyError, Problem
 from .rule_validation import NAME, TENANT, read_rules
-from .schema import (AT_LIMIT, DEFAULT_TENANT, PRIORITIES, ROLES, SCHEMA_VERSION, Budget, EngineRoles, Overflow,
-                     Policy, Prices, RateClass, RouterSettings, TenantPolicy)
+from .schema import (
+    AT_LIMIT,
+    DEFAULT_TENANT,
+    PRIORITIES,
+    ROLES,
+    SCHEMA_VERSION,
+    Budget,
+    EngineRoles,
+    Overflow,
+    Policy,
+    Prices,
+    RateClass,
+    RouterSettings,
+    TenantPolicy,
+)
 from .yaml_nodes import Reader, check_text, compose
 
 TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",

@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 
 from engines import Engine
-from engines.scheduler import ScheduledChunk, SchedulerOutput
-from engines.sequence import Sequence
-from engines.sampling_params import SamplingParams
-from engines.attention import AttentionMetadata
+from engines.core.sampling_params import SamplingParams
+from engines.core.sequence import Sequence
+from engines.model.attention import AttentionMetadata
 
 
 def prompt_logits(engine: Engine, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:

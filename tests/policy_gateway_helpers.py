@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 import redis
-
-from gateway.api_keys import KeyStore
 from gateway_helpers import ROOT, SHARED_REDIS, mock_deployment
+
+from gateway.auth.api_keys import KeyStore
 
 ARTIFACT = str(ROOT / "router_models" / "artifacts" / "demo_router.json")
 MODEL = str(ROOT / "models" / "demo-small")

@@ -140,7 +140,7 @@ def serve_process(document: dict, dev_key: str, tmp: Path, access_log: bool = Fa
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
 
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=limit_fds)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -92,15 +92,9 @@ def test_every_results_section_cites_raw_output():
 # figures without raw output, and so that each one leaves the list as soon as it cites its JSON.
 AWAITING_RAW_OUTPUT = (
     "W2 throughput: continuous batching vs transformers static batching (issue 2)",
-    "Scheduler (issue 5)",
-    "Demo model pair (issue 4)",
     "Weight-only quantisation (issue 7)",
-    "Learned router (issue 12)",
     "Speculative decoding (issue 8)",
-    "Gateway overhead (issues 9 and 10)",
-    "Admission under 3x overload (issue 10)",
     "Engine replicas: prefix-aware vs round-robin (issue 16)",
-    "Serving benchmark over HTTP (issue 14)",
 )
 
 

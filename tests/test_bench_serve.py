@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gateway_helpers import KEY, ROOT, add_key, mock_deployment, running_gateway
 
 from bench import scenarios as sc
 from bench.load_generator import UNFINISHED, ChatRequest, LoadConfig, arrival_offsets, held_offsets, run_load
 from bench.serve_datasets import TokenSizer, random_lengths, shared_prefix_chat, summarisation_mix, task_suite
 from bench.serve_launch import Endpoint, serve_app_in_thread, serving_checkpoint
 from bench.serving_metrics import SLO, RequestRecord, percentile, summarize
-from gateway_helpers import KEY, ROOT, add_key, mock_deployment, running_gateway
 
 DEMO_SMALL = ROOT / "models" / "demo-small"
 
@@ -287,7 +287,7 @@ def test_derived_deployments_load_from_another_folder(tmp_path):
     (models, router artifact, policy file) must still resolve, and a copy cut down to one engine
     drops the router and policy, which name both engines."""
     from bench.serve_launch import derive_deployment
-    from gateway.deployment import load_deployment
+    from gateway.config.deployment import load_deployment
 
     src = Path(__file__).resolve().parents[1] / "deploy" / "default.yaml"
     full = load_deployment(derive_deployment(src, tmp_path / "a" / "full.yaml"))

@@ -1,15 +1,20 @@
-"""engines.chat_template renders exactly what transformers' apply_chat_template renders."""
+"""engines.text.chat_template renders exactly what transformers' apply_chat_template renders."""
 from __future__ import annotations
 
 import datetime
 
 import pytest
-
-from engines.chat_template import (FALLBACK_CHAT_TEMPLATE, ChatTemplateError, apply_chat_template,
-                                   render_chat_template, validate_messages)
-from engines.errors import CheckpointError, RequestError
-from engines.tokenizer import Tokenizer
 from tokenizer_factory import build_byte_level_dir, build_tiktoken_dir
+
+from engines.core.errors import CheckpointError, RequestError
+from engines.text.chat_template import (
+    FALLBACK_CHAT_TEMPLATE,
+    ChatTemplateError,
+    apply_chat_template,
+    render_chat_template,
+    validate_messages,
+)
+from engines.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

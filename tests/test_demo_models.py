@@ -52,7 +52,7 @@ def test_engine_shows_the_recorded_gap_between_small_and_large(record, measured)
 
 
 def test_eval_command_writes_the_record_format(tmp_path, record):
-    from gateway.cli import main
+    from cli.main import main
 
     out = tmp_path / "acc.json"
     small = str(ROOT / "models" / "demo-small")

@@ -4,12 +4,11 @@ demo/train.py and tests/test_demo_models.py)."""
 import json
 
 import pytest
-
 import torch
 
 from demo.train import SPECS, TrainConfig, make_model, train
 from engines import LLM, SamplingParams
-from engines.tokenizer import Tokenizer
+from engines.text.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 
@@ -53,7 +52,7 @@ def test_rerun_on_one_machine_gives_the_same_bits(tmp_path):
 
 
 def test_cli_smoke(capsys):
-    from gateway.cli import main
+    from cli.main import main
 
     assert main(["demo", "train", "--which", "small", "--smoke"]) == 0
     assert "wrote" in capsys.readouterr().out

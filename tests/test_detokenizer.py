@@ -1,13 +1,14 @@
-"""engines.detokenizer: streamed deltas are whole characters, add up to the text, and obey stops."""
+"""engines.text.detokenizer: streamed deltas are whole characters, add up to the text, and obey stops."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from engines.detokenizer import IncrementalDetokenizer
-from engines.errors import RequestError
-from engines.tokenizer import Tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizer_factory import build_byte_fallback_dir, build_byte_level_dir
+
+from engines.core.errors import RequestError
+from engines.text.detokenizer import IncrementalDetokenizer
+from engines.text.tokenizer import Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

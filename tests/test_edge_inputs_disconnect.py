@@ -10,17 +10,16 @@ import time
 from contextlib import contextmanager
 
 import pytest
-
 from gateway_helpers import KEY, ROOT, Running, mock_deployment, running_gateway
 from reliability_common import ErrorLogs
 
 
 @contextmanager
 def served_like_production(doc):
-    """The app under gateway/server.py's uvicorn settings (its guarded protocol), not the tests' plain one."""
-    from gateway.app import create_app
-    from gateway.deployment import parse_deployment
-    from gateway.server import GuardedServer, uvicorn_config
+    """The app under gateway/http/server.py's uvicorn settings (its guarded protocol), not the tests' plain one."""
+    from gateway.config.deployment import parse_deployment
+    from gateway.http.app import create_app
+    from gateway.http.server import GuardedServer, uvicorn_config
     dep = parse_deployment(doc, base_dir=ROOT)
     app = create_app(dep, dev_key=KEY)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -1,8 +1,7 @@
 """Continuous batching: batch invariance, block accounting, bad input."""
 import pytest
-import torch
 
-from engines import Engine, LLM, RequestError, SamplingParams
+from engines import LLM, Engine, RequestError, SamplingParams
 from tests.engine_helpers import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

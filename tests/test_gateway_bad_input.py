@@ -5,7 +5,6 @@ import json
 import time
 
 import pytest
-
 from gateway_helpers import mock_deployment, running_gateway
 
 GOOD = {"model": "mock", "messages": [{"role": "user", "content": "hi"}]}

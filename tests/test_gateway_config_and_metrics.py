@@ -6,12 +6,19 @@ import re
 
 import pytest
 import redis
-
-from gateway.deployment import (AdmissionConfig, DeploymentError, Prices, RateLimits, apply_env, load_deployment,
-                                parse_deployment)
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.metrics import GatewayMetrics
 from gateway_helpers import ROOT, mock_deployment, running_gateway
+
+from gateway.config.deployment import (
+    AdmissionConfig,
+    DeploymentError,
+    Prices,
+    RateLimits,
+    apply_env,
+    load_deployment,
+    parse_deployment,
+)
+from gateway.observability.metrics import GatewayMetrics
+from gateway.store.embedded_redis import EmbeddedRedis
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 

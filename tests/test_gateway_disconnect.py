@@ -10,14 +10,14 @@ import socket
 import time
 
 import pytest
-
-from engines.async_engine import AsyncEngine
-from engines.engine import Engine
-from engines.sampling_params import SamplingParams
-from engines.tokenizer import Tokenizer
-from gateway.deployment import Prices
-from gateway.engine_pool import EngineHandle
 from gateway_helpers import KEY, ROOT, running_gateway
+
+from engines.core.async_engine import AsyncEngine
+from engines.core.engine import Engine
+from engines.core.sampling_params import SamplingParams
+from engines.text.tokenizer import Tokenizer
+from gateway.backends.engine_pool import EngineHandle
+from gateway.config.deployment import Prices
 
 MODEL = ROOT / "models" / "demo-small"
 MAX_TOKENS = 400

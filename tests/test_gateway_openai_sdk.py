@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from gateway_helpers import KEY, ROOT, mock_deployment, running_gateway
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]

@@ -8,12 +8,12 @@ import time
 
 import openai
 import pytest
-
-from engines.async_engine import AsyncEngine
-from engines.mock_engine import MockEngine
-from gateway.deployment import Prices
-from gateway.engine_pool import EngineHandle
 from gateway_helpers import KEY, ROOT, mock_deployment, running_gateway, sse_events
+
+from engines.core.async_engine import AsyncEngine
+from engines.serving.mock_engine import MockEngine
+from gateway.backends.engine_pool import EngineHandle
+from gateway.config.deployment import Prices
 
 MODEL = ROOT / "models" / "demo-small"
 

@@ -1,5 +1,5 @@
 """GGUF weights kept quantised: Q4_0/Q4_1 blocks as the engine's int4 layout (group 32), the rest
-requantised with its error measured (engines/gguf_loader.py `load_gguf_quantized`).
+requantised with its error measured (engines/quant/gguf_quantized.py `load_gguf_quantized`).
 
 Tolerances:
 - Q4_0/Q4_1 -> int4 and the reference matmul: exact (rtol = atol = 0). The layout holds gguf's
@@ -23,11 +23,12 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from engines import gguf_reader as gr
-from engines.errors import CheckpointError
-from engines.gguf_loader import load_gguf_model, load_gguf_quantized
-from engines.gguf_models import smollm2_path
-from engines.quantized_linear import QuantLinear
+from engines.core.errors import CheckpointError
+from engines.quant.gguf_quantized import load_gguf_quantized
+from engines.quant.quantized_linear import QuantLinear
+from engines.weights import gguf_reader as gr
+from engines.weights.gguf_loader import load_gguf_model
+from engines.weights.gguf_models import smollm2_path
 from kernels.quant_layout import dequantize_int4_weight, dequantize_int8, unpack_int4
 from tests.engine_helpers import prompt_logits
 from tests.test_gguf_reader import write_gguf
@@ -150,7 +151,7 @@ def test_int8_from_q8_0_and_other_requantisations_report_their_error(checkpoint_
     cases = [("int8", 32, "int8"), ("int4", 32, "int4")]
     for mode, group, proj_mode in cases:
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="engines.gguf_loader"):
+        with caplog.at_level(logging.INFO, logger="engines.quant.gguf_quantized"):
             model, cfg, report = load_gguf_quantized(path, torch.float32, CPU, 64, mode, group, backend="torch",
                                                      progress=False)
         assert report.native == 0 and len(report.requantised) == 7 * cfg.num_layers + 1

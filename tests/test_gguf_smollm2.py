@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from engines.chat_template import apply_chat_template
-from engines.errors import CheckpointError
-from engines.gguf_models import smollm2_path
+from engines.core.errors import CheckpointError
+from engines.text.chat_template import apply_chat_template
+from engines.weights.gguf_models import smollm2_path
 from tests.engine_helpers import prompt_logits
 
 PARITY_TOL = 1e-4

@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from policies import (PolicyError, PolicyVersion, canonical_json, diff, load_policy, next_version, policy_hash,
-                      policy_to_yaml, rollback_to)
+from policies import (
+    PolicyError,
+    PolicyVersion,
+    canonical_json,
+    diff,
+    load_policy,
+    next_version,
+    policy_hash,
+    policy_to_yaml,
+    rollback_to,
+)
 from policies.schema import Prices
 
 EXAMPLE = (Path(__file__).resolve().parent.parent / "policies" / "examples" / "default.yaml").read_text()

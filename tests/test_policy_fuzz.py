@@ -2,12 +2,12 @@
 from pathlib import Path
 
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from policies import PolicyError, build_policy, load_policy, policy_hash, policy_to_yaml
 from policies.rule_validation import ACTION_KEYS, MATCH_KEYS, RANGE_KEYS, RULE_KEYS
-from policies.validation import (BUDGET_KEYS, OVERFLOW_KEYS, PRICE_KEYS, RATE_KEYS, ROUTER_KEYS, TENANT_KEYS,
-                                 TOP_KEYS)
+from policies.validation import BUDGET_KEYS, OVERFLOW_KEYS, PRICE_KEYS, RATE_KEYS, ROUTER_KEYS, TENANT_KEYS, TOP_KEYS
 
 EXAMPLE = (Path(__file__).resolve().parent.parent / "policies" / "examples" / "default.yaml").read_text()
 KEYS = sorted(set(TOP_KEYS + ACTION_KEYS + BUDGET_KEYS + MATCH_KEYS + OVERFLOW_KEYS + PRICE_KEYS + RANGE_KEYS

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from gateway.app import create_app
-from gateway.state import StartupError
-from gateway.deployment import parse_deployment
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, chat, make_keys, put_policy, two_engine_deployment
+
+from gateway.config.deployment import parse_deployment
+from gateway.http.app import create_app
+from gateway.state import StartupError
 
 BAD = BASE_POLICY + """\
 rules:
@@ -89,8 +89,8 @@ rules:
     status, headers, body = chat(srv, keys["beta"], model="small")      # no rule: the client's engine
     assert status == 200 and headers["x-tokenyard-engine"] == "small" and headers["x-tokenyard-route-reason"] == "pinned"
     # The same two rules the other way round: the deny now comes first.
-    deny_first = pin_first.replace("  - name: acme-large\n    match: {tenants: [acme]}\n    action: {pin: large, max_tokens: 3}\n", "")
-    deny_first += "  - name: acme-large\n    match: {tenants: [acme]}\n    action: {pin: large, max_tokens: 3}\n"
+    acme_rule = "  - name: acme-large\n    match: {tenants: [acme]}\n    action: {pin: large, max_tokens: 3}\n"
+    deny_first = pin_first.replace(acme_rule, "") + acme_rule
     assert put_policy(srv, keys["admin"], deny_first)[0] == 200
     status, headers, body = chat(srv, keys["acme"], model="small")
     assert status == 403 and body["error"]["code"] == "policy_denied" and body["error"]["message"] == "acme is paused"

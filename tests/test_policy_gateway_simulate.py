@@ -15,7 +15,6 @@ import time
 from collections import Counter
 
 import redis
-
 from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, chat, make_keys, put_policy, two_engine_deployment
 from test_spend_ledger import read_records

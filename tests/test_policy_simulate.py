@@ -4,8 +4,7 @@ from collections import Counter
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
-from policies import (EngineState, TenantSpend, UsageFeatures, compare, decide, estimate_cost, load_policy,
-                      simulate)
+from policies import EngineState, TenantSpend, UsageFeatures, compare, decide, estimate_cost, load_policy, simulate
 from policies.schema import RouterSettings
 
 DOC = """\

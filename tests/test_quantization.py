@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from engines import LLM, Engine, SamplingParams
-from engines.config import EngineConfig
-from engines.quantization import load_engine_model, quantize_model, save_quantized
-from engines.quantized_linear import QuantLinear
+from engines.core.config import EngineConfig
+from engines.quant.quantization import quantize_model, save_quantized
+from engines.quant.quantized_linear import QuantLinear
+from engines.weights.engine_model import load_engine_model
 from kernels import quant_matmul_torch as ref_ops
 from kernels.quant_layout import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 from tests.engine_helpers import prompt_logits, random_prompts
@@ -166,7 +167,7 @@ def test_bad_quantization_options_are_clear_errors(checkpoint_dir, tmp_path):
 
 
 def test_quantize_cli(checkpoint_dir, tmp_path, capsys):
-    from gateway.cli import main
+    from cli.main import main
 
     out = tmp_path / "q4"
     assert main(["quantize", "--model", str(checkpoint_dir("qwen2")), "--mode", "int4", "--group-size", "32",
@@ -230,7 +231,7 @@ def test_demo_model_quality_within_measured_bounds(demo_reference, mode, group):
 
 
 def test_quantize_model_none_is_a_no_op_and_keeps_embedding(checkpoint_dir):
-    from engines.model_config import ModelConfig
+    from engines.model.model_config import ModelConfig
 
     src = checkpoint_dir("qwen2")
     cfg = ModelConfig.from_dir(src)

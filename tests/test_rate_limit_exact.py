@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 WINDOW_S = 0.2
 LIMIT = 400              # tokens per window: 2000 tokens/s, burst 400
 RUN_S = 2.5              # 12.5 windows
@@ -24,10 +23,10 @@ SHARED_REDIS = "redis://127.0.0.1:6379"   # (not imported from gateway_helpers: 
 def _limiter(prefix: str, tokens: int):
     import redis.asyncio as aioredis
 
-    from gateway.deployment import RateLimits
-    from gateway.metrics import GatewayMetrics
-    from gateway.rate_limiter import RateLimiter
-    from gateway.redis_guard import RedisGuard
+    from gateway.admission.rate_limiter import RateLimiter
+    from gateway.config.deployment import RateLimits
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.store.redis_guard import RedisGuard
     metrics = GatewayMetrics(lambda: {})
     client = aioredis.Redis.from_url(SHARED_REDIS)
     cfg = RateLimits(window_s=WINDOW_S, requests=0, tokens=tokens)
@@ -36,8 +35,8 @@ def _limiter(prefix: str, tokens: int):
 
 def hammer(prefix: str, seed: int, start_at: float, out: str) -> None:
     """One process: reserve random amounts as fast as it can; refund a random part of some."""
-    from gateway.api_keys import new_record
-    from gateway.errors import RateLimited
+    from gateway.auth.api_keys import new_record
+    from gateway.http.errors import RateLimited
 
     async def run() -> list[tuple[int, int]]:
         client, limiter = _limiter(prefix, LIMIT)
@@ -64,8 +63,8 @@ def hammer(prefix: str, seed: int, start_at: float, out: str) -> None:
 
 
 async def _steady(prefix: str) -> tuple[int, int]:
-    from gateway.api_keys import new_record
-    from gateway.errors import RateLimited
+    from gateway.auth.api_keys import new_record
+    from gateway.http.errors import RateLimited
     client, limiter = _limiter(prefix, STEADY_LIMIT)
     rec = new_record("steady", "steady")
     sent = refused = 0

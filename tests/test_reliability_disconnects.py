@@ -9,7 +9,6 @@ Fast sizes here; full sizes (10,000 mock / 1,000 demo-small) with `pytest -m rel
 from __future__ import annotations
 
 import pytest
-
 from reliability_common import explain, full_run_selected
 from reliability_disconnects import run_disconnects
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from reliability_common import explain, full_run_selected
 from reliability_edge import run_slow_connections, run_unauth_flood
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from reliability_common import explain, full_run_selected
 from reliability_redis import run_redis_outage
 

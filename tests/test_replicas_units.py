@@ -3,13 +3,13 @@ replica score, the deployment keys, and a pool mixing an in-process and a remote
 from __future__ import annotations
 
 import pytest
-
-from gateway.deployment import DeploymentError, parse_deployment
-from gateway.prefix_affinity import AffinityIndex, prefix_hashes
-from gateway.remote_engine import empty_stats
-from gateway.replica_config import PoolConfig
-from gateway.replica_pool import Replica, ReplicaPool
 from replica_helpers import ROOT, pool_deployment, start_replicas
+
+from gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
+from gateway.backends.remote_engine import empty_stats
+from gateway.backends.replica_config import PoolConfig
+from gateway.backends.replica_pool import Replica, ReplicaPool
+from gateway.config.deployment import DeploymentError, parse_deployment
 
 
 def test_hash_chain_follows_shared_leading_blocks_and_salt():

@@ -5,11 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router_models import artifact as art_mod
-from router_models.artifact import ArtifactError, load, save
-from router_models.features import FeatureSpec, extract, matrix, prompt_text
-from router_models.scorer import Scorer
-from router_models.train import load_labels, predict, train_router
+from router_models.runtime import artifact as art_mod
+from router_models.runtime.artifact import ArtifactError, load, save
+from router_models.runtime.features import FeatureSpec, extract, matrix, prompt_text
+from router_models.runtime.scorer import Scorer
+from router_models.training.train import load_labels, predict, train_router
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "router_models" / "data"
@@ -134,7 +134,7 @@ def test_features_are_stable_and_need_no_engine():
     assert prompt_text(messages) == "Be brief.\nHi"
     # The serving path (scorer, artifact, gateway hook) loads no engine, torch, scikit-learn or scipy.
     heavy = {"engines", "torch", "sklearn", "scipy"}
-    for module in ("router_models.scorer", "gateway.router_route"):
+    for module in ("router_models.runtime.scorer", "gateway.routing.learned_router"):
         assert not heavy & {name.split(".")[0] for name in _imports_of(module)}, module
 
 
@@ -147,7 +147,7 @@ def _imports_of(module: str) -> list[str]:
 
 
 def test_threshold_override_is_saved_and_checked(tmp_path):
-    from router_models.artifact import with_threshold
+    from router_models.runtime.artifact import with_threshold
 
     art = load(SHIPPED)
     path = tmp_path / "manual.json"

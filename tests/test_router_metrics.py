@@ -4,12 +4,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.deployment import Routing
-from gateway.router_route import LearnedRouter, RouterSettings, parse_router_settings, route_auto
-from gateway.routing import Router
-from router_models.calibration import (large_share, score_quantiles, threshold_for_large_share,
-                                       threshold_for_quality, threshold_from_quantiles)
-from router_models.routing_metrics import apgr, cpt, oracle_scores, random_curve, routing_curve
+from gateway.config.deployment import Routing
+from gateway.routing.interim_rule import Router
+from gateway.routing.learned_router import LearnedRouter, RouterSettings, parse_router_settings, route_auto
+from router_models.runtime.calibration import large_share, score_quantiles, threshold_for_large_share, threshold_from_quantiles
+from router_models.training.routing_metrics import apgr, cpt, oracle_scores, random_curve, routing_curve, threshold_for_quality
 
 ARTIFACT = Path(__file__).resolve().parent.parent / "router_models" / "artifacts" / "demo_router.json"
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router_models.artifact import load
-from router_models.calibration import threshold_for_large_share
-from router_models.evaluation import evaluate, score_all
-from router_models.routing_metrics import at_threshold
-from router_models.scorer import Scorer
-from router_models.train import hash_split, from_rows, load_labels, read_jsonl, train_router
+from router_models.runtime.artifact import load
+from router_models.runtime.calibration import threshold_for_large_share
+from router_models.runtime.scorer import Scorer
+from router_models.training.evaluation import evaluate, score_all
+from router_models.training.routing_metrics import at_threshold
+from router_models.training.train import from_rows, hash_split, load_labels, read_jsonl, train_router
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "router_models" / "data"

@@ -1,9 +1,10 @@
 """Scheduler depth: chunked prefill, prefix caching, preemption, priorities, aborts (issue 5)."""
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engines import Engine, SamplingParams
-from engines.block_pool import BlockPool
+from engines.core.block_pool import BlockPool
 from tests.engine_helpers import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -10,13 +10,12 @@ from urllib.parse import urlencode
 
 import pytest
 import redis
+from gateway_helpers import KEY, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
+from reliability_common import openai_error_shape
 from starlette.routing import Route
 
-from gateway.api_keys import KeyStore
-from gateway.sessions import COOKIE
-from gateway_helpers import KEY, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, \
-    wait_ledger
-from reliability_common import openai_error_shape
+from gateway.auth.api_keys import KeyStore
+from gateway.auth.sessions import COOKIE
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 GUARDED = ("/v1/spend", "/admin", "/dashboard", "/metrics")

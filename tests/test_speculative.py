@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from bench.random_checkpoint import build_random_checkpoint
 from engines import Engine, SamplingParams
-from engines import spec_acceptance
+from engines.spec import spec_acceptance
 from tests.engine_helpers import prompt_logits, random_prompts, run_to_completion
 
 BASE = dict(dtype="float32", progress=False, max_num_batched_tokens=48, kv_cache_memory=3 << 20)

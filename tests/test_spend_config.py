@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
-
-from gateway.deployment import DeploymentError, parse_deployment
-from gateway.spend_config import DashboardConfig, MetricsConfig, SpendConfig
 from gateway_helpers import ROOT, mock_deployment
+
+from gateway.config.deployment import DeploymentError, parse_deployment
+from gateway.spend.config import DashboardConfig, MetricsConfig, SpendConfig
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 

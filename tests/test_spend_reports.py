@@ -9,13 +9,12 @@ import json
 import pytest
 import redis
 import yaml
+from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
-from gateway import spend_reports as reports
-from gateway.api_keys import KeyStore
-from gateway.cli import main as cli_main
-from gateway.spend_store import RollupRow, encode_cursor
-from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, \
-    wait_ledger
+from cli.main import main as cli_main
+from gateway.auth.api_keys import KeyStore
+from gateway.spend import reports as reports
+from gateway.spend.store import RollupRow, encode_cursor
 
 PER_TENANT = {"acme": 5, "globex": 3}
 

@@ -8,9 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from demo.task_suite import (CITIES, HELD_OUT_PHRASING, LEVELS, LOOKUP_FACTS, SPLITS, TASKS,
-                             WORDS, TaskItem, check_reply, corpus_texts, fact_table, from_jsonl,
-                             generate_items, get_task, to_jsonl)
+from demo.task_suite import (
+    CITIES,
+    HELD_OUT_PHRASING,
+    LEVELS,
+    LOOKUP_FACTS,
+    SPLITS,
+    TASKS,
+    WORDS,
+    TaskItem,
+    check_reply,
+    corpus_texts,
+    fact_table,
+    from_jsonl,
+    generate_items,
+    get_task,
+    to_jsonl,
+)
 
 FACTS = dict(fact_table())
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engines import Engine, SamplingParams
-from engines.errors import CheckpointError, EngineDeadError
-from engines.model_runner import StepInputs
-from engines.sequence import Sequence
+from engines.core.errors import CheckpointError, EngineDeadError
+from engines.core.sequence import Sequence
+from engines.model.model_runner import StepInputs
 from tests.engine_helpers import random_prompts, run_to_completion
 
 OPTS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64, progress=False,

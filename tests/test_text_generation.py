@@ -4,9 +4,9 @@ from argparse import Namespace
 
 import pytest
 import torch
+from tokenizer_factory import build_byte_level_dir
 
 from engines import LLM, SamplingParams
-from tokenizer_factory import build_byte_level_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_chat_applies_template(text_model):
 
 
 def test_generate_cli_streams_text(text_model, capsys):
-    from engines import generate_cli
+    from engines.serving import generate_cli
 
     d, llm, _, _ = text_model
     buf = io.StringIO()

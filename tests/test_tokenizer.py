@@ -1,4 +1,4 @@
-"""engines.tokenizer against transformers on tokenizers built here (no downloads).
+"""engines.text.tokenizer against transformers on tokenizers built here (no downloads).
 
 Three formats: Llama-3 style tokenizer.json (byte-level BPE), the same vocabulary as a
 tiktoken-format tokenizer.model (transformers 5 converts it, so it is compared with
@@ -11,13 +11,20 @@ import shutil
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizer_factory import (
+    LLAMA3_SPECIALS,
+    build_byte_fallback_dir,
+    build_byte_level_dir,
+    build_sentencepiece_only_dir,
+    build_tiktoken_dir,
+    byte_level_alphabet,
+)
 
-from engines.errors import CheckpointError, RequestError
-from engines.byte_level import byte_level_table
-from engines.tokenizer import Tokenizer
-from tokenizer_factory import (LLAMA3_SPECIALS, build_byte_fallback_dir, build_byte_level_dir,
-                               build_sentencepiece_only_dir, build_tiktoken_dir, byte_level_alphabet)
+from engines.core.errors import CheckpointError, RequestError
+from engines.text.byte_level import byte_level_table
+from engines.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()  # the tiktoken file first fails as SentencePiece, loudly

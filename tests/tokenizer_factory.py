@@ -1,6 +1,6 @@
 """Build small tokenizer folders for tests, offline, in a few hundred milliseconds.
 
-Every builder writes a folder that `engines.tokenizer.Tokenizer.from_dir` (and transformers'
+Every builder writes a folder that `engines.text.tokenizer.Tokenizer.from_dir` (and transformers'
 `AutoTokenizer.from_pretrained`) can load, and returns its path:
 
 - `build_byte_level_dir`: Llama-3 style tokenizer.json (byte-level BPE trained on `CORPUS`,
@@ -25,8 +25,9 @@ import base64
 import json
 from pathlib import Path
 
-from demo.bpe import byte_level_alphabet, train_byte_level_bpe  # noqa: F401  (alphabet re-exported)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from demo.bpe import byte_level_alphabet, train_byte_level_bpe  # noqa: F401  (alphabet re-exported)
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -132,7 +133,9 @@ def build_tiktoken_dir(path: Path, vocab_size: int = 700, add_bos_token: bool = 
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": _added_tokens_decoder(len(ranked), LLAMA3_SPECIALS),
         "bos_token": LLAMA3_SPECIALS[0],
-        "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False},  # AddedToken form, as HF also writes
+        # the AddedToken form, as HF also writes it
+        "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "special": True, "lstrip": False,
+                      "rstrip": False, "normalized": False, "single_word": False},
         "add_bos_token": add_bos_token,
         "clean_up_tokenization_spaces": False,
         "chat_template": LLAMA3_TEMPLATE,

@@ -6,7 +6,7 @@
     engine.abort("r1")                        # the engine frees its blocks at its next step
 
 The step loop awaits `engine.step()` on an executor thread, so the event loop keeps serving
-HTTP while a batch runs. Torch engines all share `engines.executor.torch_executor()` (one
+HTTP while a batch runs. Torch engines all share `engines.core.executor.torch_executor()` (one
 thread): on a CPU, two engines stepping at once would fight over the same cores, so they take
 turns. Engines that set `uses_torch_executor = False` (the mock engine, whose step sleeps) get
 a thread of their own so they never hold up a real one.
@@ -30,16 +30,16 @@ import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Protocol
 
-from .errors import EngineDeadError
-from .executor import torch_executor
-from .outputs import EngineStats, StepOutput
-from .sampling_params import SamplingParams
+from engines.core.errors import EngineDeadError
+from engines.core.executor import torch_executor
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore(Protocol):
-    """The narrow interface both engines.Engine and engines.mock_engine.MockEngine provide."""
+    """The narrow interface both engines.Engine and engines.serving.mock_engine.MockEngine provide."""
 
     max_model_len: int
 

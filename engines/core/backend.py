@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from .outputs import EngineStats, StepOutput
-from .sampling_params import SamplingParams
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.sampling_params import SamplingParams
 
 
 @runtime_checkable

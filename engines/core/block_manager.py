@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_pool import BlockPool
-from .sequence import Sequence
+from engines.core.block_pool import BlockPool
+from engines.core.sequence import Sequence
 
 
 @dataclass(slots=True)

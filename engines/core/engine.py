@@ -6,7 +6,7 @@
     stats() -> EngineStats
 
 add_request and abort may be called from any thread (the gateway's event loop); they only put
-messages in an inbox. step() runs on one thread (engines.executor) and drains the inbox first,
+messages in an inbox. step() runs on one thread (engines.core.executor) and drains the inbox first,
 so the scheduler's state is only ever touched by that thread.
 """
 from __future__ import annotations
@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-from .block_manager import BlockManager
-from .quantization import load_engine_model
-from .config import EngineConfig
-from .cpu_allocator import keep_freed_memory
-from .errors import EngineDeadError, RequestError
-from .kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
-from .model_config import ModelConfig
-from .model_runner import ModelRunner
-from .tensor_parallel import check_divisible, shard_model_
-from .outputs import EngineStats, StepOutput
-from .request_inbox import RequestInbox
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence, SequenceStatus
+from engines.core.block_manager import BlockManager
+from engines.core.config import EngineConfig
+from engines.core.errors import EngineDeadError, RequestError
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.request_inbox import RequestInbox
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import Scheduler, SchedulerConfig
+from engines.core.sequence import Sequence
+from engines.model.cpu_allocator import keep_freed_memory
+from engines.model.kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
+from engines.model.model_config import ModelConfig
+from engines.model.model_runner import ModelRunner
+from engines.tp.tensor_parallel import check_divisible, shard_model_
+from engines.weights.engine_model import load_engine_model
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ class Engine:
 
     # -- helpers ------------------------------------------------------------------------------
     def _start_tensor_parallel(self, model_dir: Path, num_blocks: int) -> ModelRunner:
-        from .kv_cache import allocate_kv_cache as alloc
-        from .tp_runner import TensorParallelRunner, start
+        from engines.model.kv_cache import allocate_kv_cache as alloc
+        from engines.tp.tp_runner import TensorParallelRunner, start
 
         cfg = self.config
         dtype_name = str(self.dtype).removeprefix("torch.")
@@ -219,15 +219,15 @@ class Engine:
             group.close()
             raise
 
-    def _build_speculation(self, num_blocks: int) -> "SpeculativeDecoder":
-        from .spec_decode import SpeculativeDecoder
+    def _build_speculation(self, num_blocks: int) -> "SpeculativeDecoder":  # noqa: F821 - imported inside (optional feature)
+        from engines.spec.spec_decode import SpeculativeDecoder
 
         cfg = self.config
         if cfg.speculative_method == "ngram":
-            from .ngram_proposer import NgramProposer
+            from engines.spec.ngram_proposer import NgramProposer
             proposer = NgramProposer(cfg.ngram_min, cfg.ngram_max)
         else:
-            from .draft_proposer import DraftProposer
+            from engines.spec.draft_proposer import DraftProposer
             # The draft gets as many (much smaller) blocks as the target, so it never runs out first.
             proposer = DraftProposer(cfg.draft_model, self.model_config, self.dtype, self.device, self.max_model_len,
                                      num_blocks, cfg.block_size, cfg.attention_backend)

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from .chat_template import apply_chat_template
-from .engine import Engine
-from .errors import CheckpointError, RequestError
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
-from .text_stream import TextStream
-from .tokenizer import Tokenizer
+from engines.core.engine import Engine
+from engines.core.errors import CheckpointError, RequestError
+from engines.core.outputs import CompletionOutput, RequestOutput
+from engines.core.sampling_params import SamplingParams
+from engines.text.chat_template import apply_chat_template
+from engines.text.text_stream import TextStream
+from engines.text.tokenizer import Tokenizer
 
 Prompt = str | Seq[int]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Generic, TypeVar
 
-from .errors import RequestError
+from engines.core.errors import RequestError
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .errors import RequestError
+from engines.core.errors import RequestError
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from engines.core.block_manager import BlockManager
+from engines.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata
-from .model import CausalLM
+from engines.model.attention import AttentionMetadata
+from engines.model.model import CausalLM
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .model_config import ModelConfig
+from engines.model.model_config import ModelConfig
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, attend
-from .model_config import ModelConfig
-from .rotary import RotaryEmbedding
+from engines.model.attention import AttentionMetadata, attend
+from engines.model.model_config import ModelConfig
+from engines.model.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim ** -0.5
-        # Set by engines.tensor_parallel.shard_model_: o_proj and down_proj then hold one rank's
+        # Set by engines.tp.tensor_parallel.shard_model_: o_proj and down_proj then hold one rank's
         # slice of their input and their outputs are summed across ranks.
         self.tp_enabled = False
         self.tp_group = None

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gguf_reader
-from .errors import CheckpointError
+from engines.core.errors import CheckpointError
+from engines.weights import gguf_reader
 
 # Llama, Mistral and Qwen2 share one decoder shape; they differ only in the flags below
 # (q/k/v bias for Qwen2, sliding window for Mistral), so one model class serves all three.

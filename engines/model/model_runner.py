@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, resolve_backend
-from .cuda_graph_runner import CudaGraphDecoder
-from .model import CausalLM
-from .sampler import sample
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from engines.core.scheduler import SchedulerOutput
+from engines.core.sequence import Sequence
+from engines.model.attention import AttentionMetadata, resolve_backend
+from engines.model.cuda_graph_runner import CudaGraphDecoder
+from engines.model.model import CausalLM
+from engines.model.sampler import sample
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .model_config import ModelConfig, llama3_inv_freq
+from engines.model.model_config import ModelConfig, llama3_inv_freq
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -1,0 +1,1 @@
+"""Weight-only int8/int4 quantisation: quantised linears, checkpoints, GGUF blocks kept as stored."""

@@ -2,7 +2,6 @@
 
     quantize_model(model, "int8" | "int4", group_size)   replace linears by QuantLinear in place
     save_quantized(model_dir_in, out_dir, mode, group_size)  write a device-neutral checkpoint
-    load_engine_model(...)                                 what the engine calls to load a model
 
 What is quantised: every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj, and by
 default the LM head (`LM_HEAD_DEFAULT`). Measured in bench/quant_bench.py: keeping a float head
@@ -27,7 +26,7 @@ stored. The layout is the one of `kernels.quant_layout`: no backend's packing is
 backend repacks at load (QuantLinear).
 
 A GGUF file quantised at load keeps its Q4_0/Q4_1 blocks as they are for int4 with group 32
-and requantises the rest (engines/gguf_loader.py, `load_gguf_quantized`).
+and requantises the rest (engines/quant/gguf_quantized.py, `load_gguf_quantized`).
 
 Quantising at load and loading a saved checkpoint give the same bits: both quantise the
 checkpoint's tensors in float32, row by row (q, k and v quantise the same fused or not, since
@@ -44,15 +43,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engines.core.errors import CheckpointError
+from engines.model.model import CausalLM
+from engines.model.model_config import ModelConfig
+from engines.quant.quantized_linear import QuantLinear
+from engines.weights.checkpoint import safetensors_files
+from engines.weights.weight_names import parameter_targets
 from kernels.quant_layout import INT4_GROUP_SIZES, Int4Weight, Int8Weight, quantize_int4, quantize_int8
-
-from .checkpoint import load_model, safetensors_files
-from .weight_names import parameter_targets
-from .errors import CheckpointError
-from .gguf_reader import is_gguf
-from .model import CausalLM
-from .model_config import ModelConfig
-from .quantized_linear import QuantLinear
 
 MODES = ("none", "int8", "int4")
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -285,38 +282,4 @@ def load_quantized_model(model_dir: str | Path, dtype: torch.dtype, device: torc
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: {len(missing)} tensor(s) missing: {shown}")
     model.eval()
-    return model, cfg
-
-
-def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-                      progress: bool, cfg: ModelConfig, quantization: str = "none",
-                      group_size: int = 128) -> tuple[CausalLM, ModelConfig]:
-    """The engine's loader: plain, quantised at load, or a pre-quantised checkpoint as stored."""
-    qc = checkpoint_quantization(model_dir)
-    if qc is not None:
-        if quantization not in ("none", qc["mode"]) or (quantization == "int4" and group_size != qc["group_size"]):
-            raise ValueError(f"{model_dir} is quantised to {qc['mode']}"
-                             + (f" with group size {qc['group_size']}" if qc["mode"] == "int4" else "")
-                             + f"; the engine asks for quantization={quantization} (group size {group_size}): "
-                               f"use the checkpoint's settings, or none")
-        return load_quantized_model(model_dir, dtype, device, max_positions, progress, cfg)
-    if quantization == "none":
-        return load_model(model_dir, dtype, device, max_positions, progress, cfg)
-    check_mode(quantization, group_size)
-    if is_gguf(model_dir):
-        # GGUF blocks that match a layout are taken as stored, the rest requantised (gguf_loader).
-        from .gguf_loader import load_gguf_quantized  # not at import: gguf_loader imports this module lazily too
-
-        model, cfg, _report = load_gguf_quantized(model_dir, dtype, device, max_positions, quantization,
-                                                  group_size, progress=progress, cfg=cfg)
-        return model, cfg
-    # Quantise from float32 weights (as save_quantized does), then bring the rest to dtype.
-    model, cfg = load_model(model_dir, torch.float32, device, max_positions, progress, cfg)
-    quantize_model(model, quantization, group_size)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
-        for m in model.modules():
-            if isinstance(m, QuantLinear) and m.bias is not None:
-                m.bias = m.bias.to(dtype)
     return model, cfg

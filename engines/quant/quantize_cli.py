@@ -2,7 +2,7 @@
 
     tokenyard quantize --model DIR --mode int8|int4 [--group-size 128] [--no-lm-head] --out DIR
 
-The output is device-neutral (engines/quantization.py describes the format) and loads in any
+The output is device-neutral (engines/quant/quantization.py describes the format) and loads in any
 engine as it is: `Engine(out_dir)` detects it from config.json and repacks for its backend.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import argparse
 import sys
 import time
 
-from .errors import CheckpointError
-from .quantization import LM_HEAD_DEFAULT, save_quantized
+from engines.core.errors import CheckpointError
+from engines.quant.quantization import LM_HEAD_DEFAULT, save_quantized
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

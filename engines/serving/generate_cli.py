@@ -5,13 +5,13 @@ import argparse
 import sys
 from typing import TextIO
 
-from .chat_template import apply_chat_template
-from .engine import Engine
-from .errors import CheckpointError
-from .gguf_models import smollm2_path
-from .sampling_params import SamplingParams
-from .text_stream import TextStream
-from .tokenizer import Tokenizer
+from engines.core.engine import Engine
+from engines.core.errors import CheckpointError
+from engines.core.sampling_params import SamplingParams
+from engines.text.chat_template import apply_chat_template
+from engines.text.text_stream import TextStream
+from engines.text.tokenizer import Tokenizer
+from engines.weights.gguf_models import smollm2_path
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

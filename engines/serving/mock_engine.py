@@ -23,11 +23,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import RequestError
-from .outputs import EngineStats, StepOutput
-from .request_inbox import RequestInbox
-from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from engines.core.errors import RequestError
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.request_inbox import RequestInbox
+from engines.core.sampling_params import SamplingParams
+from engines.text.tokenizer import Tokenizer
 
 DEFAULT_REPLY = "Tokenyard mock reply: the quick brown fox jumps over the lazy dog. café ✓ 日本語"
 

@@ -10,7 +10,7 @@
     GET  /ready                200 while it takes new requests, else 503
     GET  /metrics              a few Prometheus gauges (running, waiting, KV usage, ...) of this replica
 
-The gateway (gateway/remote_engine.py) keeps one keep-alive connection pool per replica. A
+The gateway (gateway/backends/remote_engine.py) keeps one keep-alive connection pool per replica. A
 client that goes away mid-stream (the gateway aborting, or dying) aborts its request here, so
 the engine frees the blocks at its next step. SIGTERM drains: /ready turns false, new requests
 get 503 (the gateway retries them elsewhere: no token was sent), requests in flight run to the
@@ -27,8 +27,8 @@ import signal
 from dataclasses import asdict
 from typing import Any
 
-from .async_engine import AsyncEngine
-from .errors import EngineDeadError, RequestError
+from engines.core.async_engine import AsyncEngine
+from engines.core.errors import EngineDeadError, RequestError
 
 log = logging.getLogger("tokenyard.replica")
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: prompt-lookup and draft-model proposers, verification and acceptance."""

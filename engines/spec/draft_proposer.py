@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from .block_manager import BlockManager
-from .checkpoint import load_model
-from .errors import CheckpointError
-from .kv_cache import allocate_kv_cache
-from .model_config import ModelConfig
-from .model_runner import ModelRunner, StepInputs
-from .sampler import filter_logits, mix_seed
-from .sequence import Sequence
+from engines.core.block_manager import BlockManager
+from engines.core.errors import CheckpointError
+from engines.core.sequence import Sequence
+from engines.model.kv_cache import allocate_kv_cache
+from engines.model.model_config import ModelConfig
+from engines.model.model_runner import ModelRunner, StepInputs
+from engines.model.sampler import filter_logits, mix_seed
+from engines.weights.checkpoint import load_model
 
 # Separates the draft's sampling stream from the target's for the same (seed, index).
 DRAFT_SALT = 0xD4AF_7000

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import mix_seed
+from engines.model.sampler import mix_seed
 
 # Keeps the speculative draw streams apart from the ordinary sampler's for the same (seed, index).
 SPEC_SALT = 0x5BEC_D1CE

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager
-from .draft_proposer import DraftProposer
-from .model_runner import ModelRunner
-from .ngram_proposer import NgramProposer
-from .sampler import filter_logits, sample
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
-from . import spec_acceptance
+from engines.core.block_manager import BlockManager
+from engines.core.scheduler import SchedulerOutput
+from engines.core.sequence import Sequence
+from engines.model.model_runner import ModelRunner
+from engines.model.sampler import filter_logits, sample
+from engines.spec import spec_acceptance
+from engines.spec.draft_proposer import DraftProposer
+from engines.spec.ngram_proposer import NgramProposer
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""Text: tokenizers (tokenizer.json, tiktoken, GGUF metadata), chat templates, detokenising streams."""

@@ -22,7 +22,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import CheckpointError, RequestError
+from engines.core.errors import CheckpointError, RequestError
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 

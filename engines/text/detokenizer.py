@@ -21,11 +21,11 @@ from __future__ import annotations
 import codecs
 from typing import Iterable, Protocol, Sequence
 
-from .errors import RequestError
+from engines.core.errors import RequestError
 
 
 class TokenBytes(Protocol):
-    """What the detokenizer needs from a tokenizer (engines.tokenizer.Tokenizer has it)."""
+    """What the detokenizer needs from a tokenizer (engines.text.tokenizer.Tokenizer has it)."""
 
     strips_leading_space: bool
 

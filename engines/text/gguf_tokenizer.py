@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
 
-from . import gguf_reader as gr
-from .errors import CheckpointError
-from .byte_level import LLAMA3_PATTERN, byte_level_table
+from engines.core.errors import CheckpointError
+from engines.text.byte_level import LLAMA3_PATTERN, byte_level_table
+from engines.weights import gguf_reader as gr
 
 CONTROL, USER_DEFINED = 3, 4
 

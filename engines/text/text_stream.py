@@ -7,10 +7,10 @@ abort the request in the engine (as vLLM's front end does), so at most one extra
 """
 from __future__ import annotations
 
-from .detokenizer import IncrementalDetokenizer
-from .outputs import StepOutput
-from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from engines.core.outputs import StepOutput
+from engines.core.sampling_params import SamplingParams
+from engines.text.detokenizer import IncrementalDetokenizer
+from engines.text.tokenizer import Tokenizer
 
 
 class TextStream:

@@ -28,9 +28,9 @@ from typing import Any, Iterable
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 
-from . import gguf_tokenizer
-from .byte_level import LLAMA3_PATTERN, byte_level_table
-from .errors import CheckpointError, RequestError
+from engines.core.errors import CheckpointError, RequestError
+from engines.text import gguf_tokenizer
+from engines.text.byte_level import LLAMA3_PATTERN, byte_level_table
 
 TIKTOKEN_FILES = ("tokenizer.model", "tiktoken.model")
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]*={0,2} [0-9]+\r?$")

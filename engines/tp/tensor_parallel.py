@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import CheckpointError
-from .model import CausalLM
-from .model_config import ModelConfig
+from engines.core.errors import CheckpointError
+from engines.model.model import CausalLM
+from engines.model.model_config import ModelConfig
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:

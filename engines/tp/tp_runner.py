@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .errors import EngineDeadError
-from .model_runner import ModelRunner, StepInputs
-from .tp_worker import WorkerSpec, init_group, worker_main
+from engines.core.errors import EngineDeadError
+from engines.model.model_runner import ModelRunner, StepInputs
+from engines.tp.tp_worker import WorkerSpec, init_group, worker_main
 
 DEATH_GRACE_S = 2.0   # how long a failed collective waits for a dead worker to be reaped
 

@@ -1,6 +1,6 @@
 """A tensor-parallel worker process (ranks 1..N-1).
 
-It loads the same checkpoint, keeps its slice (engines.tensor_parallel), allocates its share of
+It loads the same checkpoint, keeps its slice (engines.tp.tensor_parallel), allocates its share of
 the KV cache (its kv heads, the same block count as rank 0) and then runs one forward per
 StepInputs message from rank 0, taking part in the all-reduces and the logits all-gather. It
 never schedules or samples: rank 0 owns all request state, so a worker holds nothing that a
@@ -45,10 +45,10 @@ def init_group(spec: WorkerSpec) -> None:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     # Imported here: the spawned interpreter only pays for what the worker uses.
-    from .checkpoint import load_model
-    from .kv_cache import allocate_kv_cache
-    from .model_runner import ModelRunner
-    from .tensor_parallel import shard_model_
+    from engines.model.kv_cache import allocate_kv_cache
+    from engines.model.model_runner import ModelRunner
+    from engines.tp.tensor_parallel import shard_model_
+    from engines.weights.checkpoint import load_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     try:

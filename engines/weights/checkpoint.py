@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .errors import CheckpointError
-from .gguf_loader import load_gguf_model
-from .model import CausalLM, empty_model
-from .model_config import ModelConfig
-from .weight_names import PROGRESS_MIN_BYTES, parameter_targets
+from engines.core.errors import CheckpointError
+from engines.model.model import CausalLM, empty_model
+from engines.model.model_config import ModelConfig
+from engines.weights.gguf_loader import load_gguf_model
+from engines.weights.weight_names import PROGRESS_MIN_BYTES, parameter_targets
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -35,7 +35,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if list(model_dir.glob("*.bin")):
-        raise CheckpointError(f"{model_dir}: only PyTorch .bin weights found; convert to safetensors (pickle files are not loaded)")
+        raise CheckpointError(f"{model_dir}: only PyTorch .bin weights found; convert to safetensors "
+                              "(pickle files are not loaded)")
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 

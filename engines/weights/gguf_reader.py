@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.core.errors import CheckpointError
 from kernels.quant_layout import Int4Weight, pack_int4
-
-from .errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 SUFFIX = ".gguf"

@@ -6,7 +6,7 @@ the file format.
 """
 from __future__ import annotations
 
-from .model_config import ModelConfig
+from engines.model.model_config import ModelConfig
 
 # Show a progress bar only when loading takes long enough to wonder about.
 PROGRESS_MIN_BYTES = 256 * 1024 * 1024

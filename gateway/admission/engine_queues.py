@@ -24,15 +24,14 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-
-from .api_keys import PRIORITIES, KeyRecord
-from .deployment import AdmissionConfig
-from .edge_params import parse_int
-from .fair_queue import FairQueue, Waiter
-from .shedding import ArrivalRate, ServiceRate, predicted_wait, shed
+from gateway.admission.fair_queue import FairQueue, Waiter
+from gateway.admission.shedding import ArrivalRate, ServiceRate, predicted_wait, shed
+from gateway.auth.api_keys import PRIORITIES, KeyRecord
+from gateway.config.deployment import AdmissionConfig
+from gateway.http.edge_params import parse_int
 
 if TYPE_CHECKING:
-    from engines.backend import EngineBackend
+    from engines.core.backend import EngineBackend
 
 
 class EngineQueue:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 
-from .admission import Admission, Slot
-from .api_keys import PRIORITIES, KeyRecord
-from .rate_limiter import RateLimiter, Reservation
-from .shedding import shed
+from gateway.admission.engine_queues import Admission, Slot
+from gateway.admission.rate_limiter import RateLimiter, Reservation
+from gateway.admission.shedding import shed
+from gateway.auth.api_keys import PRIORITIES, KeyRecord
 
 
 class Pass:

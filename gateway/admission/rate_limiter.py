@@ -4,7 +4,7 @@
     ...                                          # the request runs
     limiter.refund(res, tokens=res.tokens - used)   # give back what it did not use
 
-The limits are GCRA buckets (gateway/lua/reserve.lua): `requests` and `tokens` per `window_s`
+The limits are GCRA buckets (gateway/admission/lua/reserve.lua): `requests` and `tokens` per `window_s`
 (a minute by default), with a burst of one window's worth. A tenant's buckets are
 `{prefix}rl:{tenant}:req` and `...:tok`; the braces make the tenant a hash tag, so all of one
 tenant's keys land in one Redis Cluster slot and one script can touch both. Keys of a tenant
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .api_keys import KeyRecord
-from .deployment import RateLimits
-from .errors import RateLimited, Unavailable, retry_headers
-from .redis_guard import RedisBusy, RedisGuard, RedisUnavailable
+from gateway.auth.api_keys import KeyRecord
+from gateway.config.deployment import RateLimits
+from gateway.http.errors import RateLimited, Unavailable, retry_headers
+from gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable
 
 log = logging.getLogger("tokenyard.ratelimit")
 _LUA = Path(__file__).resolve().parent / "lua"

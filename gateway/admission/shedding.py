@@ -25,7 +25,7 @@ import math
 import time
 from collections import deque
 
-from .errors import APIError, RateLimited, Unavailable, retry_headers
+from gateway.http.errors import APIError, RateLimited, Unavailable, retry_headers
 
 
 class ServiceRate:

@@ -1,7 +1,7 @@
 """CSRF protection for the dashboard's forms: a synchronizer token tied to the session.
 
 Every session (an anonymous one too, for the sign-in form) has a random token stored server-side
-with it (gateway/sessions.py). Every POST form carries it in a hidden `csrf_token` field and the
+with it (gateway/auth/sessions.py). Every POST form carries it in a hidden `csrf_token` field and the
 handler compares it with the session's in constant time; a POST without a session, without the
 field, or with another value is refused (403 `csrf_failed`). As a second, independent check, a
 POST whose Origin (or, without Origin, Referer) names another origin is refused too.
@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
-from .errors import Forbidden
-from .sessions import Session
+from gateway.auth.sessions import Session
+from gateway.http.errors import Forbidden
 
 FIELD = "csrf_token"
 

@@ -29,9 +29,9 @@ import re
 import time
 from typing import Any
 
-from .api_keys import KeyRecord, events_channel, hash_key, key_id_of, record_name
-from .errors import Unauthorized, Unavailable
-from .redis_guard import RedisBusy, RedisGuard, RedisUnavailable
+from gateway.auth.api_keys import KeyRecord, events_channel, hash_key, key_id_of, record_name
+from gateway.http.errors import Unauthorized, Unavailable
+from gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable
 
 log = logging.getLogger("tokenyard.keys")
 _KEY_SHAPE = re.compile(r"^ty-[A-Za-z0-9_-]{43}$")   # api_keys.generate_key: "ty-" + token_urlsafe(32)

@@ -6,7 +6,7 @@ otherwise (tests and deployments without Redis; capped, expired entries dropped 
 hash of the id is used as the key, so reading Redis (a dump, `MONITOR`) yields no usable cookie.
 
 A session holds the signed-in key's id, tenant and role, never the API key itself; each request
-re-checks the key record (gateway/key_cache.py), so revoking the key ends its sessions at once.
+re-checks the key record (gateway/auth/key_cache.py), so revoking the key ends its sessions at once.
 An anonymous session (key_id None) exists only to carry the sign-in form's CSRF token; signing in
 replaces it with a new session id (no session fixation). It is never stored: its id carries its
 expiry ("a.<unix expiry>.<random>") and its token is an HMAC of the id under a secret shared by
@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.exceptions import RedisError
 
-from .errors import Unavailable
+from gateway.http.errors import Unavailable
 
 T = TypeVar("T")
 

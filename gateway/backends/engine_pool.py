@@ -11,10 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.async_engine import AsyncEngine
-from engines.tokenizer import Tokenizer
-
-from .deployment import EngineSpec, Prices
+from engines.core.async_engine import AsyncEngine
+from engines.text.tokenizer import Tokenizer
+from gateway.config.deployment import EngineSpec, Prices
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json",
                    "generation_config.json", "chat_template.jinja")
@@ -56,7 +55,7 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
         if tok is None:
             tok = tokenizers[fp] = Tokenizer.from_dir(spec.model)
         if spec.replicas is not None:   # remote and/or local replicas behind one pool
-            from .replica_pool import build_pool
+            from gateway.backends.replica_pool import build_pool
             engine = build_pool(name, spec, _build, fp)
         else:
             # A failed engine (a step raised, a tensor-parallel worker died) is rebuilt from its spec.
@@ -67,7 +66,7 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
 
 def _build(spec: EngineSpec):
     if spec.type == "mock":
-        from engines.mock_engine import MockEngine
+        from engines.serving.mock_engine import MockEngine
         return MockEngine(spec.model, **spec.options)
-    from engines.engine import Engine
+    from engines.core.engine import Engine
     return Engine(spec.model, **{"progress": False, **spec.options})

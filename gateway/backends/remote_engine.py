@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import aiohttp
 
-from engines.async_engine import RequestStream
-from engines.errors import EngineDeadError
-from engines.outputs import EngineStats, StepOutput
-from engines.sampling_params import SamplingParams
+from engines.core.async_engine import RequestStream
+from engines.core.errors import EngineDeadError
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenyard.remote_engine")
 

@@ -20,7 +20,7 @@ class ReplicaCollector(Collector):
         return []
 
     def collect(self) -> Iterable:
-        from .replica_pool import ReplicaPool
+        from gateway.backends.replica_pool import ReplicaPool
         lab = ["engine", "replica"]
         up = GaugeMetricFamily("tokenyard_replica_up", "1 while the replica takes new requests (healthy and ready)",
                                labels=lab)

@@ -37,14 +37,13 @@ import logging
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
-from engines.async_engine import RequestStream
-from engines.errors import EngineDeadError
-from engines.outputs import EngineStats, StepOutput
-from engines.sampling_params import SamplingParams
-
-from .prefix_affinity import AffinityIndex, prefix_hashes
-from .remote_engine import RemoteEngine, empty_stats
-from .replica_config import PoolConfig
+from engines.core.async_engine import RequestStream
+from engines.core.errors import EngineDeadError
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.sampling_params import SamplingParams
+from gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
+from gateway.backends.remote_engine import RemoteEngine, empty_stats
+from gateway.backends.replica_config import PoolConfig
 
 log = logging.getLogger("tokenyard.replicas")
 
@@ -316,7 +315,7 @@ class ReplicaPool:
 
 def build_pool(name: str, spec: Any, build_local: Callable[[Any], Any], model_fingerprint: str = "") -> ReplicaPool:
     """A pool for an EngineSpec with `replicas` (build_local makes the in-process engine core)."""
-    from engines.async_engine import AsyncEngine
+    from engines.core.async_engine import AsyncEngine
     cfg = spec.replicas.pool
     members = []
     for rs in spec.replicas.replicas:

@@ -1,0 +1,1 @@
+"""The deployment file: its dataclasses, parsing and the YAML field readers."""

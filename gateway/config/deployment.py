@@ -17,15 +17,14 @@ from typing import Any
 
 import yaml
 
+from gateway.backends.replica_config import ReplicaSet, parse_replica_keys
+from gateway.config import yaml_fields
+from gateway.routing.interim_rule import Routing
+from gateway.routing.learned_router import parse_router_settings
+from gateway.spend.config import WebSettings, parse_web_settings
 from policies.schema import Prices
 
-from . import yaml_fields
-from .replica_config import ReplicaSet, parse_replica_keys
-from .router_route import parse_router_settings
-from .routing import Routing
-from .spend_config import WebSettings, parse_web_settings
-
-DEFAULT_FILE = Path(__file__).resolve().parent.parent / "deploy" / "default.yaml"
+DEFAULT_FILE = Path(__file__).resolve().parents[2] / "deploy" / "default.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENGINE_TYPES = ("torch", "mock")
 _PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -60,7 +59,7 @@ class Limits:
 
 @dataclass(slots=True)
 class Auth:
-    """API keys. Records live in Redis; each gateway caches them (gateway/key_cache.py)."""
+    """API keys. Records live in Redis; each gateway caches them (gateway/auth/key_cache.py)."""
 
     dev_key: str | None = None             # None: TOKENYARD_DEV_KEY, else an admin key made on first start
     key_cache_ttl_s: float = 30.0          # a cached key record is re-read from Redis after this long
@@ -70,7 +69,7 @@ class Auth:
 
 @dataclass(slots=True)
 class RateLimits:
-    """Per-tenant limits in Redis (gateway/rate_limiter.py); a key's own limits override these."""
+    """Per-tenant limits in Redis (gateway/admission/rate_limiter.py); a key's own limits override these."""
 
     enabled: bool = True
     window_s: float = 60.0                 # the limits are "per window" (per minute); the burst is one window's worth
@@ -82,7 +81,7 @@ class RateLimits:
 
 @dataclass(slots=True)
 class AdmissionConfig:
-    """The gateway-side queue in front of each engine (gateway/admission.py)."""
+    """The gateway-side queue in front of each engine (gateway/admission/engine_queues.py)."""
 
     max_queue: int = 256                   # queued requests per engine; beyond: 503 queue_full
     default_deadline_ms: int = 30_000      # when a request sends no x-request-deadline-ms
@@ -94,7 +93,7 @@ class AdmissionConfig:
 
 @dataclass(slots=True)
 class Connections:
-    """What one gateway process lets clients hold (gateway/connection_guard.py): every connection
+    """What one gateway process lets clients hold (gateway/http/connection_guard.py): every connection
     costs a file descriptor, so slow or idle ones must not be able to take them all."""
 
     max_connections: int = 4096            # open client connections per process; beyond: the oldest one without a
@@ -302,10 +301,10 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     prices = Prices(**amounts)
     try:  # validate the engine keys now, before anything loads
         if kind == "torch":
-            from engines.config import EngineConfig
+            from engines.core.config import EngineConfig
             EngineConfig.from_options(dict(spec))
         else:
-            from engines.mock_engine import MockConfig
+            from engines.serving.mock_engine import MockConfig
             MockConfig.from_options(dict(spec))
     except (TypeError, ValueError) as e:
         raise DeploymentError(f"{where}: {e}") from e
@@ -345,8 +344,8 @@ def _model_path(model: str, base: Path, where: str) -> Path:
         dist, sep, filename = model[len(PACKAGE_PREFIX):].partition("/")
         if not dist or not sep or not filename.lower().endswith(".gguf"):
             raise DeploymentError(f"{where}.model: expected package:<distribution>/<file.gguf>, got {model!r}")
-        from engines.errors import CheckpointError
-        from engines.gguf_models import packaged_gguf
+        from engines.core.errors import CheckpointError
+        from engines.weights.gguf_models import packaged_gguf
         try:
             return packaged_gguf(dist, filename)
         except CheckpointError as e:

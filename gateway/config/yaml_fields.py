@@ -1,5 +1,5 @@
 """Typed reads of YAML config sections with errors that name the key path, shared by the
-deployment file (gateway/deployment.py) and its spend/dashboard sections (gateway/spend_config.py).
+deployment file (gateway/config/deployment.py) and its spend/dashboard sections (gateway/spend/config.py).
 
 Every function raises `error` (the caller's exception type) with the full key path.
 """

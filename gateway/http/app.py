@@ -18,13 +18,17 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import chat_endpoint, dashboard, policy_page, policy_routes, service_routes, spend_routes
-from .access_log import AccessLog
-from .deployment import Deployment
-from .engine_pool import EngineHandle, load_engines
-from .errors import APIError, ServerError, error_for_status
-from .state import Gateway, gateway_of
-from .usage import UsageSink
+from gateway.backends.engine_pool import EngineHandle, load_engines
+from gateway.config.deployment import Deployment
+from gateway.http import chat_endpoint, service_routes
+from gateway.http.errors import APIError, ServerError, error_for_status
+from gateway.observability.access_log import AccessLog
+from gateway.policy import page as policy_page
+from gateway.policy import routes as policy_routes
+from gateway.spend import routes as spend_routes
+from gateway.spend.usage import UsageSink
+from gateway.state import Gateway, gateway_of
+from gateway.web import dashboard
 
 log = logging.getLogger("tokenyard.gateway")
 

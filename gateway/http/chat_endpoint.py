@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: validate -> authenticate -> policy and route (tokens, router, budget,
-overflow: gateway/policy_route.py) -> reserve limits -> admit -> engine -> response.
+overflow: gateway/routing/plan.py) -> reserve limits -> admit -> engine -> response.
 
 The prompt is tokenised once, with the serving engine's tokenizer; that count is the one the
 context check, the router, the rate limits and the usage record all use.
@@ -17,19 +17,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from engines.errors import EngineDeadError, RequestError
-from engines.sampling_params import SamplingParams
-
-from .chat_request import parse_chat_request
-from .edge_params import json_int, parse_int, read_int
-from .errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
-from .generation import EngineFailed, Generation
-from .policy_route import plan_route
-from .streaming import SSEResponse, wait_disconnect
-from .usage import RecordContext
+from engines.core.errors import EngineDeadError, RequestError
+from engines.core.sampling_params import SamplingParams
+from gateway.http.chat_request import parse_chat_request
+from gateway.http.edge_params import json_int, parse_int, read_int
+from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
+from gateway.http.generation import EngineFailed, Generation
+from gateway.http.streaming import SSEResponse, wait_disconnect
+from gateway.routing.plan import plan_route
+from gateway.spend.usage import RecordContext
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 
 def routes() -> list[Route]:

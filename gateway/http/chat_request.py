@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import BadRequest
+from gateway.http.errors import BadRequest
 
 MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant")

@@ -1,6 +1,6 @@
 """One chat request running on one engine: text deltas out; timings, usage and metrics kept.
 
-The engine speaks token ids; `engines.text_stream.TextStream` (the incremental detokeniser
+The engine speaks token ids; `engines.text.text_stream.TextStream` (the incremental detokeniser
 with stop strings) turns them into deltas that never split a UTF-8 character and never show
 part of a stop string. When a stop string ends the text, the engine request is aborted at once
 so at most one extra step runs.
@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Callable
 
-from engines.async_engine import RequestStream
-from engines.outputs import StepOutput
-from engines.sampling_params import SamplingParams
-from engines.text_stream import TextStream
-
-from .engine_pool import EngineHandle
-from .metrics import GatewayMetrics, prompt_bucket
-from .usage import RecordContext, UsageRecord, UsageSink
+from engines.core.async_engine import RequestStream
+from engines.core.outputs import StepOutput
+from engines.core.sampling_params import SamplingParams
+from engines.text.text_stream import TextStream
+from gateway.backends.engine_pool import EngineHandle
+from gateway.observability.metrics import GatewayMetrics, prompt_bucket
+from gateway.spend.usage import RecordContext, UsageRecord, UsageSink
 
 
 class EngineFailed(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from .chat_request import MAX_STOP, ROLES, UNSUPPORTED
+from gateway.http.chat_request import MAX_STOP, ROLES, UNSUPPORTED
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 

@@ -6,7 +6,7 @@ SIGTERM (or the first Ctrl-C) starts the drain: /ready turns false and new chat 
 whatever still runs), the engines stop and the access log is flushed. A second signal exits at
 once. The process then exits with status 0.
 
-Connections are guarded (gateway/connection_guard.py): deadlines on request heads and bodies, a
+Connections are guarded (gateway/http/connection_guard.py): deadlines on request heads and bodies, a
 cap on open connections, 431 for oversized heads; the open-file limit is raised to the hard limit
 at start, and the accept-error log is rate-limited.
 """
@@ -20,10 +20,10 @@ from types import FrameType
 
 import uvicorn
 
-from .app import create_app
-from .connection_guard import BACKLOG, QuietAcceptErrors, fit_max_connections, guarded_protocol, raise_fd_limit
-from .deployment import Connections, Deployment
-from .embedded_redis import EmbeddedRedis
+from gateway.config.deployment import Connections, Deployment
+from gateway.http.app import create_app
+from gateway.http.connection_guard import BACKLOG, QuietAcceptErrors, fit_max_connections, guarded_protocol, raise_fd_limit
+from gateway.store.embedded_redis import EmbeddedRedis
 
 log = logging.getLogger("tokenyard.server")
 
@@ -93,7 +93,7 @@ def _dev_key(dep: Deployment, announce) -> str | None:
     """The development admin key: the configured one, or one made (and shown) on the first start only."""
     import redis
 
-    from .api_keys import KeyStore
+    from gateway.auth.api_keys import KeyStore
     client = redis.Redis.from_url(dep.redis_url, socket_connect_timeout=2, socket_timeout=2)
     try:
         key, rec = KeyStore(client, dep.redis_prefix).ensure_dev_key(dep.auth.dev_key)

@@ -15,11 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .engine_pool import EngineHandle
-from .metrics_access import check_metrics_access
-from .openapi import openapi_schema
-from .routing import AUTO
-from .state import gateway_of
+from gateway.backends.engine_pool import EngineHandle
+from gateway.http.openapi import openapi_schema
+from gateway.observability.metrics_access import check_metrics_access
+from gateway.routing.interim_rule import AUTO
+from gateway.state import gateway_of
 
 
 def routes() -> list[Route]:

@@ -24,8 +24,8 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from .errors import ServerError
-from .generation import EngineFailed, Generation
+from gateway.http.errors import ServerError
+from gateway.http.generation import EngineFailed, Generation
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Prometheus metrics, who may read them, and the access log."""

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:   # engines/ pulls in torch: keep it out of processes that only need metrics
-    from engines.backend import EngineBackend
+    from engines.core.backend import EngineBackend
 
 
 PROMPT_BUCKETS = ((128, "0-128"), (512, "129-512"), (2048, "513-2048"), (8192, "2049-8192"))

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from .errors import Forbidden
+from gateway.http.errors import Forbidden
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 
 def _is_loopback(host: str | None) -> bool:

@@ -15,18 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
+from gateway.http.errors import Unavailable
+from gateway.policy.store import deployment_problems
+from gateway.policy.work import off_loop
+from gateway.spend.reports import iso
+from gateway.spend.store import all_tenants, records
 from policies import Comparison, Policy, PolicyError, UsageFeatures, load_policy, simulate
-from router_models.calibration import threshold_from_quantiles
-
-from .errors import Unavailable
-from .policy_store import deployment_problems
-from .policy_work import off_loop
-from .spend_reports import iso
-from .spend_store import all_tenants, records
+from router_models.runtime.calibration import threshold_from_quantiles
 
 if TYPE_CHECKING:
-    from .api_keys import KeyRecord
-    from .state import Gateway
+    from gateway.auth.api_keys import KeyRecord
+    from gateway.state import Gateway
 
 DEFAULT_LIMIT = 10_000
 MAX_LIMIT = 100_000

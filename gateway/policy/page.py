@@ -7,8 +7,8 @@
     POST /admin/rollback        csrf_token, version
     GET  /admin/static/{name}   dashboard.css, admin.css
 
-The same session scheme as the dashboard (gateway/sessions.py: a random id in the HttpOnly,
-SameSite=Strict `ty_session` cookie, the session in Redis; gateway/csrf.py: a synchronizer token
+The same session scheme as the dashboard (gateway/auth/sessions.py: a random id in the HttpOnly,
+SameSite=Strict `ty_session` cookie, the session in Redis; gateway/auth/csrf.py: a synchronizer token
 on every form plus the Origin/Referer check), but only admin keys may sign in here, and every
 request re-checks that the session's key is still an admin key that is not revoked. Server-
 rendered Jinja2 (autoescaped); no script at all, so the CSP allows none; the dashboard's security
@@ -25,20 +25,18 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from gateway.auth import csrf
+from gateway.auth.api_keys import KeyRecord
+from gateway.auth.sessions import Session
+from gateway.http.edge_params import parse_int
+from gateway.http.errors import Unauthorized
+from gateway.policy.admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
+from gateway.policy.store import NoSuchVersion, PolicyConflict
+from gateway.policy.work import off_loop
+from gateway.state import gateway_of
+from gateway.web.pages import read_form, render, secured, security_headers, static_file
+from gateway.web.sign_in import SignIn
 from policies import PolicyError, diff
-
-from . import csrf
-from .api_keys import KeyRecord
-from .edge_params import parse_int
-from .errors import Unauthorized
-from .policy_admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
-from .policy_store import NoSuchVersion, PolicyConflict
-from .policy_work import off_loop
-from .sessions import Session
-from .sign_in import SignIn
-from .state import gateway_of
-from .web_pages import read_form, render, secured, security_headers, static_file
-
 
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "admin.css": "text/css; charset=utf-8"}
 SECURITY_HEADERS = security_headers("default-src 'self'; script-src 'none'; style-src 'self'; img-src 'self'; "

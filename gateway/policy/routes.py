@@ -25,18 +25,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.auth.api_keys import KeyRecord
+from gateway.http.edge_params import json_int, parse_int
+from gateway.http.errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
+from gateway.policy.admin import DEFAULT_LIMIT, MAX_LIMIT, author_of, check_document, run_simulation
+from gateway.policy.store import NoSuchVersion, PolicyConflict
+from gateway.policy.work import off_loop
+from gateway.spend.queries import time_window
 from policies import PolicyError, build_policy, diff, load_policy, policy_hash, policy_to_dict, policy_to_yaml
 
-from .api_keys import KeyRecord
-from .edge_params import json_int, parse_int
-from .errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
-from .policy_admin import DEFAULT_LIMIT, MAX_LIMIT, author_of, check_document, run_simulation
-from .policy_store import NoSuchVersion, PolicyConflict
-from .policy_work import off_loop
-from .spend_queries import time_window
-
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 

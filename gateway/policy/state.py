@@ -20,16 +20,15 @@ import logging
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from gateway.policy.store import PolicyStore, deployment_problems, events_channel
+from gateway.policy.work import off_loop
 from policies import Policy, PolicyError, PolicyVersion, next_version
 from policies.schema import Prices
-from router_models.calibration import threshold_from_quantiles
-
-from .policy_store import PolicyStore, deployment_problems, events_channel
-from .policy_work import off_loop
+from router_models.runtime.calibration import threshold_from_quantiles
 
 if TYPE_CHECKING:
-    from .deployment import Deployment
-    from .router_route import LearnedRouter
+    from gateway.config.deployment import Deployment
+    from gateway.routing.learned_router import LearnedRouter
 
 log = logging.getLogger("tokenyard.policy")
 POLL_S = 5.0

@@ -13,10 +13,10 @@ Redis layout (every name starts with the deployment's redis_prefix):
     {prefix}policy:events     pub/sub channel: "version N" when N becomes current
 
 A version is made by policies.next_version / rollback_to (validation, canonical hash, diff) and
-installed by one Lua script (gateway/lua/policy_apply.lua) that checks the current version is
+installed by one Lua script (gateway/policy/lua/policy_apply.lua) that checks the current version is
 still the one the new version was made against: two admins applying at once cannot both win
 with the same number or a diff against the wrong predecessor; the loser re-reads and retries.
-Used by the gateway (admin API, start-up import) and by `tokenyard policy` (gateway/policy_cli.py).
+Used by the gateway (admin API, start-up import) and by `tokenyard policy` (cli/policy.py).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from .errors import Unavailable
+from gateway.http.errors import Unavailable
 
 T = TypeVar("T")
 

@@ -1,0 +1,1 @@
+"""Which engine serves a request: the policy-and-route plan, the learned router, the interim rule."""

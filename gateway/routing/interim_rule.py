@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import NotFound
+from gateway.http.errors import NotFound
 
 AUTO = "auto"
 

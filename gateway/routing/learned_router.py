@@ -9,13 +9,13 @@ Deployment YAML (all keys optional; without `router.artifact` nothing changes):
       small: demo-small          # default: routing.small
       large: demo-large          # default: routing.large
 
-Per request (gateway/chat_endpoint.py, once the prompt is tokenised with the counting engine):
+Per request (gateway/http/chat_endpoint.py, once the prompt is tokenised with the counting engine):
 
     decision = route_auto(gw.learned_router, gw.router, prompt_text(req.messages), len(ids))
     # decision.engine, decision.reason ("router" or the interim "auto:..."), decision.score
 
 `route_auto` with no learned router (no `router.artifact` configured) is exactly the interim rule
-of gateway/routing.py (`Router.auto(prompt_tokens)`), with score None. The artifact is loaded
+of gateway/routing/interim_rule.py (`Router.auto(prompt_tokens)`), with score None. The artifact is loaded
 once at start-up (`LearnedRouter.from_settings`); a missing, old or tampered file fails the
 start with `ArtifactError`'s message, never a request. Scoring is pure: text features, a dot
 product, no I/O, no engine calls.
@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from router_models.artifact import ArtifactError, load
-from router_models.features import prompt_text
-from router_models.scorer import Scorer
-
-from .routing import Router
+from gateway.routing.interim_rule import Router
+from router_models.runtime.artifact import ArtifactError, load
+from router_models.runtime.features import prompt_text
+from router_models.runtime.scorer import Scorer
 
 REASON = "router"
 __all__ = ["REASON", "RouterSettings", "RouterDecision", "LearnedRouter", "route_auto", "parse_router_settings",

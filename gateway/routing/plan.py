@@ -13,7 +13,7 @@
 5. With a policy: policies.decide(policy, features, tenant spend, engine states, score,
    threshold). Features: tenant, key name and id, requested model, prompt tokens, max_tokens,
    metadata tags, arrival time (UTC) and the time left before the request's start deadline.
-   Tenant spend (today, this month) comes from the spend rollups (gateway/budget.py), read only
+   Tenant spend (today, this month) comes from the spend rollups (gateway/spend/budget.py), read only
    for tenants with a budget. Engine states: admission's predicted queue wait of each engine
    for this tenant and class (its predicted TTFT) and whether the engine is alive. The decision
    gives the engine, the priority class, a max_tokens cap, the route reason, or a refusal:
@@ -29,18 +29,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from engines.core.errors import RequestError
+from engines.text.chat_template import ChatTemplateError, apply_chat_template
+from engines.text.tokenizer import Tokenizer
+from gateway.auth.api_keys import PRIORITIES, KeyRecord
+from gateway.http.chat_request import ChatRequest
+from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 from policies import EngineState, RequestFeatures, TenantSpend, decide
-from engines.chat_template import ChatTemplateError, apply_chat_template
-from engines.errors import RequestError
-from engines.tokenizer import Tokenizer
-from router_models.features import prompt_text
-
-from .api_keys import PRIORITIES, KeyRecord
-from .chat_request import ChatRequest
-from .errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
+from router_models.runtime.features import prompt_text
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 MAX_PREDICTED_MS = 3_600_000.0
 

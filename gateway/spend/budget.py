@@ -20,10 +20,9 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from gateway.spend.store import rollups
+from gateway.store.redis_guard import RedisGuard, RedisUnavailable
 from policies import TenantSpend
-
-from .redis_guard import RedisGuard, RedisUnavailable
-from .spend_store import rollups
 
 CACHE_S = 2.0
 

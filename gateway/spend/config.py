@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .yaml_fields import choice as _choice, mapping as _mapping, only as _only, typed as _typed
+from gateway.config.yaml_fields import choice as _choice
+from gateway.config.yaml_fields import mapping as _mapping
+from gateway.config.yaml_fields import only as _only
+from gateway.config.yaml_fields import typed as _typed
 
 FSYNC = ("always", "never")
 COOKIE_SECURE = ("auto", "always", "never")

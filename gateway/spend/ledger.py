@@ -5,13 +5,13 @@
     ledger(record)                # the usage sink: never blocks, never raises
     await ledger.stop()           # writes what is queued (to Redis, else to the spool)
 
-One Lua script (gateway/lua/spend_record.lua) per record does, atomically: the idempotency check
+One Lua script (gateway/spend/lua/spend_record.lua) per record does, atomically: the idempotency check
 on the request id (SET NX with a TTL), the stream entry (XADD MAXLEN ~, XTRIM MINID ~), and the
 rollup counters of (tenant, engine, hour). So a rollup can never disagree with the records, and
 replaying a record twice changes nothing.
 
 Records are written off the request path by one writer task, in batches (a pipeline of script
-calls: one round trip). If Redis fails, the batch goes to the local spool (gateway/spend_spool.py)
+calls: one round trip). If Redis fails, the batch goes to the local spool (gateway/spend/spool.py)
 and so does everything after it, until the replay task has pushed the spool back into Redis; a
 record is thus always in exactly one of: the queue, Redis, the spool.
 
@@ -30,10 +30,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from .spend_config import SpendConfig
-from .spend_keys import hours_key, rollup_key, seen_key, stream_key, tenants_key
-from .spend_spool import SpendSpool
-from .usage import UsageRecord
+from gateway.spend.config import SpendConfig
+from gateway.spend.redis_keys import hours_key, rollup_key, seen_key, stream_key, tenants_key
+from gateway.spend.spool import SpendSpool
+from gateway.spend.usage import UsageRecord
 
 log = logging.getLogger("tokenyard.spend")
 _LUA = Path(__file__).resolve().parent / "lua" / "spend_record.lua"

@@ -15,14 +15,14 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from . import spend_reports as reports
-from . import spend_store as store
-from .api_keys import KeyRecord, check_tenant
-from .edge_params import parse_time
-from .errors import BadRequest, Forbidden, Unavailable
+from gateway.auth.api_keys import KeyRecord, check_tenant
+from gateway.http.edge_params import parse_time
+from gateway.http.errors import BadRequest, Forbidden, Unavailable
+from gateway.spend import reports as reports
+from gateway.spend import store as store
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 DEFAULT_DAYS = 7
 

@@ -16,8 +16,8 @@ import io
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from .edge_params import read_time
-from .spend_store import RollupRow
+from gateway.http.edge_params import read_time
+from gateway.spend.store import RollupRow
 
 GROUPS = ("model", "tenant", "day", "hour")
 SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros", "baseline_cost_micros",

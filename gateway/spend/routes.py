@@ -15,14 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import spend_reports as reports
-from . import spend_store as store
-from .edge_params import parse_int
-from .errors import BadRequest, Unavailable
-from .spend_queries import build_report, csv_response, ledger_redis, time_window, visible_tenants, wants_csv
+from gateway.http.edge_params import parse_int
+from gateway.http.errors import BadRequest, Unavailable
+from gateway.spend import reports as reports
+from gateway.spend import store as store
+from gateway.spend.queries import build_report, csv_response, ledger_redis, time_window, visible_tenants, wants_csv
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 MAX_PAGE = 1000
 

@@ -1,7 +1,7 @@
 """Reading the spend ledger back: hourly rollups for reports, per-request records for drill-down.
 
 Both take the tenants to read explicitly; deciding which tenants a caller may see is the
-endpoints' job (gateway/spend_routes.py, gateway/dashboard.py), so a reader here can never
+endpoints' job (gateway/spend/routes.py, gateway/web/dashboard.py), so a reader here can never
 widen a caller's view by itself. Works with a redis.asyncio client (the gateway and the CLI).
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .edge_params import parse_stream_id
-from .spend_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
+from gateway.http.edge_params import parse_stream_id
+from gateway.spend.redis_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
 
 SCAN_BATCH = 200
 

@@ -2,7 +2,7 @@
 
 A `UsageSink` is any callable taking a record. The gateway fans each record out to the
 in-memory `RecentUsage` (the access log and tests read it) and, with Redis configured, to the
-spend ledger (gateway/spend_ledger.py), which stores it exactly once by `request_id`.
+spend ledger (gateway/spend/ledger.py), which stores it exactly once by `request_id`.
 
 A record keeps the request's features that the policy what-if replay needs (token counts,
 requested model, served engine, route reason, router score, tags, deadline, tenant, key) and

@@ -1,0 +1,1 @@
+"""Redis plumbing: the guard every request-path call goes through, and the embedded server."""

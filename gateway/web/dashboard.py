@@ -8,12 +8,12 @@
     GET  /dashboard/live            live engine stats as JSON (signed in; dashboard.js polls it)
     GET  /dashboard/static/{name}   dashboard.css, dashboard.js
 
-Rendered by Jinja2 templates (gateway/templates, autoescaped) on the server; the only script is a
+Rendered by Jinja2 templates (gateway/web/templates, autoescaped) on the server; the only script is a
 static file from this origin. Every response here carries a Content-Security-Policy without
 'unsafe-inline' (no inline script or style anywhere), X-Frame-Options DENY plus frame-ancestors
 'none', nosniff, Referrer-Policy same-origin (not no-referrer: with it Chromium sends "Origin: null" on
-our own form posts, which the CSRF origin check must refuse) and no-store. Sessions: gateway/sessions.py;
-CSRF: gateway/csrf.py.
+our own form posts, which the CSRF origin check must refuse) and no-store. Sessions: gateway/auth/sessions.py;
+CSRF: gateway/auth/csrf.py.
 """
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from . import csrf, dashboard_view
-from .edge_params import parse_int
-from .errors import BadRequest, Unauthorized, Unavailable
-from .spend_reports import parse_group_by
-from .spend_queries import build_report, csv_response, visible_tenants
-from .spend_store import all_tenants
-from .sign_in import SignIn
-from .state import gateway_of
-from .web_pages import read_form, render, secured, security_headers, static_file
-
+from gateway.auth import csrf
+from gateway.http.edge_params import parse_int
+from gateway.http.errors import BadRequest, Unauthorized, Unavailable
+from gateway.spend.queries import build_report, csv_response, visible_tenants
+from gateway.spend.reports import parse_group_by
+from gateway.spend.store import all_tenants
+from gateway.state import gateway_of
+from gateway.web import dashboard_view
+from gateway.web.pages import read_form, render, secured, security_headers, static_file
+from gateway.web.sign_in import SignIn
 
 STATIC = {"dashboard.css": "text/css; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8"}
 DAYS = (1, 7, 30, 90)

@@ -11,12 +11,12 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import spend_reports as reports
-from . import spend_store as store
-from .spend_queries import build_report
+from gateway.spend import reports as reports
+from gateway.spend import store as store
+from gateway.spend.queries import build_report
 
 if TYPE_CHECKING:
-    from .state import Gateway
+    from gateway.state import Gateway
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f")
 LATENCY_SAMPLE = 2000

@@ -1,7 +1,7 @@
 """Plumbing shared by the gateway's HTML pages (the spend dashboard and the operator page):
 security headers on every response, the session cookie, and bounded form parsing.
 
-Both pages use the same cookie session (gateway/sessions.py) and CSRF tokens (gateway/csrf.py);
+Both pages use the same cookie session (gateway/auth/sessions.py) and CSRF tokens (gateway/auth/csrf.py);
 only their content security policies and form sizes differ.
 """
 from __future__ import annotations
@@ -15,10 +15,9 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, Response
 
-from .errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge
-from .sessions import Session, cookie_header
-from .state import gateway_of
-
+from gateway.auth.sessions import Session, cookie_header
+from gateway.http.errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge
+from gateway.state import gateway_of
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -27,12 +26,12 @@ _templates = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape
 
 
 def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
-    """A template from gateway/templates, autoescaped."""
+    """A template from gateway/web/templates, autoescaped."""
     return HTMLResponse(_templates.get_template(name).render(**ctx), status_code=status)
 
 
 def static_file(name: str, allowed: dict[str, str]) -> Response:
-    """A file from gateway/static, only when `allowed` lists it (name -> media type)."""
+    """A file from gateway/web/static, only when `allowed` lists it (name -> media type)."""
     if name not in allowed:
         return NotFound("Not found", code="not_found").response()
     return Response((HERE / "static" / name).read_bytes(), media_type=allowed[name],

@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from . import csrf
-from .api_keys import KeyRecord
-from .errors import APIError, Unauthorized
-from .sessions import COOKIE, Session
-from .state import gateway_of
-from .web_pages import read_form, render, with_cookie
+from gateway.auth import csrf
+from gateway.auth.api_keys import KeyRecord
+from gateway.auth.sessions import COOKIE, Session
+from gateway.http.errors import APIError, Unauthorized
+from gateway.state import gateway_of
+from gateway.web.pages import read_form, render, with_cookie
 
 MAX_FORM_BYTES = 8192
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .features import FeatureSpec
+from router_models.runtime.features import FeatureSpec
 
 FORMAT = "tokenyard-router"
 FORMAT_VERSION = 1
@@ -67,7 +67,7 @@ def with_threshold(artifact: Artifact, threshold: float | None = None,
     """A copy with the threshold overridden: a raw score threshold ("manual"), or the threshold
     for a target share of large calls read off the calibration quantiles ("large_share").
     (At serving time `Scorer.set_threshold` does the same without writing a file.)"""
-    from .calibration import threshold_from_quantiles
+    from router_models.runtime.calibration import threshold_from_quantiles
 
     if (threshold is None) == (target_large_share is None):
         raise ValueError("give exactly one of threshold and target_large_share")

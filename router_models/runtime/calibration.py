@@ -29,23 +29,6 @@ def threshold_for_large_share(scores: Sequence[float], share: float) -> float:
     return float((s[k - 1] + s[k]) / 2)
 
 
-def threshold_for_quality(scores: Sequence[float], small_correct: Sequence[bool], large_correct: Sequence[bool],
-                          target_pgr: float) -> float:
-    """The threshold with the fewest large calls whose calibration quality recovers at least
-    `target_pgr` of the gap between the small and the large model (1.0: all of it)."""
-    from .routing_metrics import routing_curve
-
-    scores = np.asarray(scores, dtype=np.float64)
-    curve = routing_curve(scores, np.asarray(small_correct, bool), np.asarray(large_correct, bool))
-    gap = curve.quality_large - curve.quality_small
-    if gap <= 0:
-        return threshold_for_large_share(scores, 0.0)
-    pgr = (curve.quality - curve.quality_small) / gap
-    hit = np.nonzero(pgr >= target_pgr - 1e-12)[0]
-    share = float(curve.share[hit[0]]) if hit.size else 1.0
-    return threshold_for_large_share(scores, share)
-
-
 def score_quantiles(scores: Sequence[float], points: int = QUANTILE_POINTS) -> list[float]:
     """q[i]: the threshold that sends share i/(points-1) of the scores to the large engine."""
     return [threshold_for_large_share(scores, i / (points - 1)) for i in range(points)]

@@ -16,9 +16,9 @@ from collections import Counter
 
 import numpy as np
 
-from .artifact import Artifact
-from .calibration import threshold_from_quantiles
-from .features import blocks
+from router_models.runtime.artifact import Artifact
+from router_models.runtime.calibration import threshold_from_quantiles
+from router_models.runtime.features import blocks
 
 
 class Scorer:

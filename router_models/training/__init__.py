@@ -1,0 +1,1 @@
+"""Offline only: training, evaluation (APGR, CPT) and the `tokenyard router` commands."""

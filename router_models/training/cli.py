@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "router_models" / "data"
 ARTIFACT = ROOT / "router_models" / "artifacts" / "demo_router.json"
 
@@ -49,7 +49,7 @@ def _count_missing(rows: list[dict], tokenizer_dir: str) -> None:
     missing = [r for r in rows if "prompt_tokens" not in r]
     if not missing:
         return
-    from engines.tokenizer import Tokenizer  # offline only: training may use the engine's tokenizer
+    from engines.text.tokenizer import Tokenizer  # offline only: training may use the engine's tokenizer
 
     tok = Tokenizer.from_dir(tokenizer_dir)
     for r in missing:
@@ -57,8 +57,8 @@ def _count_missing(rows: list[dict], tokenizer_dir: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .artifact import save
-    from .train import DEFAULT_C, from_rows, hash_split, load_labels, read_jsonl, train_router
+    from router_models.runtime.artifact import save
+    from router_models.training.train import DEFAULT_C, from_rows, hash_split, load_labels, read_jsonl, train_router
 
     C = DEFAULT_C if args.C is None else args.C
     try:
@@ -87,9 +87,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from .artifact import ArtifactError, load
-    from .evaluation import evaluate, plot
-    from .train import load_labels
+    from router_models.runtime.artifact import ArtifactError, load
+    from router_models.training.evaluation import evaluate, plot
+    from router_models.training.train import load_labels
 
     try:
         art = load(args.artifact)

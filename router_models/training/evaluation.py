@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import Artifact
-from .routing_metrics import Curve, at_threshold, oracle_scores, random_curve, routing_curve, summary
-from .scorer import Scorer
-from .train import Labelled
+from router_models.runtime.artifact import Artifact
+from router_models.runtime.scorer import Scorer
+from router_models.training.routing_metrics import Curve, at_threshold, oracle_scores, random_curve, routing_curve, summary
+from router_models.training.train import Labelled
 
 TARGETS = (0.5, 0.8, 0.95)
 

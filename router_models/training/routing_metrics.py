@@ -14,8 +14,11 @@ between points). Definitions follow RouteLLM (Ong et al., 2024), section 4.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
+
+from router_models.runtime.calibration import threshold_for_large_share
 
 
 @dataclass(slots=True)
@@ -91,3 +94,18 @@ def at_threshold(scores: np.ndarray, small_correct: np.ndarray, large_correct: n
 def summary(curve: Curve, targets: tuple[float, ...] = (0.5, 0.8, 0.95)) -> dict:
     return {"apgr": apgr(curve), **{f"cpt_{int(round(t * 100))}": cpt(curve, t) for t in targets},
             "max_quality": float(curve.quality.max())}
+
+
+def threshold_for_quality(scores: Sequence[float], small_correct: Sequence[bool], large_correct: Sequence[bool],
+                          target_pgr: float) -> float:
+    """The threshold with the fewest large calls whose calibration quality recovers at least
+    `target_pgr` of the gap between the small and the large model (1.0: all of it)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    curve = routing_curve(scores, np.asarray(small_correct, bool), np.asarray(large_correct, bool))
+    gap = curve.quality_large - curve.quality_small
+    if gap <= 0:
+        return threshold_for_large_share(scores, 0.0)
+    pgr = (curve.quality - curve.quality_small) / gap
+    hit = np.nonzero(pgr >= target_pgr - 1e-12)[0]
+    share = float(curve.share[hit[0]]) if hit.size else 1.0
+    return threshold_for_large_share(scores, share)

@@ -26,9 +26,10 @@ import numpy as np
 from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
-from .artifact import Artifact
-from .calibration import score_quantiles, threshold_for_large_share, threshold_for_quality
-from .features import FeatureSpec, fit_normalisation, matrix
+from router_models.runtime.artifact import Artifact
+from router_models.runtime.calibration import score_quantiles, threshold_for_large_share
+from router_models.runtime.features import FeatureSpec, fit_normalisation, matrix
+from router_models.training.routing_metrics import threshold_for_quality
 
 DEFAULT_C = 1.0
 DEFAULT_TARGET_LARGE_SHARE = 0.3
@@ -48,7 +49,8 @@ class Labelled:
 
     def subset(self, mask: np.ndarray) -> "Labelled":
         idx = np.nonzero(mask)[0]
-        pick = (lambda a: None if a is None else a[idx])
+        def pick(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[idx]
         return Labelled([self.texts[i] for i in idx], [self.tokens[i] for i in idx], self.labels[idx],
                         pick(self.small_correct), pick(self.large_correct),
                         [self.meta[i] for i in idx] if self.meta else [])
