@@ -19,7 +19,8 @@ projection of the quantisation benchmark's 200M Llama (5632 x 1024) at M = 32 ro
   bf16 weights (engines/quant/quantized_linear.py switches to dequantise-then-GEMM from 64 rows).
 
 Variants run interleaved in rounds, each timed as the fastest of `reps` calls per round; the
-figure is the median over rounds. Raw output: bench/results/kernel_micro.json.
+figure is the median over rounds. Raw output: bench/results/kernel_micro.json, or
+kernel_micro_t<N>.json with --threads N.
 """
 from __future__ import annotations
 
@@ -148,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", choices=list(SUITES), nargs="+")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
+                                                "preemptions from stalling every multi-threaded op at a barrier")
     ap.add_argument("--no-results", action="store_true")
     args = ap.parse_args(argv)
-    rec = RunRecorder("kernel_micro")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rec = RunRecorder("kernel_micro" + (f"_t{args.threads}" if args.threads else ""))
     torch.manual_seed(0)
     figures, runs = {}, []
     with torch.inference_mode():
