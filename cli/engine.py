@@ -26,13 +26,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.config.deployment import DeploymentError, load_deployment
+    from cli.deployment_arg import load_or_exit
 
-    try:
-        dep = load_deployment(args.config)
-    except DeploymentError as e:
-        print(f"tokenyard: {e}", file=sys.stderr)
-        return 2
+    dep = load_or_exit(args.config)
     spec = dep.engines.get(args.engine)
     if spec is None:
         print(f"tokenyard: no engine {args.engine!r} in the deployment (known: {', '.join(dep.engines)})",

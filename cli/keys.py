@@ -46,9 +46,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def _store(args: argparse.Namespace) -> Iterator[KeyStore]:
     import redis
 
-    from gateway.config.deployment import load_deployment
+    from cli.deployment_arg import load_or_exit
     from gateway.store.embedded_redis import command_redis_url
-    dep = load_deployment(args.config)
+    dep = load_or_exit(args.config)
     with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
         try:
@@ -64,7 +64,6 @@ def _when(ts: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from gateway.config.deployment import DeploymentError
     try:
         with _store(args) as store:
             if args.keys_command == "create":
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             print(f"revoked {rec.key_id} (tenant {rec.tenant}) at {_when(rec.revoked)}")
             return 0
-    except (KeySpecError, DeploymentError) as e:
+    except KeySpecError as e:
         print(f"tokenyard: {e}", file=sys.stderr)
         return 2
     except redis.RedisError as e:

@@ -18,14 +18,11 @@ import sys
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.config.deployment import DeploymentError, apply_env, load_deployment
+    from cli.deployment_arg import load_or_exit
+    from gateway.config.deployment import apply_env
     from gateway.http.server import serve
 
-    try:
-        dep = apply_env(load_deployment(args.config))
-    except DeploymentError as e:
-        print(f"tokenyard: {e}", file=sys.stderr)
-        return 2
+    dep = apply_env(load_or_exit(args.config))
     if args.host is not None:
         dep.host = args.host
     if args.port is not None:
@@ -89,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     router_cli.add_arguments(router)
     # --- end router ---
     args = ap.parse_args(argv)
-    return args.func(args)
+    from cli.deployment_arg import UsageError
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"tokenyard: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

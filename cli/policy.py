@@ -154,13 +154,9 @@ async def _run(args: argparse.Namespace, url: str, dep) -> int:
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from gateway.config.deployment import DeploymentError, load_deployment
+    from cli.deployment_arg import load_or_exit
     from gateway.store.embedded_redis import command_redis_url
-    try:
-        dep = load_deployment(args.config)
-    except DeploymentError as e:
-        print(f"tokenyard: {e}", file=sys.stderr)
-        return 2
+    dep = load_or_exit(args.config)
     if args.policy_command == "validate":
         from gateway.policy.admin import check_document
         from policies import PolicyError

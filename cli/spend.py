@@ -51,17 +51,17 @@ async def _report(url: str, prefix: str, tenant: str | None, start: float, end: 
 def run(args: argparse.Namespace) -> int:
     import redis
 
-    from gateway.config.deployment import DeploymentError, load_deployment
+    from cli.deployment_arg import load_or_exit
     from gateway.store.embedded_redis import command_redis_url
     try:
         group_by = reports.parse_group_by(args.by)
         now = time.time()
         end = reports.parse_time(args.until) if args.until else now
         start = reports.parse_since(args.since, now)
-        dep = load_deployment(args.config)
-    except (ValueError, DeploymentError) as e:
+    except ValueError as e:
         print(f"tokenyard: {e}", file=sys.stderr)
         return 2
+    dep = load_or_exit(args.config)
     if start >= end:
         print("tokenyard: --since must be before --until", file=sys.stderr)
         return 2

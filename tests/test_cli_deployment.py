@@ -1,0 +1,28 @@
+"""Every command that reads the deployment answers a bad one the same way: one line naming the file
+and the problem, exit status 2, no traceback (cli/deployment_arg.py)."""
+from __future__ import annotations
+
+import pytest
+
+from cli.main import main
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--config", "{cfg}"],
+    ["keys", "--config", "{cfg}", "list"],
+    ["spend", "--config", "{cfg}", "report"],
+    ["policy", "--config", "{cfg}", "show"],
+    ["engine", "serve", "--config", "{cfg}", "--engine", "x", "--port", "1"],
+])
+@pytest.mark.parametrize("content, problem", [
+    (None, "cannot read the deployment file"),
+    ("engines: [1, 2]\n", "engines"),
+])
+def test_a_bad_deployment_is_one_line_and_exit_2(tmp_path, capsys, argv, content, problem):
+    cfg = tmp_path / "d.yaml"
+    if content is not None:
+        cfg.write_text(content)
+    assert main([a.format(cfg=cfg) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tokenyard: {cfg}") and problem in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
