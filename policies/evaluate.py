@@ -102,6 +102,12 @@ def effective_threshold(policy: Policy, router_threshold: float | None) -> float
     return router_threshold if router_threshold is not None else DEFAULT_THRESHOLD
 
 
+def small_is_enough(score: float, threshold: float) -> bool:
+    """The one small/large rule: the router's score is P(small is enough); at or above the threshold
+    the small engine serves. The policy path here and the gateway's router hook both use it."""
+    return score >= threshold
+
+
 def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines: dict[str, EngineState],
            router_score: float | None, router_threshold: float | None = None) -> Decision:
     why: list[str] = []
@@ -146,7 +152,7 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
             why.append(f"no router score; router.without_score sends it to {d.engine}")
         else:
             d.threshold = effective_threshold(policy, router_threshold)
-            small = router_score >= d.threshold
+            small = small_is_enough(router_score, d.threshold)
             d.engine = policy.engines.small if small else policy.engines.large
             d.reason = "router"
             why.append(f"router score {router_score:.4f} {'>=' if small else '<'} threshold "

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gateway.routing.interim_rule import Router
+from policies.evaluate import small_is_enough
 from router_models.runtime.artifact import ArtifactError, load
 from router_models.runtime.features import prompt_text
 from router_models.runtime.scorer import Scorer
@@ -76,11 +77,15 @@ class LearnedRouter:
     def threshold(self) -> float:
         return self.scorer.threshold
 
-    def decide(self, text: str, prompt_tokens: int, threshold: float | None = None) -> RouterDecision:
-        """`threshold` overrides for this request only (e.g. a policy rule's threshold)."""
-        score = self.scorer.score(text, prompt_tokens)
+    def engine_for(self, score: float, threshold: float | None = None) -> str:
+        """The engine for a score; `threshold` overrides the calibrated one for this request only."""
         cut = self.scorer.threshold if threshold is None else threshold
-        return RouterDecision(self.large if score < cut else self.small, REASON, score)
+        return self.small if small_is_enough(score, cut) else self.large
+
+    def decide(self, text: str, prompt_tokens: int, threshold: float | None = None) -> RouterDecision:
+        """Score and pick in one call (benchmarks and tools; the gateway scores once in routing/plan.py)."""
+        score = self.scorer.score(text, prompt_tokens)
+        return RouterDecision(self.engine_for(score, threshold), REASON, score)
 
 
 def route_auto(learned: LearnedRouter | None, interim: Router, text: str, prompt_tokens: int,

@@ -92,8 +92,7 @@ async def plan_route(gw: "Gateway", req: ChatRequest, key: KeyRecord, deadline: 
         if pinned is not None:
             return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens)
         if gw.learned_router is not None:
-            lr = gw.learned_router
-            engine = lr.small if score >= lr.threshold else lr.large
+            engine = gw.learned_router.engine_for(score)
             reason = "router"
         else:
             route = gw.router.auto(len(ids))
