@@ -90,12 +90,7 @@ def test_every_results_section_cites_raw_output():
 # Sections whose figures predate bench/results/ and are still being re-measured through results_io
 # (issue 21 stays open until this tuple is empty): listed so that no NEW section can publish
 # figures without raw output, and so that each one leaves the list as soon as it cites its JSON.
-AWAITING_RAW_OUTPUT = (
-    "W2 throughput: continuous batching vs transformers static batching (issue 2)",
-    "Weight-only quantisation (issue 7)",
-    "Speculative decoding (issue 8)",
-    "Engine replicas: prefix-aware vs round-robin (issue 16)",
-)
+AWAITING_RAW_OUTPUT: tuple[str, ...] = ()
 
 
 # --- results_io itself ----------------------------------------------------------------------------
