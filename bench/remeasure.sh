@@ -15,11 +15,12 @@ PY=.venv/bin/python
 mkdir -p bench/out/logs
 
 declare -A CMD=(
-  [sweep]="$PY -m bench.serve_cli serve --scenario rate-sweep --w2 --rates 2,3,4,5,6 --baseline-rates 0.125,0.25,0.5 --duration-s 60 --drain-s 30 --ttft-slo-ms 5000 --no-progress --results-name serve_rate_sweep_held"
+  [sweep]="$PY -m bench.serve_cli serve --scenario rate-sweep --w2 --rates 2,3,4,5,6 --baseline-rates 0.0625,0.125,0.25,0.5 --duration-s 60 --drain-s 30 --ttft-slo-ms 5000 --no-progress --results-name serve_rate_sweep_held_2"
   [sweep_static]="$PY -m bench.serve_cli serve --scenario rate-sweep --w2 --rates 2,3,4,5,6 --baseline-rates 0.0625,0.125,0.25,0.5 --only-server static-batch --duration-s 60 --drain-s 30 --ttft-slo-ms 5000 --no-progress --results-name serve_rate_sweep_held_static"
   [router]="$PY -m bench.router_eval"
   [routerlat]="$PY -m bench.router_latency --rounds 5"
   [kernel]="$PY -m bench.kernel_micro --reps 30 --rounds 5"
+  [kernel_t1]="$PY -m bench.kernel_micro --reps 30 --rounds 5 --threads 1"
   [sched]="$PY -m bench.scheduler_bench --only prefill waste ttft stutter"
   [sched_timing]="$PY -m bench.scheduler_bench --only prefill ttft stutter"
   [w2prof]="$PY -m bench.w2_profile"
@@ -31,6 +32,7 @@ declare -A CMD=(
   [overload]="$PY -m bench.admission_overload"
   [replica]="$PY -m bench.replica_prefix_bench"
   [spec]="$PY -m bench.spec_bench --items 32 --per-task 8 --k 4 --repeats 3"
+  [spec_tasks]="$PY -m bench.spec_bench --items 32 --per-task 8 --k 4 --repeats 5 --batches --results-name spec_bench_k4_tasks"
   [spec8]="$PY -m bench.spec_bench --items 32 --per-task 8 --k 8 --repeats 3 --batches --tasks copy --results-name spec_bench_k8_copy"
   [priorities]="$PY -m bench.serve_cli serve --scenario priorities --engine demo-large --interactive-rate 2 --num-prompts 64 --no-progress"
   [srouter]="$PY -m bench.serve_cli serve --scenario router --num-prompts 320 --concurrency 8 --no-progress"
@@ -39,8 +41,8 @@ declare -A CMD=(
   [demo]="$PY -m bench.demo_eval --items 640"
 )
 # Priority order: the serving sweep, the figures that had no script before, then the rest.
-ORDER=(sweep sweep_static router w2prof kernel sched routerlat overhead overload priorities srouter prefix speculation
-       quant qprefill qprefill_packed w2 demo replica spec spec8)
+ORDER=(sweep router w2prof kernel kernel_t1 sched routerlat overhead overload priorities srouter prefix speculation
+       quant qprefill qprefill_packed w2 demo replica spec spec_tasks spec8)
 LIMIT=1500   # seconds per step
 
 steps=("$@")
