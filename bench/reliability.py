@@ -9,7 +9,7 @@ and tests/test_fuzz_openapi.py (tests/reliability_*.py), with the sizes of the i
     .venv/bin/python -m bench.reliability fuzz           # schemathesis, 150 cases per operation and mode
     .venv/bin/python -m bench.reliability flood          # 400 made-up-key clients, then 1,000 clients, 30 s each
     .venv/bin/python -m bench.reliability slow-connections  # 20,400 slow-header sockets next to a normal client
-    --json PATH writes the figures (with date, machine, commit, command) to PATH.
+    --json PATH writes the figures through bench/results_io (date, machine, commit, command, load) to PATH.
 
 Needs the shared Redis on 127.0.0.1:6379 (unique prefixes, deleted afterwards) and
 /usr/bin/redis-server (the outage runs on a private one). Everything is loopback. Prints each
@@ -77,19 +77,12 @@ def _row(report: "Report") -> tuple[str, str, str]:
     return name, held, detail + ("" if not report.problems else f"; PROBLEMS: {report.problems}")
 
 
-def _write_json(path: Path, reports: list) -> None:
-    import datetime
-    import platform
-    import subprocess
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "cpu": cpu, "cores": __import__("os").cpu_count()},
-           "commit": commit, "command": "python -m bench.reliability " + " ".join(sys.argv[1:]),
-           "scenarios": [{"name": r.name, "figures": r.figures, "problems": r.problems} for r in reports]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+def _write_json(recorder, reports: list) -> None:
+    """Raw output through bench/results_io (date, machine, commit, command, load): one figures entry per
+    scenario, and its problems (none when it held)."""
+    figures = {r.name: r.figures for r in reports}
+    runs = [{"scenario": r.name, "problems": r.problems} for r in reports]
+    recorder.write(figures, runs)
 
 
 def main() -> int:
@@ -107,7 +100,13 @@ def main() -> int:
     ap.add_argument("--outage-s", type=float, default=30.0)
     ap.add_argument("--fuzz-examples", type=int, default=150, help="cases per operation and generation mode")
     args = ap.parse_args()
-    want = lambda name: args.what in ("all", name)  # noqa: E731
+    recorder = None
+    if args.json is not None:
+        from bench.results_io import RunRecorder
+        recorder = RunRecorder(args.json.stem, out_dir=args.json.parent)
+
+    def want(name: str) -> bool:
+        return args.what in ("all", name)
     reports = []
     t0 = time.perf_counter()
 
@@ -143,8 +142,8 @@ def main() -> int:
     for name, held, detail in rows:
         print(f"{name:<{w0}}  {held:<{w1}}  {detail}")
     broken = sum(len(r.problems) for r in reports)
-    if args.json is not None:
-        _write_json(args.json, reports)
+    if recorder is not None:
+        _write_json(recorder, reports)
     print(f"\n{len(reports)} scenarios in {time.perf_counter() - t0:.0f} s; problems: {broken}")
     return 1 if broken else 0
 
