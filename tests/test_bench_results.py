@@ -23,7 +23,7 @@ EXEMPT_SECTIONS = ("GPU", "Reliability", "Not re-measured")
 # bench/reliability.py writes its own JSON shape (no name, load_avg, figures/runs at the top);
 # until it writes through bench.results_io these are expected to fail, strictly: once one passes,
 # the marker has to go.
-PENDING_MIGRATION = ("reliability_",)
+PENDING_MIGRATION: tuple[str, ...] = ()
 
 
 def _results_files() -> list:
