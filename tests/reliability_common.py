@@ -181,3 +181,14 @@ def openai_error_shape(body: Any) -> bool:
             and isinstance(body["error"]["message"], str) and isinstance(body["error"]["type"], str)
             and (body["error"]["param"] is None or isinstance(body["error"]["param"], str))
             and (body["error"]["code"] is None or isinstance(body["error"]["code"], str)))
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
+    """SIGTERM, then the gateway's drain (server.drain_grace_s, 30 s by default) plus a margin;
+    a gateway still up after that is killed, so a scenario's figures never wait on its shutdown."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

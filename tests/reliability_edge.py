@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from gateway_helpers import KEY, ROOT, SHARED_REDIS, delete_prefix, unique_prefix
-from reliability_common import Report, pct, serve_process
+from reliability_common import Report, pct, serve_process, stop_process
 
 from gateway.http.connection_guard import BACKLOG, FD_RESERVE
 
@@ -158,8 +158,7 @@ def run_unauth_flood(seconds: float, flooders: int = 400, clients: int = 1000, p
     try:
         out = asyncio.run(main())
     finally:
-        proc.terminate()
-        proc.wait(15)
+        stop_process(proc)
         delete_prefix(SHARED_REDIS, prefix)
         client.close()
     m = out["metrics"]
@@ -286,8 +285,7 @@ def run_slow_connections(total: int, held: int, max_connections: int = 1024, hea
         attack = json.loads(attacker.stdout.read() or b"{}")
         after = [probe("chat") for _ in range(5)]
     finally:
-        proc.terminate()
-        proc.wait(15)
+        stop_process(proc)
     stderr_bytes = (tmp / "stderr.log").stat().st_size
     base_p99 = pct([t for _, t in before], 0.99)
     f = report.figures
