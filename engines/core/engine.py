@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from engines.core.request_inbox import RequestInbox
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import Scheduler, SchedulerConfig
 from engines.core.sequence import Sequence
+from engines.core.structured_output import GrammarError, Grammars
 from engines.model.cpu_allocator import keep_freed_memory
 from engines.model.kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
 from engines.model.model_config import ModelConfig
@@ -80,6 +82,8 @@ class Engine:
                                       cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs))
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
+        self._grammars: Grammars | None = None   # built at the first response_format request
+        self._grammars_lock = threading.Lock()
         self._inbox: RequestInbox[Sequence] = RequestInbox()
         self._arrivals = 0
         self._num_steps = 0
@@ -99,10 +103,13 @@ class Engine:
             raise RequestError(f"priority must be an integer, got {priority!r}")
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
+        # Compiled here, in the caller's thread: a schema the grammar library rejects fails now.
+        constraint = self._grammar_set().constraint(params.response_format) if params.response_format else None
+
         def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, constraint=constraint)
             self._arrivals += 1
             return seq
 
@@ -150,13 +157,18 @@ class Engine:
             for tok in new_tokens:
                 seq.token_ids.append(tok)
                 emitted.append(tok)
+                if seq.constraint is not None and not seq.constraint.accept(tok):
+                    reason = "grammar"   # the mask should make this impossible
+                    break
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     break
             # K/V is valid for every token but the last emitted one.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.blocks.cache_full_blocks(seq)
-            if reason is not None:
+            if reason == "grammar":
+                outputs.append(self._finish(seq, "error", emitted[:-1], f"token {emitted[-1]} breaks the grammar"))
+            elif reason is not None:
                 outputs.append(self._finish(seq, reason, emitted))
             else:
                 outputs.append(StepOutput(seq.request_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
@@ -253,14 +265,28 @@ class Engine:
         self.close()
         return outs
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int]) -> StepOutput:
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None) -> StepOutput:
         self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.release(seq)
         seq.finish_reason = reason
         self._inbox.done(seq.request_id)
         return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
-                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                          error=error)
+
+    def _grammar_set(self) -> Grammars:
+        """The engine's grammar compiler, built once from the model's tokenizer (thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    self._grammars = Grammars.from_model_dir(self.model_dir, self.model_config.vocab_size,
+                                                             sorted(self.eos_token_ids))
+                except GrammarError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - no tokenizer files next to the weights, ...
+                    raise GrammarError(f"response_format is unavailable on this engine: {e}") from e
+            return self._grammars
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -268,6 +294,8 @@ class Engine:
             return "stop"
         if tok in p.stop_token_ids:
             return "stop"
+        if seq.constraint is not None and seq.constraint.is_terminated:
+            return "stop"   # the document is complete (the grammar accepted a stop token)
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

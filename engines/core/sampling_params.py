@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engines.core.errors import RequestError
+from engines.core.structured_output import check_response_format
 
 
 @dataclass(slots=True)
@@ -19,6 +20,8 @@ class SamplingParams:
     max_tokens: the most tokens to generate; stop_token_ids end generation (the token is kept in
       the output ids, as vLLM does); ignore_eos keeps generating past the model's EOS tokens.
     stop: strings that end generation; they are cut from the text (applied by the detokeniser).
+    response_format: None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}}:
+      the output is constrained by a grammar (engines.core.structured_output); not speculated.
     """
 
     max_tokens: int = 16
@@ -30,6 +33,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.response_format is not None:
+            check_response_format(self.response_format)
 
     @property
     def greedy(self) -> bool:

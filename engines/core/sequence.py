@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engines.core.sampling_params import SamplingParams
 
@@ -31,6 +32,9 @@ class Sequence:
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
     cache_salt: str | None = None  # keeps a tenant's prefix cache private
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
+    # Grammar state of a response_format request (structured_output.Constraint), advanced by the
+    # engine with every appended token; kept through preemption, as the output tokens are.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -112,4 +112,5 @@ class ModelRunner:
             top_p=[s.params.top_p for s in sampled],
             seeds=[s.seed for s in sampled],
             indices=[s.num_output_tokens for s in sampled],
+            constraints=[s.constraint for s in sampled],
         )

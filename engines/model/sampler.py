@@ -8,6 +8,8 @@ p_t, and needs one uniform stream per row.
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -43,8 +45,12 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], top_k: list[int],
-           top_p: list[float], seeds: list[int], indices: list[int]) -> list[int]:
-    """logits [S, V] fp32 -> one token per row. indices: each row's output position."""
+           top_p: list[float], seeds: list[int], indices: list[int],
+           constraints: Sequence[Any] | None = None) -> list[int]:
+    """logits [S, V] fp32 -> one token per row. indices: each row's output position.
+    constraints: per row, a grammar constraint or None; only those rows are masked."""
+    if constraints is not None:
+        logits = apply_token_masks(logits, constraints)
     out = [0] * logits.shape[0]
     greedy_rows = [i for i, g in enumerate(greedy) if g]
     if greedy_rows:
@@ -72,3 +78,25 @@ def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], t
     for row, tok in zip(rows, picked):
         out[row] = tok
     return out
+
+
+def apply_token_masks(logits: torch.Tensor, constraints: Sequence[Any]) -> torch.Tensor:
+    """Set to -inf the logits each row's grammar forbids; rows whose constraint is None are untouched.
+    A constraint has fill_bitmask(bitmask, row): int32 words, bit t % 32 of word t // 32 allows token t
+    (engines.core.structured_output.Constraint). logits: [S, V] fp32; returns a masked copy."""
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    words = (vocab + 31) // 32
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # the library fills host memory
+    for j, i in enumerate(rows):
+        constraints[i].fill_bitmask(bitmask, j)
+    bits = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), words * 32)[:, :vocab]
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(~allowed, float("-inf"))
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    banned[torch.tensor(rows, dtype=torch.long, device=logits.device)] = ~allowed
+    return logits.masked_fill(banned, float("-inf"))  # not in place: logits may be an inference tensor

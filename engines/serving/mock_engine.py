@@ -27,6 +27,7 @@ from engines.core.errors import RequestError
 from engines.core.outputs import EngineStats, StepOutput
 from engines.core.request_inbox import RequestInbox
 from engines.core.sampling_params import SamplingParams
+from engines.core.structured_output import GrammarError
 from engines.text.tokenizer import Tokenizer
 
 DEFAULT_REPLY = "Tokenyard mock reply: the quick brown fox jumps over the lazy dog. café ✓ 日本語"
@@ -120,6 +121,8 @@ class MockEngine:
             params.validate()
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
+        if params.response_format is not None:   # its canned text could not honour a grammar
+            raise GrammarError("response_format is not supported by the mock engine (its reply is canned text)")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise RequestError("prompt is empty: at least one token is needed")
         if any(not isinstance(t, int) or not 0 <= t < self._vocab for t in prompt_token_ids):

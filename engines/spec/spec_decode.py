@@ -75,6 +75,10 @@ class SpeculativeDecoder:
     def _budget(self, seq: Sequence) -> int:
         # Drafts past max_tokens would be thrown away (the emitted token after them counts too),
         # and positions must stay inside max_model_len.
+        # A grammar-constrained sequence is not speculated: drafts would need the mask of every
+        # verify position (a state per draft prefix); it decodes one masked token per step.
+        if seq.constraint is not None:
+            return 0
         left = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(self.k, left, self.max_model_len - seq.num_tokens))
 
@@ -188,7 +192,7 @@ class SpeculativeDecoder:
         return sample(logits[rows], greedy=[s.params.temperature == 0.0 for s in seqs],
                       temperature=[s.params.temperature for s in seqs], top_k=[s.params.top_k for s in seqs],
                       top_p=[s.params.top_p for s in seqs], seeds=[s.seed for s in seqs],
-                      indices=[s.num_output_tokens for s in seqs])
+                      indices=[s.num_output_tokens for s in seqs], constraints=[s.constraint for s in seqs])
 
     def release(self, seq: Sequence) -> None:
         if isinstance(self.proposer, DraftProposer):

