@@ -8,6 +8,8 @@ different valid documents: each step fills the token bitmask of every row, then 
 row by its next token. Reported per step (= one decode step of a batch of 32 constrained rows):
 the mask fill time and the advance time, median and p90, plus the compile time.
 
+Last, the engine's own path (fill + unpack onto the logits, engines.model.sampler.apply_token_masks).
+
 Writes bench/results/grammar_mask.json through bench.results_io.RunRecorder.
 """
 from __future__ import annotations
@@ -180,6 +182,32 @@ def bench_outlines(tok: Tokenizer, vocab: list[bytes], seqs: list[list[int]], st
     return out
 
 
+def bench_engine_path(tok: Tokenizer, seqs: list[list[int]], steps: int) -> dict[str, Any]:
+    """What the engine pays per step: engines.core.structured_output constraints (xgrammar) filling
+    their rows, then engines.model.sampler.apply_token_masks unpacking the bits onto the logits,
+    for a batch of 32 constrained rows, and for 32 rows of which 4 are constrained."""
+    from engines.core.structured_output import Grammars
+    from engines.model.sampler import apply_token_masks
+
+    grammars = Grammars.from_model_dir(smollm2_path(), tok.vocab_size, list(tok.eos_token_ids))
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    out: dict[str, Any] = {"library": "engine path (xgrammar + torch unpack)"}
+    logits = torch.randn(len(seqs), tok.vocab_size)
+    for label, every in (("all_rows", 1), ("one_in_8_rows", 8)):
+        cons = [grammars.constraint(fmt) if i % every == 0 else None for i in range(len(seqs))]
+
+        def fill() -> None:
+            apply_token_masks(logits, cons)
+
+        def advance(step: int) -> None:
+            for c, s in zip(cons, seqs):
+                if c is not None:
+                    assert c.accept(s[step])
+
+        out[label] = run_lockstep(fill, advance, steps)
+    return out
+
+
 def _apply_cost(apply: Callable[[torch.Tensor], None], rows: int, vocab: int) -> float:
     logits = torch.randn(rows, vocab)
     apply(logits)
@@ -212,9 +240,16 @@ def main() -> None:
     if "outlines-core" not in skip:
         runs.append(bench_outlines(tok, vocab, seqs, steps, 60.0))
         print(runs[-1], flush=True)
-    best = {r["library"]: min(r[m]["fill_ms_median"] for m in ("loop", "batch") if m in r) for r in runs}
+    runs.append(bench_engine_path(tok, seqs, steps))
+    print(runs[-1], flush=True)
+    best = {r["library"]: min(r[m]["fill_ms_median"] for m in ("loop", "batch") if m in r) for r in runs
+            if "loop" in r}
+    engine = runs[-1]
     rec.write(figures={"batch": args.batch, "vocab_size": len(vocab), "steps": steps,
-                       "best_fill_ms_median_per_step": best, "schema": SCHEMA}, runs=runs)
+                       "best_fill_ms_median_per_step": best,
+                       "engine_mask_ms_median_per_step": {k: engine[k]["fill_ms_median"]
+                                                          for k in ("all_rows", "one_in_8_rows")},
+                       "schema": SCHEMA}, runs=runs)
 
 
 if __name__ == "__main__":

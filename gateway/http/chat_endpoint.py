@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from engines.core.errors import EngineDeadError, RequestError
 from engines.core.sampling_params import SamplingParams
+from engines.core.structured_output import GrammarError
 from gateway.http.chat_request import parse_chat_request
 from gateway.http.edge_params import json_int, parse_int, read_int
 from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
@@ -64,8 +65,11 @@ async def chat_completions(request: Request) -> Any:
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; you asked for "
                          f"{len(prompt_ids)} prompt + {max_tokens} completion tokens. Lower max_tokens.",
                          param="max_tokens", code="context_length_exceeded")
-    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                            stop=req.stop)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                stop=req.stop, response_format=req.response_format)
+    except GrammarError as e:   # the schema is over the size limit
+        raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
     info.update(engine=handle.name, route_reason=route.reason)
     admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline, route.priority,
                                          route.rate)
@@ -86,6 +90,8 @@ async def chat_completions(request: Request) -> Any:
         gen.start()
     except EngineDeadError as e:
         raise Unavailable(f"Engine {handle.name} is unavailable", code="engine_unavailable") from e
+    except GrammarError as e:   # before RequestError, its base: the schema is the problem
+        raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
     except RequestError as e:
         raise BadRequest(str(e)) from e
     info["generation"] = gen

@@ -10,6 +10,7 @@ argument".
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,7 +32,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: v is None or v == [],
     "function_call": _is_neutral("none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "logprobs": _is_neutral(False),
     "top_logprobs": lambda v: v is None,
     "logit_bias": lambda v: v is None or v == {},
@@ -49,7 +49,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "safety_identifier": lambda v: v is None,
 }
 SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-             "seed", "stream", "stream_options", "user", "metadata")
+             "seed", "stream", "stream_options", "user", "metadata", "response_format")
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 @dataclass(slots=True)
@@ -65,6 +66,9 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    # None (plain text), {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"}:
+    # the engine's SamplingParams.response_format shape (the json_schema wrapper unwrapped).
+    response_format: dict[str, Any] | None = None
 
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
@@ -120,7 +124,56 @@ def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
         raise BadRequest("'user' must be a string", param="user")
     req.user = user
     req.metadata = _metadata(body.get("metadata"))
+    req.response_format = _response_format(body.get("response_format"))
     return req
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format, shape-checked; whether the schema compiles is the engine's call."""
+    param = "response_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise BadRequest("'response_format' must be an object with a 'type'", param=param)
+    kind = fmt["type"]
+    if kind == "text":
+        allowed: set[str] = {"type"}
+    elif kind == "json_object":
+        allowed = {"type"}
+    elif kind == "json_schema":
+        allowed = {"type", "json_schema"}
+    else:
+        raise BadRequest(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                         param=f"{param}.type")
+    extra = sorted(set(fmt) - allowed)
+    if extra:
+        raise BadRequest(f"response_format: unrecognized field {extra[0]!r}", param=f"{param}.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    spec = fmt.get("json_schema")
+    where = f"{param}.json_schema"
+    if not isinstance(spec, dict):
+        raise BadRequest("response_format of type 'json_schema' needs a 'json_schema' object", param=where)
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise BadRequest(f"{where}: unrecognized field {extra[0]!r}", param=f"{where}.{extra[0]}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise BadRequest(f"{where}.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                         param=f"{where}.name")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{where}.schema must be a JSON Schema object", param=f"{where}.schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest(f"{where}.strict must be a boolean", param=f"{where}.strict")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise BadRequest(f"{where}.description must be a string", param=f"{where}.description")
+    # The output is always held to the schema, strict or not (a constraint costs nothing extra).
+    return {"type": "json_schema", "name": name, "schema": schema, "strict": bool(strict)}
 
 
 def _messages(messages: Any, max_messages: int) -> list[dict[str, str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from engines.core.structured_output import MAX_SCHEMA_CHARS
 from gateway.http.chat_request import MAX_STOP, ROLES, UNSUPPORTED
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -51,6 +52,24 @@ def openapi_schema() -> dict[str, Any]:
             "user": {"type": ["string", "null"]},
             "metadata": {"type": ["object", "null"], "maxProperties": 16,
                          "additionalProperties": {"type": "string", "maxLength": 512}},
+            "response_format": {
+                "description": ("Structured output by constrained decoding: every token is sampled from those the "
+                                "grammar allows, so a reply with finish_reason 'stop' parses (json_object) or "
+                                "validates against the schema (json_schema; always enforced, strict or not). "
+                                "finish_reason 'length' means the JSON was cut short. A schema the grammar "
+                                f"library cannot compile, or over {MAX_SCHEMA_CHARS} characters, is a 400 with "
+                                "param 'response_format'. Not speculated."),
+                "oneOf": [
+                    {"type": "null"},
+                    {"type": "object", "required": ["type"], "additionalProperties": False,
+                     "properties": {"type": {"enum": ["text", "json_object"]}}},
+                    {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+                     "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                         "type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                             "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                             "description": {"type": "string"},
+                             "schema": {"type": "object", "description": "a JSON Schema"},
+                             "strict": {"type": ["boolean", "null"]}}}}}]},
         }}
     usage = {"type": "object", "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
