@@ -8,7 +8,10 @@ different valid documents: each step fills the token bitmask of every row, then 
 row by its next token. Reported per step (= one decode step of a batch of 32 constrained rows):
 the mask fill time and the advance time, median and p90, plus the compile time.
 
-Last, the engine's own path (fill + unpack onto the logits, engines.model.sampler.apply_token_masks).
+Then the engine's own path (fill + unpack onto the logits, engines.model.sampler.apply_token_masks).
+
+Last (--decode-tokens N, default 48), the real model end to end: 32 greedy requests at once,
+plain vs constrained, output tokens per second.
 
 Writes bench/results/grammar_mask.json through bench.results_io.RunRecorder.
 """
@@ -208,6 +211,29 @@ def bench_engine_path(tok: Tokenizer, seqs: list[list[int]], steps: int) -> dict
     return out
 
 
+def bench_engine_decode(batch: int, max_tokens: int) -> dict[str, Any]:
+    """End to end on the real model: `batch` requests at once through the offline LLM (int4 from
+    the GGUF, greedy), plain vs json_schema-constrained; output tokens per second of wall time."""
+    from engines.core.llm import LLM
+    from engines.core.sampling_params import SamplingParams
+
+    llm = LLM(smollm2_path(), quantization="int4", quant_group_size=32, kv_cache_memory=256 << 20,
+              max_num_seqs=batch, progress=False)
+    convs = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(batch)]
+    out: dict[str, Any] = {"library": "engine decode (SmolLM2 int4, offline LLM)", "batch": batch,
+                           "max_tokens": max_tokens}
+    llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))   # warm-up
+    for label, fmt in (("plain", None), ("json_schema", {"type": "json_schema", "schema": SCHEMA})):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=fmt is None, response_format=fmt)
+        t0 = time.perf_counter()
+        res = llm.chat(convs, params)
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.outputs[0].token_ids) for r in res)
+        out[label] = {"wall_s": round(wall, 3), "output_tokens": toks, "output_tok_s": round(toks / wall, 1),
+                      "finish_reasons": sorted({r.outputs[0].finish_reason for r in res})}
+    return out
+
+
 def _apply_cost(apply: Callable[[torch.Tensor], None], rows: int, vocab: int) -> float:
     logits = torch.randn(rows, vocab)
     apply(logits)
@@ -222,6 +248,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--skip", default="", help="comma-separated libraries to skip")
+    ap.add_argument("--decode-tokens", type=int, default=48, help="end-to-end decode comparison (0: skip)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rec = RunRecorder("grammar_mask")
@@ -242,13 +269,18 @@ def main() -> None:
         print(runs[-1], flush=True)
     runs.append(bench_engine_path(tok, seqs, steps))
     print(runs[-1], flush=True)
+    engine = runs[-1]
+    if args.decode_tokens:
+        runs.append(bench_engine_decode(args.batch, args.decode_tokens))
+        print(runs[-1], flush=True)
     best = {r["library"]: min(r[m]["fill_ms_median"] for m in ("loop", "batch") if m in r) for r in runs
             if "loop" in r}
-    engine = runs[-1]
     rec.write(figures={"batch": args.batch, "vocab_size": len(vocab), "steps": steps,
                        "best_fill_ms_median_per_step": best,
                        "engine_mask_ms_median_per_step": {k: engine[k]["fill_ms_median"]
                                                           for k in ("all_rows", "one_in_8_rows")},
+                       "engine_decode_tok_s": {k: runs[-1][k]["output_tok_s"] for k in ("plain", "json_schema")
+                                               if k in runs[-1]},
                        "schema": SCHEMA}, runs=runs)
 
 
