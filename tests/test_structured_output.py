@@ -218,8 +218,37 @@ def test_engine_with_speculation_does_not_speculate_constrained_requests():
     assert llm.engine.spec.stats.num_proposed == 0
 
 
-def test_engine_refuses_a_bad_schema_before_queueing():
-    llm = _llm(kv_cache_memory=16 * 2**20)
+def _run(engine, rid: str) -> tuple[list[int], str, int]:
+    ids, reason, cached = [], None, 0
+    while reason is None:
+        for out in engine.step():
+            if out.request_id == rid:
+                ids += out.new_token_ids
+                reason = out.finish_reason if out.finished else None
+                cached = out.num_cached_tokens
+    return ids, reason, cached
+
+
+def test_engine_bad_schema_abort_prefix_cache_and_chunked_prefill():
+    # A 16-token step budget splits the ~70-token prompt into prefill chunks (only the last samples).
+    llm = _llm(kv_cache_memory=16 * 2**20, enable_prefix_caching=True, max_num_batched_tokens=16)
+    engine, tok = llm.engine, llm._need_tokenizer()
     with pytest.raises(GrammarError, match="cannot be compiled"):
-        llm.engine.add_request("r1", [1, 2, 3], SamplingParams(response_format=_fmt({"type": "foo"})))
-    assert not llm.engine.has_unfinished()
+        engine.add_request("bad", [1, 2, 3], SamplingParams(response_format=_fmt({"type": "foo"})))
+    assert not engine.has_unfinished()
+    prompt = tok.encode("Reply with a JSON object about a colour. " * 4)
+    params = SamplingParams(max_tokens=60, temperature=0.0, response_format=_fmt(SCHEMAS["enum_only"]))
+    # Abort mid-way: the request ends with "abort" and its grammar state goes with it.
+    engine.add_request("a", prompt, params)
+    for _ in range(3):
+        engine.step()
+    engine.abort("a")
+    outs = engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == "a"] == ["abort"]
+    # Twice the same prompt: the second is served from the prefix cache and gives the same document.
+    engine.add_request("b", prompt, params)
+    first, reason, _ = _run(engine, "b")
+    engine.add_request("c", prompt, params)
+    second, reason2, cached = _run(engine, "c")
+    assert reason == reason2 == "stop" and cached > 0 and first == second and len(prompt) > 32
+    jsonschema.validate(json.loads(tok.decode(first, skip_special_tokens=True)), SCHEMAS["enum_only"])
