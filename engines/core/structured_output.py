@@ -22,11 +22,12 @@ import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engines.core.errors import RequestError
+
+if TYPE_CHECKING:   # the gateway imports this module (via SamplingParams); keep it free of torch
+    import torch
 
 MAX_SCHEMA_CHARS = 32_768   # canonical JSON text of one schema
 CACHE_SIZE = 64             # compiled grammars kept (LRU)
