@@ -304,10 +304,11 @@ class Engine:
         if params is None:
             return SamplingParams()
         if isinstance(params, dict):
-            return SamplingParams.from_dict(params)
+            params = SamplingParams.from_dict(params)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         params.validate()
+        params.check_vocab(self.model_config.vocab_size)
         return params
 
     def _check_prompt(self, prompt: Any) -> list[int]:

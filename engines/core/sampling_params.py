@@ -9,6 +9,15 @@ from engines.core.errors import RequestError
 from engines.core.structured_output import check_response_format
 
 
+class ParamError(RequestError):
+    """A RequestError caused by one named parameter, so the HTTP edge can name it in its 400."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Options in the shape vLLM users know.
@@ -22,6 +31,13 @@ class SamplingParams:
     stop: strings that end generation; they are cut from the text (applied by the detokeniser).
     response_format: None, {"type": "json_object"} or {"type": "json_schema", "schema": {...}}:
       the output is constrained by a grammar (engines.core.structured_output); not speculated.
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's rule: before temperature, each token's
+      logit loses frequency_penalty * (times it occurs in the output so far) + presence_penalty * (1 if
+      it occurs at all). Only output tokens count, not the prompt (as vLLM does).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before temperature; -100 in effect
+      forbids a token, +100 in effect forces it. Ids are checked against the vocabulary by the engine.
+    Requests with a penalty or a bias are not speculated (a draft's verify rows would each need the
+    counts of a different output prefix).
     """
 
     max_tokens: int = 16
@@ -34,12 +50,21 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        elif isinstance(self.logit_bias, dict):
+            # JSON object keys are strings (OpenAI's logit_bias, a remote engine's wire format).
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
         self.validate()
 
     @classmethod
@@ -69,6 +94,29 @@ class SamplingParams:
                 raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
         if self.response_format is not None:
             check_response_format(self.response_format)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                raise ParamError(f"{name} must be a number in [-2, 2], got {value!r}", name)
+        if not isinstance(self.logit_bias, dict):
+            raise ParamError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")
+        for tok, bias in self.logit_bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise ParamError(f"logit_bias keys must be non-negative token ids, got {tok!r}", "logit_bias")
+            if not _is_number(bias) or not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise ParamError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}",
+                                 "logit_bias")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """logit_bias ids must name tokens of this model."""
+        bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if bad:
+            raise ParamError(f"logit_bias token id {bad[0]} is not in the vocabulary [0, {vocab_size})", "logit_bias")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a penalty or a bias changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ from engines.core.sequence import Sequence
 from engines.model.attention import AttentionMetadata, resolve_backend
 from engines.model.cuda_graph_runner import CudaGraphDecoder
 from engines.model.model import CausalLM
-from engines.model.sampler import sample
+from engines.model.sampler import LogitAdjust, sample
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,21 @@ class ModelRunner:
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampled: list) -> list[int]:
-        return sample(
+        return sample_sequences(logits, sampled)
+
+
+def adjustment(seq: Sequence) -> LogitAdjust | None:
+    """The penalties and bias of one sequence's next token, or None when it has neither."""
+    p = seq.params
+    if not p.adjusts_logits:
+        return None
+    return LogitAdjust(p.presence_penalty, p.frequency_penalty, p.logit_bias, seq.output_token_ids)
+
+
+def sample_sequences(logits: torch.Tensor, sampled: list[Sequence]) -> list[int]:
+    """One token per row of logits [S, V], row i for sampled[i]'s next output token."""
+    adjust = [adjustment(s) for s in sampled]
+    return sample(
             logits,
             greedy=[s.params.temperature == 0.0 for s in sampled],
             temperature=[s.params.temperature for s in sampled],
@@ -113,4 +127,5 @@ class ModelRunner:
             seeds=[s.seed for s in sampled],
             indices=[s.num_output_tokens for s in sampled],
             constraints=[s.constraint for s in sampled],
+            adjustments=adjust if any(a is not None for a in adjust) else None,
         )

@@ -8,7 +8,7 @@ p_t, and needs one uniform stream per row.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -46,9 +46,13 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], top_k: list[int],
            top_p: list[float], seeds: list[int], indices: list[int],
-           constraints: Sequence[Any] | None = None) -> list[int]:
+           constraints: Sequence[Any] | None = None,
+           adjustments: Sequence[LogitAdjust | None] | None = None) -> list[int]:
     """logits [S, V] fp32 -> one token per row. indices: each row's output position.
-    constraints: per row, a grammar constraint or None; only those rows are masked."""
+    constraints: per row, a grammar constraint or None; only those rows are masked.
+    adjustments: per row, penalties and bias (applied before temperature, greedy rows too) or None."""
+    if adjustments is not None:
+        logits = apply_adjustments(logits, adjustments)
     if constraints is not None:
         logits = apply_token_masks(logits, constraints)
     out = [0] * logits.shape[0]
@@ -78,6 +82,50 @@ def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], t
     for row, tok in zip(rows, picked):
         out[row] = tok
     return out
+
+
+class LogitAdjust(NamedTuple):
+    """One row's penalties and bias; output_ids: the tokens generated so far (the prompt is not counted)."""
+
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[int, float]
+    output_ids: Sequence[int]
+
+
+def apply_adjustments(logits: torch.Tensor, adjustments: Sequence[LogitAdjust | None]) -> torch.Tensor:
+    """OpenAI's rule, row by row: logit[t] - frequency * count[t] - presence * (count[t] > 0) + bias[t].
+    Rows whose adjustment is None are untouched. Returns a new tensor (logits may be an inference tensor)."""
+    rows = [i for i, a in enumerate(adjustments) if a is not None]
+    if not rows:
+        return logits
+    dev = logits.device
+    vocab = logits.shape[-1]
+    delta = torch.zeros(logits.shape, dtype=logits.dtype, device=dev)
+    flat = delta.view(-1)
+    # Counts of every (row, token) pair in one scatter: flat index row * vocab + token.
+    pen_rows = [i for i in rows if adjustments[i].presence_penalty or adjustments[i].frequency_penalty]  # type: ignore[union-attr]
+    if pen_rows:
+        idx = [i * vocab + t for i in pen_rows for t in adjustments[i].output_ids]  # type: ignore[union-attr]
+        if idx:
+            counts = torch.zeros(logits.numel(), dtype=logits.dtype, device=dev)
+            counts.index_add_(0, torch.tensor(idx, dtype=torch.long, device=dev),
+                              torch.ones(len(idx), dtype=logits.dtype, device=dev))
+            counts = counts.view(logits.shape)
+            freq = torch.zeros(logits.shape[0], dtype=logits.dtype, device=dev)
+            pres = torch.zeros(logits.shape[0], dtype=logits.dtype, device=dev)
+            sel = torch.tensor(pen_rows, dtype=torch.long, device=dev)
+            freq[sel] = torch.tensor([adjustments[i].frequency_penalty for i in pen_rows],  # type: ignore[union-attr]
+                                     dtype=logits.dtype, device=dev)
+            pres[sel] = torch.tensor([adjustments[i].presence_penalty for i in pen_rows],  # type: ignore[union-attr]
+                                     dtype=logits.dtype, device=dev)
+            delta -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(logits.dtype)
+    bias_idx = [i * vocab + t for i in rows for t in adjustments[i].logit_bias]  # type: ignore[union-attr]
+    if bias_idx:
+        values = [float(b) for i in rows for b in adjustments[i].logit_bias.values()]  # type: ignore[union-attr]
+        flat.index_add_(0, torch.tensor(bias_idx, dtype=torch.long, device=dev),
+                        torch.tensor(values, dtype=logits.dtype, device=dev))
+    return logits + delta
 
 
 def apply_token_masks(logits: torch.Tensor, constraints: Sequence[Any]) -> torch.Tensor:

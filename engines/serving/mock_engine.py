@@ -26,7 +26,7 @@ from typing import Any
 from engines.core.errors import RequestError
 from engines.core.outputs import EngineStats, StepOutput
 from engines.core.request_inbox import RequestInbox
-from engines.core.sampling_params import SamplingParams
+from engines.core.sampling_params import ParamError, SamplingParams
 from engines.core.structured_output import GrammarError
 from engines.text.tokenizer import Tokenizer
 
@@ -123,6 +123,10 @@ class MockEngine:
             raise RequestError("request_id must be a non-empty string")
         if params.response_format is not None:   # its canned text could not honour a grammar
             raise GrammarError("response_format is not supported by the mock engine (its reply is canned text)")
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if getattr(params, name):   # its canned text has no logits to adjust
+                raise ParamError(f"'{name}' is not supported by the mock engine (its reply is canned text)", name,
+                                 code="unsupported_parameter")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise RequestError("prompt is empty: at least one token is needed")
         if any(not isinstance(t, int) or not 0 <= t < self._vocab for t in prompt_token_ids):

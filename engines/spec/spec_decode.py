@@ -26,8 +26,8 @@ import torch
 from engines.core.block_manager import BlockManager
 from engines.core.scheduler import SchedulerOutput
 from engines.core.sequence import Sequence
-from engines.model.model_runner import ModelRunner
-from engines.model.sampler import filter_logits, sample
+from engines.model.model_runner import ModelRunner, sample_sequences
+from engines.model.sampler import filter_logits
 from engines.spec import spec_acceptance
 from engines.spec.draft_proposer import DraftProposer
 from engines.spec.ngram_proposer import NgramProposer
@@ -78,6 +78,9 @@ class SpeculativeDecoder:
         # A grammar-constrained sequence is not speculated: drafts would need the mask of every
         # verify position (a state per draft prefix); it decodes one masked token per step.
         if seq.constraint is not None:
+            return 0
+        # Penalties count the output so far, which differs at every verify position: not speculated.
+        if seq.params.adjusts_logits:
             return 0
         left = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(self.k, left, self.max_model_len - seq.num_tokens))
@@ -189,10 +192,7 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[int]:
-        return sample(logits[rows], greedy=[s.params.temperature == 0.0 for s in seqs],
-                      temperature=[s.params.temperature for s in seqs], top_k=[s.params.top_k for s in seqs],
-                      top_p=[s.params.top_p for s in seqs], seeds=[s.seed for s in seqs],
-                      indices=[s.num_output_tokens for s in seqs], constraints=[s.constraint for s in seqs])
+        return sample_sequences(logits[rows], seqs)
 
     def release(self, seq: Sequence) -> None:
         if isinstance(self.proposer, DraftProposer):

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from engines.core.errors import EngineDeadError, RequestError
-from engines.core.sampling_params import SamplingParams
+from engines.core.sampling_params import ParamError, SamplingParams
 from engines.core.structured_output import GrammarError
 from gateway.http.chat_request import parse_chat_request
 from gateway.http.edge_params import json_int, parse_int, read_int
@@ -67,7 +67,11 @@ async def chat_completions(request: Request) -> Any:
                          param="max_tokens", code="context_length_exceeded")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                stop=req.stop, response_format=req.response_format)
+                                stop=req.stop, response_format=req.response_format,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                logit_bias=req.logit_bias)
+    except ParamError as e:
+        raise BadRequest(str(e), param=e.param, code=e.code) from e
     except GrammarError as e:   # the schema is over the size limit
         raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
     info.update(engine=handle.name, route_reason=route.reason)
@@ -90,6 +94,8 @@ async def chat_completions(request: Request) -> Any:
         gen.start()
     except EngineDeadError as e:
         raise Unavailable(f"Engine {handle.name} is unavailable", code="engine_unavailable") from e
+    except ParamError as e:     # before RequestError, its base: e.g. a logit_bias id outside the vocabulary
+        raise BadRequest(str(e), param=e.param, code=e.code) from e
     except GrammarError as e:   # before RequestError, its base: the schema is the problem
         raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
     except RequestError as e:

@@ -34,9 +34,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "function_call": _is_neutral("none"),
     "logprobs": _is_neutral(False),
     "top_logprobs": lambda v: v is None,
-    "logit_bias": lambda v: v is None or v == {},
-    "presence_penalty": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0),
-    "frequency_penalty": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0),
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": lambda v: v is None,
@@ -49,7 +46,9 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "safety_identifier": lambda v: v is None,
 }
 SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-             "seed", "stream", "stream_options", "user", "metadata", "response_format")
+             "seed", "stream", "stream_options", "user", "metadata", "response_format", "presence_penalty",
+             "frequency_penalty", "logit_bias")
+MAX_LOGIT_BIAS = 1024   # entries; bounds the work one request adds to every decode step
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -69,6 +68,9 @@ class ChatRequest:
     # None (plain text), {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"}:
     # the engine's SamplingParams.response_format shape (the json_schema wrapper unwrapped).
     response_format: dict[str, Any] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)   # ids checked against the vocabulary by the engine
 
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
@@ -125,7 +127,33 @@ def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
     req.user = user
     req.metadata = _metadata(body.get("metadata"))
     req.response_format = _response_format(body.get("response_format"))
+    req.presence_penalty = _number(body, "presence_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
+    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
+    req.logit_bias = _logit_bias(body.get("logit_bias"))
     return req
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's {"token id": bias in [-100, 100]}; the keys are JSON strings of decimal ids."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise BadRequest("'logit_bias' must be an object mapping token ids to numbers in [-100, 100]",
+                         param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        # isascii: "²".isdigit() is true but int("²") fails; an id has at most 10 digits.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise BadRequest(f"'logit_bias' keys must be token ids (decimal integers), got {key!r}",
+                             param="logit_bias")
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                or not -100 <= value <= 100):
+            raise BadRequest(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                             param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:

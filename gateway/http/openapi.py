@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from engines.core.structured_output import MAX_SCHEMA_CHARS
-from gateway.http.chat_request import MAX_STOP, ROLES, UNSUPPORTED
+from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_STOP, ROLES, UNSUPPORTED
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -46,6 +46,16 @@ def openapi_schema() -> dict[str, Any]:
                                {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}},
                                {"type": "null"}]},
             "seed": {"type": ["integer", "null"]},
+            "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2, "default": 0,
+                                 "description": "subtracted from the logit of every token already in the output"},
+            "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2, "default": 0,
+                                  "description": "subtracted once per occurrence of a token in the output"},
+            "logit_bias": {"type": ["object", "null"], "maxProperties": MAX_LOGIT_BIAS,
+                           "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                           "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                           "description": ("token id -> bias added to its logit before temperature (-100 in "
+                                           "effect forbids the token, +100 forces it); an id outside the "
+                                           "engine's vocabulary is a 400 with param 'logit_bias'")},
             "stream": {"type": ["boolean", "null"], "default": False},
             "stream_options": {"type": ["object", "null"],
                                "properties": {"include_usage": {"type": "boolean"}}},

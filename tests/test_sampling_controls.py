@@ -1,0 +1,185 @@
+"""presence_penalty, frequency_penalty and logit_bias: the sampler's rule checked against the
+engine's own forward (tests/engine_helpers.prompt_logits), speculation giving the same tokens,
+and the gateway edge (the openai SDK against the demo-small torch engine; 400s naming the parameter)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from gateway_helpers import KEY, running_gateway
+
+from engines import Engine, SamplingParams
+from engines.core.sampling_params import ParamError
+from engines.model.sampler import LogitAdjust, apply_adjustments
+from tests.engine_helpers import prompt_logits, random_prompts, run_to_completion
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(dtype="float32", progress=False, max_num_batched_tokens=64, kv_cache_memory=4 << 20)
+
+
+def _adjusted(logits: torch.Tensor, out: list[int], presence: float, frequency: float,
+              bias: dict[int, float]) -> torch.Tensor:
+    """OpenAI's documented rule, written out token by token."""
+    adj = logits.clone().double()
+    for t in set(out):
+        adj[t] -= frequency * out.count(t) + presence
+    for t, b in bias.items():
+        adj[t] += b
+    return adj
+
+
+def test_apply_adjustments_is_the_documented_rule_and_leaves_other_rows_alone():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    outs = [[4, 4, 7, 9, 4], [], [1, 2]]
+    adjust = [LogitAdjust(0.5, 1.25, {3: 2.0, 7: -100.0}, outs[0]), None, LogitAdjust(-1.0, 0.0, {}, outs[2])]
+    got = apply_adjustments(logits, adjust)
+    assert torch.equal(got[1], logits[1])
+    torch.testing.assert_close(got[0].double(), _adjusted(logits[0], outs[0], 0.5, 1.25, {3: 2.0, 7: -100.0}))
+    torch.testing.assert_close(got[2].double(), _adjusted(logits[2], outs[2], -1.0, 0.0, {}))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir):
+    return Engine(checkpoint_dir("llama"), **BASE)
+
+
+def _generate(engine, prompt, params) -> list[int]:
+    engine.add_request("one", prompt, params)
+    return run_to_completion(engine)["one"]
+
+
+def _greedy_reference(engine, prompt, n, presence, frequency, bias) -> list[int]:
+    """Greedy decoding, one model forward per token, with the penalties applied by hand."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = prompt_logits(engine, prompt + out)[-1]
+        out.append(int(_adjusted(logits, out, presence, frequency, bias).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.0, 2.0), (1.5, 0.0), (-0.5, 0.75)])
+def test_penalised_greedy_matches_the_reference(engine, presence, frequency):
+    # This prompt's plain greedy output repeats one token eight times: the penalties have work to do.
+    prompt = random_prompts(1, 12, 12, engine.model_config.vocab_size, seed=1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    got = _generate(engine, prompt, params)
+    assert got == _greedy_reference(engine, prompt, 16, presence, frequency, {})
+    plain = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    if presence >= 0:
+        assert len(set(got)) > len(set(plain)), (got, plain)
+
+
+def test_logit_bias_forces_and_forbids(engine):
+    vocab = engine.model_config.vocab_size
+    prompt = random_prompts(1, 10, 10, vocab, seed=6)[0]
+    forced = 17
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=3, max_tokens=8, ignore_eos=True,
+                                logit_bias={forced: 100})
+        assert _generate(engine, prompt, params) == [forced] * 8
+    plain = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    banned = {t: -100.0 for t in set(plain)}
+    got = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                   logit_bias=banned))
+    assert not set(got) & set(plain)
+    assert got == _greedy_reference(engine, prompt, 8, 0.0, 0.0, banned)
+    # A bias moves a sampled request's distribution too: its draws avoid the banned tokens.
+    sampled = SamplingParams(temperature=1.0, seed=9, max_tokens=16, ignore_eos=True, logit_bias=banned)
+    assert not set(_generate(engine, prompt, sampled)) & set(banned)
+
+
+def test_penalised_request_batched_with_others_is_unchanged(engine):
+    vocab = engine.model_config.vocab_size
+    prompts = random_prompts(4, 5, 30, vocab, seed=12)
+    penalised = SamplingParams(temperature=0.8, seed=4, max_tokens=10, ignore_eos=True, frequency_penalty=1.0,
+                               logit_bias={5: 3.0})
+    alone = _generate(engine, prompts[0], penalised)
+    engine.add_request("p", prompts[0], penalised)
+    for i, p in enumerate(prompts[1:]):
+        engine.add_request(f"o{i}", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert run_to_completion(engine)["p"] == alone
+
+
+def test_speculative_engine_gives_the_same_penalised_tokens(engine, checkpoint_dir):
+    prompt = random_prompts(1, 6, 6, 512, seed=2)[0] * 4      # repetitive: prompt lookup proposes drafts
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=1.0,
+                            presence_penalty=0.5)
+    spec = Engine(checkpoint_dir("llama"), **BASE, speculative_method="ngram", num_speculative_tokens=3)
+    spec.add_request("pen", prompt, params)
+    spec.add_request("plain", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    got = run_to_completion(spec)
+    assert got["pen"] == _generate(engine, prompt, params)
+    assert spec.spec.stats.num_verifications > 0      # the plain request was speculated beside it
+
+
+def test_bad_values_are_param_errors(engine):
+    vocab = engine.model_config.vocab_size
+    for kwargs, param in [({"presence_penalty": 2.5}, "presence_penalty"),
+                          ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+                          ({"logit_bias": {1: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias")]:
+        with pytest.raises(ParamError) as e:
+            SamplingParams(**kwargs)
+        assert e.value.param == param
+    with pytest.raises(ParamError) as e:
+        engine.add_request("oov", [1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
+    assert e.value.param == "logit_bias" and str(vocab) in str(e.value)
+    assert not engine.has_unfinished()
+
+
+# --- the gateway, with a real (tiny) torch engine ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def srv():
+    doc = {"server": {"access_log": False},
+           "engines": {"demo": {"type": "torch", "model": str(ROOT / "models" / "demo-small"), "dtype": "float32",
+                                "kv_cache_memory": 8 << 20}}}
+    with running_gateway(doc) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def test_sdk_logit_bias_forces_a_token(client):
+    r = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, temperature=0,
+                                       logit_bias={"300": 100})
+    plain = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].message.content != plain.choices[0].message.content
+    again = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, temperature=0.7, seed=1,
+                                           logit_bias={"300": 100}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in again if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_sdk_penalties_are_accepted_and_change_the_text(client):
+    # demo-small answers briefly; -100 on its EOS (1961) forbids stopping, so 40 tokens come back.
+    kw = dict(model="demo", messages=MESSAGES, max_tokens=40, temperature=0, logit_bias={"1961": -100})
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 40
+    pen = client.chat.completions.create(**kw, frequency_penalty=2, presence_penalty=2)
+    assert pen.choices[0].message.content != plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logit_bias": {"999999999": 5}}, "logit_bias"),          # outside the vocabulary
+    ({"logit_bias": {"12": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": True}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+])
+def test_bad_values_are_400_naming_the_parameter(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param and param in e.value.body["message"]
