@@ -1,6 +1,7 @@
-"""presence_penalty, frequency_penalty and logit_bias: the sampler's rule checked against the
-engine's own forward (tests/engine_helpers.prompt_logits), speculation giving the same tokens,
-and the gateway edge (the openai SDK against the demo-small torch engine; 400s naming the parameter)."""
+"""presence_penalty, frequency_penalty, logit_bias and logprobs: the sampler's rule and the
+reported log probabilities checked against the engine's own forward (tests/engine_helpers.prompt_logits),
+speculation giving the same tokens, and the gateway edge (the openai SDK against the demo-small torch
+engine, streamed and not; 400s naming the parameter)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,7 @@ from gateway_helpers import KEY, running_gateway
 from engines import Engine, SamplingParams
 from engines.core.sampling_params import ParamError
 from engines.model.sampler import LogitAdjust, apply_adjustments
+from engines.text.tokenizer import Tokenizer
 from tests.engine_helpers import prompt_logits, random_prompts, run_to_completion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +132,51 @@ def test_bad_values_are_param_errors(engine):
     assert not engine.has_unfinished()
 
 
+def _generate_with_logprobs(engine, prompt, params) -> tuple[list[int], list]:
+    engine.add_request("lp", prompt, params)
+    tokens: list[int] = []
+    logprobs: list = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+            logprobs.extend(out.logprobs)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5),
+    # Penalties, bias, temperature and top_p change the pick, never the reported (model's) distribution.
+    SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=10, ignore_eos=True, logprobs=20,
+                   frequency_penalty=1.0, logit_bias={7: 5.0}),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=0),
+])
+def test_logprobs_are_the_models_log_softmax(engine, params):
+    prompt = random_prompts(1, 9, 9, engine.model_config.vocab_size, seed=7)[0]
+    tokens, logprobs = _generate_with_logprobs(engine, prompt, params)
+    assert len(tokens) == len(logprobs) == params.max_tokens
+    for i, (tok, (tid, lp, top)) in enumerate(zip(tokens, logprobs)):
+        ref = torch.log_softmax(prompt_logits(engine, prompt + tokens[:i])[-1].float(), dim=-1)
+        assert tid == tok and abs(lp - ref[tok].item()) < 1e-4
+        assert len(top) == params.logprobs
+        ref_v, ref_i = ref.topk(params.logprobs) if params.logprobs else (ref[:0], ref[:0].long())
+        assert [t for t, _ in top] == ref_i.tolist()
+        assert max((abs(v - r) for (_, v), r in zip(top, ref_v.tolist())), default=0.0) < 1e-4
+    if params.greedy:
+        assert all(top[0][0] == tid for tid, _, top in logprobs)
+
+
+def test_logprobs_requests_are_not_speculated_and_match(engine, checkpoint_dir):
+    prompt = random_prompts(1, 6, 6, 512, seed=2)[0] * 4
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    spec = Engine(checkpoint_dir("llama"), **BASE, speculative_method="ngram", num_speculative_tokens=3)
+    got = _generate_with_logprobs(spec, prompt, params)
+    want = _generate_with_logprobs(engine, prompt, params)
+    assert got[0] == want[0]
+    for (_, a, ta), (_, b, tb) in zip(got[1], want[1]):
+        assert abs(a - b) < 1e-4 and [t for t, _ in ta] == [t for t, _ in tb]
+
+
 # --- the gateway, with a real (tiny) torch engine ------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -169,7 +216,34 @@ def test_sdk_penalties_are_accepted_and_change_the_text(client):
     assert pen.choices[0].message.content != plain.choices[0].message.content
 
 
+def test_sdk_reads_logprobs_streamed_and_not(client):
+    kw = dict(model="demo", messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+              logit_bias={"1961": -100})
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 12
+    # Greedy: the picked token is the model's most likely one unless that is the EOS the bias forbids
+    # (the reported distribution is the model's, before the bias); the bytes spell the reply.
+    eos = Tokenizer.from_dir(ROOT / "models" / "demo-small").id_to_bytes(1961).decode()
+    for c in content:
+        best = c.top_logprobs[0]
+        assert (best.token == c.token and abs(best.logprob - c.logprob) < 1e-6) or best.token == eos
+        assert c.logprob <= best.logprob + 1e-6
+    assert any(c.top_logprobs[0].token == eos for c in content)   # the bias really overrode the model
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode().strip() == r.choices[0].message.content.strip()
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+    plain = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("extra, param", [
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),                     # needs logprobs: true
+    ({"logprobs": "yes"}, "logprobs"),
     ({"logit_bias": {"999999999": 5}}, "logit_bias"),          # outside the vocabulary
     ({"logit_bias": {"12": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),

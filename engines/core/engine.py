@@ -166,13 +166,16 @@ class Engine:
             # K/V is valid for every token but the last emitted one.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.blocks.cache_full_blocks(seq)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs, seq.pending_logprobs = seq.pending_logprobs, []
             if reason == "grammar":
                 outputs.append(self._finish(seq, "error", emitted[:-1], f"token {emitted[-1]} breaks the grammar"))
             elif reason is not None:
-                outputs.append(self._finish(seq, reason, emitted))
+                outputs.append(self._finish(seq, reason, emitted, logprobs=logprobs))
             else:
                 outputs.append(StepOutput(seq.request_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
-                                          num_cached_tokens=seq.num_cached_tokens))
+                                          num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs))
         self._num_steps += 1
         self._last_step_tokens = batch.num_tokens
         self._last_step_seconds = time.perf_counter() - t0
@@ -265,7 +268,8 @@ class Engine:
         self.close()
         return outs
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None) -> StepOutput:
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None,
+                logprobs: list | None = None) -> StepOutput:
         self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.release(seq)
@@ -273,7 +277,7 @@ class Engine:
         self._inbox.done(seq.request_id)
         return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
                           num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                          error=error)
+                          error=error, logprobs=logprobs)
 
     def _grammar_set(self) -> Grammars:
         """The engine's grammar compiler, built once from the model's tokenizer (thread-safe)."""

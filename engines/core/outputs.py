@@ -15,6 +15,9 @@ class StepOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # When the request asked for logprobs: one [token id, logprob, [[id, logprob], ...]] per new token,
+    # the model's log_softmax (see SamplingParams.logprobs).
+    logprobs: list | None = None
 
 
 @dataclass(slots=True)

@@ -8,6 +8,8 @@ from typing import Any
 from engines.core.errors import RequestError
 from engines.core.structured_output import check_response_format
 
+MAX_LOGPROBS = 20   # alternatives per token, as OpenAI's top_logprobs
+
 
 class ParamError(RequestError):
     """A RequestError caused by one named parameter, so the HTTP edge can name it in its 400."""
@@ -36,6 +38,10 @@ class SamplingParams:
       it occurs at all). Only output tokens count, not the prompt (as vLLM does).
     logit_bias: {token id: bias in [-100, 100]} added to the logits before temperature; -100 in effect
       forbids a token, +100 in effect forces it. Ids are checked against the vocabulary by the engine.
+    logprobs: None (none reported), or k in [0, MAX_LOGPROBS]: each output token comes with its log
+      probability and the k most likely tokens' (engines.core.outputs.StepOutput.logprobs). They are
+      the model's distribution, log_softmax of the raw logits, before penalties, bias, grammar masks,
+      temperature and top-k/top-p. Not speculated.
     Requests with a penalty or a bias are not speculated (a draft's verify rows would each need the
     counts of a different output prefix).
     """
@@ -53,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +113,10 @@ class SamplingParams:
             if not _is_number(bias) or not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
                 raise ParamError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}",
                                  "logit_bias")
+
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ParamError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                             "logprobs")
 
     def check_vocab(self, vocab_size: int) -> None:
         """logit_bias ids must name tokens of this model."""

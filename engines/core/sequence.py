@@ -35,6 +35,9 @@ class Sequence:
     # Grammar state of a response_format request (structured_output.Constraint), advanced by the
     # engine with every appended token; kept through preemption, as the output tokens are.
     constraint: Any = None
+    # Log probabilities of sampled tokens the engine has not emitted yet (params.logprobs set):
+    # [token id, logprob, [[id, logprob], ...]] per token, filled by the sampler, taken by the engine.
+    pending_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -118,7 +118,7 @@ def adjustment(seq: Sequence) -> LogitAdjust | None:
 def sample_sequences(logits: torch.Tensor, sampled: list[Sequence]) -> list[int]:
     """One token per row of logits [S, V], row i for sampled[i]'s next output token."""
     adjust = [adjustment(s) for s in sampled]
-    return sample(
+    tokens = sample(
             logits,
             greedy=[s.params.temperature == 0.0 for s in sampled],
             temperature=[s.params.temperature for s in sampled],
@@ -129,3 +129,23 @@ def sample_sequences(logits: torch.Tensor, sampled: list[Sequence]) -> list[int]
             constraints=[s.constraint for s in sampled],
             adjustments=adjust if any(a is not None for a in adjust) else None,
         )
+    record_logprobs(logits, sampled, tokens)
+    return tokens
+
+
+def record_logprobs(logits: torch.Tensor, sampled: list[Sequence], tokens: list[int]) -> None:
+    """For the sequences that asked, the model's log_softmax of the logits the sampler started from
+    (raw: before penalties, bias, masks and temperature): the picked token's and the top k."""
+    rows = [i for i, s in enumerate(sampled) if s.params.logprobs is not None]
+    if not rows:
+        return
+    dev = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, dtype=torch.long, device=dev)].float(), dim=-1)
+    picked = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=dev)
+    chosen = lp.gather(1, picked[:, None])[:, 0].tolist()
+    k = max(sampled[i].params.logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        n = sampled[i].params.logprobs
+        sampled[i].pending_logprobs.append([tokens[i], chosen[j], [list(p) for p in zip(top_i[j][:n], top_v[j][:n])]])

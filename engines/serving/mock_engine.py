@@ -123,6 +123,9 @@ class MockEngine:
             raise RequestError("request_id must be a non-empty string")
         if params.response_format is not None:   # its canned text could not honour a grammar
             raise GrammarError("response_format is not supported by the mock engine (its reply is canned text)")
+        if params.logprobs is not None:   # its canned text has no distribution to report
+            raise ParamError("'logprobs' is not supported by the mock engine (its reply is canned text)", "logprobs",
+                             code="unsupported_parameter")
         for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
             if getattr(params, name):   # its canned text has no logits to adjust
                 raise ParamError(f"'{name}' is not supported by the mock engine (its reply is canned text)", name,

@@ -79,8 +79,9 @@ class SpeculativeDecoder:
         # verify position (a state per draft prefix); it decodes one masked token per step.
         if seq.constraint is not None:
             return 0
-        # Penalties count the output so far, which differs at every verify position: not speculated.
-        if seq.params.adjusts_logits:
+        # Penalties count the output so far, which differs at every verify position, and logprobs
+        # are taken where the token is sampled: neither is speculated.
+        if seq.params.adjusts_logits or seq.params.logprobs is not None:
             return 0
         left = seq.params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(self.k, left, self.max_model_len - seq.num_tokens))

@@ -69,7 +69,7 @@ async def chat_completions(request: Request) -> Any:
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 stop=req.stop, response_format=req.response_format,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                logit_bias=req.logit_bias)
+                                logit_bias=req.logit_bias, logprobs=req.logprobs)
     except ParamError as e:
         raise BadRequest(str(e), param=e.param, code=e.code) from e
     except GrammarError as e:   # the schema is over the size limit
@@ -239,7 +239,7 @@ class CompletionResponse:
                         "model": gen.handle.name, "system_fingerprint": None,
                         "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text,
                                                              "refusal": None},
-                                     "logprobs": None, "finish_reason": gen.finish_reason}],
+                                     "logprobs": gen.logprobs_field(), "finish_reason": gen.finish_reason}],
                         "usage": gen.usage()}
             data = json.dumps(body, ensure_ascii=False).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]

@@ -32,8 +32,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: v is None or v == [],
     "function_call": _is_neutral("none"),
-    "logprobs": _is_neutral(False),
-    "top_logprobs": lambda v: v is None,
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": lambda v: v is None,
@@ -47,7 +45,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
              "seed", "stream", "stream_options", "user", "metadata", "response_format", "presence_penalty",
-             "frequency_penalty", "logit_bias")
+             "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
+MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries; bounds the work one request adds to every decode step
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -71,6 +70,7 @@ class ChatRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)   # ids checked against the vocabulary by the engine
+    logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
 
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
@@ -130,7 +130,20 @@ def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
     req.presence_penalty = _number(body, "presence_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
     req.frequency_penalty = _number(body, "frequency_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
     req.logit_bias = _logit_bias(body.get("logit_bias"))
+    req.logprobs = _logprobs(body.get("logprobs"), body.get("top_logprobs"))
     return req
+
+
+def _logprobs(logprobs: Any, top: Any) -> int | None:
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest(f"'logprobs' must be a boolean, got {logprobs!r}", param="logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                             param="top_logprobs")
+        if not logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    return (top or 0) if logprobs else None
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:

@@ -56,6 +56,8 @@ class Generation:
         self.aborted: str | None = None        # why the request was cut short, if it was
         self.error: str | None = None
         self.record: UsageRecord | None = None
+        # [token id, logprob, [[id, logprob], ...]] per completion token, when params.logprobs is set.
+        self.logprobs: list = []
 
     # -- running ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,7 +122,26 @@ class Generation:
                 self._metrics.itl.labels(self.handle.name, self._bucket).observe(now - self.last_token_at)
             self.last_token_at = now
         self.num_cached_tokens = out.num_cached_tokens
-        return self._text.feed(out)
+        delta = self._text.feed(out)
+        if out.logprobs:   # only for tokens the text kept (none past a stop string)
+            self.logprobs.extend(out.logprobs[:len(self._text.token_ids) - len(self.logprobs)])
+        return delta
+
+    def logprobs_field(self, start: int = 0, end: int | None = None) -> dict | None:
+        """OpenAI's choices[].logprobs for completion tokens [start, end), or None when not asked."""
+        if self.params.logprobs is None:
+            return None
+        tok = self.handle.tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict:
+            raw = tok.id_to_bytes(token_id)
+            # OpenAI's floor for "practically impossible"; JSON has no -Infinity.
+            return {"token": raw.decode("utf-8", "replace"), "logprob": max(float(logprob), -9999.0),
+                    "bytes": list(raw)}
+
+        content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                   for t, lp, top in self.logprobs[start:end]]
+        return {"content": content, "refusal": None}
 
     # -- the end ------------------------------------------------------------------------------
     def usage(self) -> dict:

@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from engines.core.structured_output import MAX_SCHEMA_CHARS
-from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_STOP, ROLES, UNSUPPORTED
+from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -56,6 +56,12 @@ def openapi_schema() -> dict[str, Any]:
                            "description": ("token id -> bias added to its logit before temperature (-100 in "
                                            "effect forbids the token, +100 forces it); an id outside the "
                                            "engine's vocabulary is a 400 with param 'logit_bias'")},
+            "logprobs": {"type": ["boolean", "null"], "default": False,
+                         "description": ("return each completion token's log probability: the model's "
+                                         "distribution (log_softmax of the raw logits, before penalties, "
+                                         "logit_bias, temperature and top_p); not speculated")},
+            "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                             "description": "alternatives per token; needs logprobs true"},
             "stream": {"type": ["boolean", "null"], "default": False},
             "stream_options": {"type": ["object", "null"],
                                "properties": {"include_usage": {"type": "boolean"}}},
@@ -85,11 +91,17 @@ def openapi_schema() -> dict[str, Any]:
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"},
         "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+    token_lp = {"type": "object", "properties": {
+        "token": {"type": "string"}, "logprob": {"type": "number"},
+        "bytes": {"type": ["array", "null"], "items": {"type": "integer"}}}}
+    logprobs = {"oneOf": [{"type": "null"}, {"type": "object", "properties": {"content": {"type": "array", "items": {
+        "type": "object", "properties": {**token_lp["properties"],
+                                         "top_logprobs": {"type": "array", "items": token_lp}}}}}}]}
     completion = {"type": "object", "properties": {
         "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
         "model": {"type": "string", "description": "the engine that served"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]},
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]}, "logprobs": logprobs,
             "message": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                           "content": {"type": "string"}}}}}},
         "usage": usage}}
@@ -97,7 +109,7 @@ def openapi_schema() -> dict[str, Any]:
         "id": {"type": "string"}, "object": {"const": "chat.completion.chunk"}, "created": {"type": "integer"},
         "model": {"type": "string"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", None]},
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", None]}, "logprobs": logprobs,
             "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                         "content": {"type": "string"}}}}}},
         "usage": {"oneOf": [usage, {"type": "null"}]}}}

@@ -52,6 +52,7 @@ class SSEResponse:
         self._buffered = 0
         self._ready = asyncio.Event()
         self._produced_all = False
+        self._logprobs_sent = 0   # completion tokens whose logprobs a chunk has carried
         self.status = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,9 +104,16 @@ class SSEResponse:
         if self._buffered > self.buffer_bytes:
             self.gen.abort("slow_client")
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, with_logprobs: bool = False
+               ) -> dict[str, Any]:
         chunk = dict(self._head)
-        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        logprobs = None
+        if with_logprobs and self.gen.params.logprobs is not None and self._logprobs_sent < len(self.gen.logprobs):
+            # The tokens since the last chunk: a token whose text is held back (part of a UTF-8
+            # character, maybe a stop string) is reported with the chunk that releases it, or the last.
+            logprobs = self.gen.logprobs_field(self._logprobs_sent)
+            self._logprobs_sent = len(self.gen.logprobs)
+        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         if self.include_usage:
             chunk["usage"] = None  # as OpenAI: null on every chunk but the last
         return chunk
@@ -115,9 +123,9 @@ class SSEResponse:
         try:
             self._push(self._chunk({"role": "assistant", "content": "", "refusal": None}))
             async for delta in gen.deltas():
-                self._push(self._chunk({"content": delta}))
+                self._push(self._chunk({"content": delta}, with_logprobs=True))
             if gen.aborted is None:
-                self._push(self._chunk({}, gen.finish_reason))
+                self._push(self._chunk({}, gen.finish_reason, with_logprobs=True))
                 if self.include_usage:
                     self._push({**self._head, "choices": [], "usage": gen.usage()})
                 gen.finish(200)  # the usage record exists before the client can see [DONE]
