@@ -118,6 +118,16 @@ def test_speculative_engine_gives_the_same_penalised_tokens(engine, checkpoint_d
     assert spec.spec.stats.num_verifications > 0      # the plain request was speculated beside it
 
 
+def test_params_survive_the_remote_wire_format():
+    """A remote replica gets asdict(params) as JSON, whose object keys are strings."""
+    import json
+    from dataclasses import asdict
+
+    sent = SamplingParams(logit_bias={5: -100.0, 12: 2.5}, presence_penalty=0.5, logprobs=3)
+    back = SamplingParams.from_dict(json.loads(json.dumps(asdict(sent))))
+    assert back.logit_bias == {5: -100.0, 12: 2.5} and back == sent
+
+
 def test_bad_values_are_param_errors(engine):
     vocab = engine.model_config.vocab_size
     for kwargs, param in [({"presence_penalty": 2.5}, "presence_penalty"),
@@ -236,6 +246,11 @@ def test_sdk_reads_logprobs_streamed_and_not(client):
     streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in content]
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+    # A stop string cuts the reply: logprobs cover exactly the tokens counted, none past the stop.
+    text = r.choices[0].message.content
+    cut = client.chat.completions.create(**kw, stop=[text[len(text) // 2:len(text) // 2 + 2]])
+    assert cut.choices[0].finish_reason == "stop"
+    assert len(cut.choices[0].logprobs.content) == cut.usage.completion_tokens < 12
     plain = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
     assert plain.choices[0].logprobs is None
 

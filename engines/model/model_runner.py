@@ -143,7 +143,7 @@ def record_logprobs(logits: torch.Tensor, sampled: list[Sequence], tokens: list[
     lp = torch.log_softmax(logits[torch.tensor(rows, dtype=torch.long, device=dev)].float(), dim=-1)
     picked = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=dev)
     chosen = lp.gather(1, picked[:, None])[:, 0].tolist()
-    k = max(sampled[i].params.logprobs for i in rows)
+    k = min(max(sampled[i].params.logprobs for i in rows), lp.shape[-1])
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     for j, i in enumerate(rows):

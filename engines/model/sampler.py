@@ -1,4 +1,5 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request reproducible randomness.
+Penalties and logit_bias (apply_adjustments) and grammar masks change a row's logits first.
 
 The random draw for a request's i-th output token comes from a generator seeded by
 mix(seed, i) alone. Nothing about the batch (its size, order, or what else is in it) and nothing
