@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from gateway.backends.engine_pool import EngineHandle, load_engines
 from gateway.config.deployment import Deployment
-from gateway.http import chat_endpoint, service_routes
+from gateway.http import chat_endpoint, completions_endpoint, service_routes
 from gateway.http.errors import APIError, ServerError, error_for_status
 from gateway.observability.access_log import AccessLog
 from gateway.policy import page as policy_page
@@ -71,7 +71,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
                 if owns_engines and callable(getattr(inner, "close", None)):
                     inner.close()
 
-    routes = chat_endpoint.routes() + service_routes.routes() + spend_routes.routes()
+    routes = chat_endpoint.routes() + completions_endpoint.routes() + service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
     routes += policy_routes.routes() + policy_page.routes()
@@ -88,7 +88,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     gw = gateway_of(request)
     request.scope.setdefault("tokenyard", {})["error_code"] = exc.code
-    if request.url.path == "/v1/chat/completions":
+    if request.url.path in ("/v1/chat/completions", "/v1/completions"):
         gw.metrics.count_request("", exc.status, "")
     return exc.response()
 

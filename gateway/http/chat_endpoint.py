@@ -1,35 +1,18 @@
-"""POST /v1/chat/completions: validate -> authenticate -> policy and route (tokens, router, budget,
-overflow: gateway/routing/plan.py) -> reserve limits -> admit -> engine -> response.
-
-The prompt is tokenised once, with the serving engine's tokenizer; that count is the one the
-context check, the router, the rate limits and the usage record all use.
+"""POST /v1/chat/completions: the shared flow (gateway/http/completion_flow.py) with the chat
+parser (gateway/http/chat_request.py), rendered as chat.completion objects (or their chunks).
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import re
-import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from engines.core.errors import EngineDeadError, RequestError
-from engines.core.sampling_params import ParamError, SamplingParams
-from engines.core.structured_output import GrammarError
 from gateway.http.chat_request import parse_chat_request
-from gateway.http.edge_params import json_int, parse_int, read_int
-from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
-from gateway.http.generation import EngineFailed, Generation
-from gateway.http.streaming import SSEResponse, wait_disconnect
-from gateway.routing.plan import plan_route
-from gateway.spend.usage import RecordContext
-
-if TYPE_CHECKING:
-    from gateway.state import Gateway
+from gateway.http.completion_flow import CompletionResponse, start_generation
+from gateway.http.generation import Generation
+from gateway.http.streaming import SSEResponse
 
 
 def routes() -> list[Route]:
@@ -37,220 +20,20 @@ def routes() -> list[Route]:
 
 
 async def chat_completions(request: Request) -> Any:
-    gw: Gateway = request.app.state.gateway
-    arrival = time.perf_counter()
-    info = request.scope.setdefault("tokenyard", {})
-    if gw.draining:
-        raise Unavailable("The server is shutting down; retry on another instance", code="draining",
-                          headers={"retry-after": "1"})
-    body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
-    req = parse_chat_request(body, gw.deployment.limits.max_messages)
-    key = await gw.keys.authenticate(request.headers.get("authorization"))
-    info["tenant"] = key.tenant
-    elapsed = time.perf_counter() - arrival
-    deadline = gw.admission.deadline(_deadline_header(request), elapsed)
-    deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
-    # Policy and route: rules, the learned router, budget, overflow; may refuse here.
-    route = await plan_route(gw, req, key, deadline)
-    prompt_ids = route.prompt_ids
-    handle = gw.handles[route.engine]
-    max_len = handle.engine.max_model_len
-    if len(prompt_ids) >= max_len:
-        raise BadRequest(f"This model's maximum context length is {max_len} tokens; the messages have "
-                         f"{len(prompt_ids)} tokens", param="messages", code="context_length_exceeded")
-    max_tokens = route.max_tokens          # the client's, capped by a policy rule
-    if max_tokens is None:
-        max_tokens = min(gw.deployment.limits.default_max_tokens, max_len - len(prompt_ids))
-    elif len(prompt_ids) + max_tokens > max_len:
-        raise BadRequest(f"This model's maximum context length is {max_len} tokens; you asked for "
-                         f"{len(prompt_ids)} prompt + {max_tokens} completion tokens. Lower max_tokens.",
-                         param="max_tokens", code="context_length_exceeded")
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                stop=req.stop, response_format=req.response_format,
-                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                logit_bias=req.logit_bias, logprobs=req.logprobs)
-    except ParamError as e:
-        raise BadRequest(str(e), param=e.param, code=e.code) from e
-    except GrammarError as e:   # the schema is over the size limit
-        raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
-    info.update(engine=handle.name, route_reason=route.reason)
-    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline, route.priority,
-                                         route.rate)
-    request_id = info.get("request_id") or secrets.token_hex(12)
-    engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
-    # Everything the usage record needs besides the engine's counts (the policy replay reads it too).
-    context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id, tags=req.metadata,
-                            user=req.user, router_score=route.score, deadline_ms=deadline_ms,
-                            baseline_engine=gw.baseline_engine,
-                            baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
-                            requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
-                            prices=route.prices, policy_version=route.policy_version)
-    priority = key.priority_class if route.priority is None else route.priority
-    gen = Generation(handle, engine_rid, prompt_ids, params, req.model, route.reason, req.stream, arrival,
-                     time.time(), gw.metrics, gw.usage_sink, priority=priority, tenant=key.tenant,
-                     on_end=admitted.end, context=context)
-    try:
-        gen.start()
-    except EngineDeadError as e:
-        raise Unavailable(f"Engine {handle.name} is unavailable", code="engine_unavailable") from e
-    except ParamError as e:     # before RequestError, its base: e.g. a logit_bias id outside the vocabulary
-        raise BadRequest(str(e), param=e.param, code=e.code) from e
-    except GrammarError as e:   # before RequestError, its base: the schema is the problem
-        raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
-    except RequestError as e:
-        raise BadRequest(str(e)) from e
-    info["generation"] = gen
-    headers = {"x-tokenyard-engine": handle.name, "x-tokenyard-route-reason": route.reason,
-               "x-tokenyard-policy-version": str(route.policy_version), **admitted.headers}
-    if route.score is not None:
-        headers["x-tokenyard-router-score"] = f"{route.score:.6f}"
-    completion_id = "chatcmpl-" + request_id
+    started = await start_generation(
+        request, lambda body, gw: parse_chat_request(body, gw.deployment.limits.max_messages), "messages")
+    gen, req = started.gen, started.req
+    completion_id = "chatcmpl-" + started.request_id
     if req.stream:
-        lim = gw.deployment.limits
-        return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, headers,
+        lim = request.app.state.gateway.deployment.limits
+        return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,
                            lim.stream_buffer_bytes, lim.stream_write_timeout_s)
-    return CompletionResponse(gen, completion_id, headers)
 
+    def render(gen: Generation) -> dict:
+        return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+                "model": gen.handle.name, "system_fingerprint": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text, "refusal": None},
+                             "logprobs": gen.logprobs_field(), "finish_reason": gen.finish_reason}],
+                "usage": gen.usage()}
 
-async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
-    declared = _declared_length(request.headers.get("content-length"))
-    if declared is not None and declared > max_bytes:
-        raise PayloadTooLarge(f"Request body is {declared} bytes; the limit is {max_bytes}", code="body_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes", code="body_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:   # left mid-body: a 499 in the access log and metrics, not an unhandled error
-        raise ClientClosed("The client closed the connection before sending the whole body",
-                           code="client_disconnected") from None
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"Request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
-    try:
-        body = json.loads(text, parse_int=json_int)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"Request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                         code="invalid_json") from e
-    except RecursionError as e:
-        raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep") from e
-    except ValueError as e:     # an integer literal too long to be any parameter's value
-        raise BadRequest(f"Request body is not valid JSON: {e}", code="invalid_json") from e
-    if _depth(body, max_depth) > max_depth:
-        raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep")
-    where = _unpaired_surrogate(body)
-    if where is not None:
-        # JSON's \ud800 escape decodes to a lone surrogate that no reply, log line or Redis write
-        # can encode back as UTF-8; refused here so nothing downstream ever holds one.
-        raise BadRequest("Request body contains an unpaired UTF-16 surrogate escape", param=where or None,
-                         code="invalid_encoding")
-    return body
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _unpaired_surrogate(value: Any) -> str | None:
-    """The path ("metadata.k", "messages[0].content"; "" for the top level) of the first string or
-    key holding a lone surrogate, or None. A valid pair decodes to one code point, so any
-    surrogate code point left in a str is unpaired."""
-    stack: list[tuple[Any, str]] = [(value, "")]
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii() and _SURROGATE.search(v):
-                return path
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                sub = f"{path}.{k}" if path else str(k)
-                if not k.isascii() and _SURROGATE.search(k):
-                    return path
-                stack.append((x, sub))
-        elif isinstance(v, list):
-            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
-    return None
-
-
-def _deadline_header(request: Request) -> str | None:
-    """x-request-deadline-ms as plain ASCII digits (admission reads it), or a 400 here: "²" passes
-    str.isdigit() but not int()."""
-    raw = request.headers.get("x-request-deadline-ms")
-    if raw is None:
-        return None
-    return str(parse_int(raw, "x-request-deadline-ms", minimum=1, code="invalid_deadline"))
-
-
-def _declared_length(raw: str | None) -> int | None:
-    """Content-Length when it is a plain integer; otherwise None (the streamed count still applies)."""
-    try:
-        return read_int(raw, 0) if raw is not None else None
-    except ValueError:
-        return None
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of objects/arrays, stopping early once past limit."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            v = v.values()
-        elif not isinstance(v, list):
-            continue
-        deepest = max(deepest, d)
-        if deepest > limit:
-            return deepest
-        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
-    return deepest
-
-
-class CompletionResponse:
-    """A non-streamed completion; a watcher aborts the engine request if the client leaves."""
-
-    def __init__(self, gen: Generation, completion_id: str, headers: dict[str, str]) -> None:
-        self.gen = gen
-        self.completion_id = completion_id
-        self.headers = headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gen = self.gen
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive))
-        status, record_status = 200, None
-        try:
-            try:
-                async for _ in gen.deltas():
-                    pass
-            except EngineFailed:
-                status = 500
-            if gen.aborted == "client_disconnected":
-                status, record_status = 499, "client_disconnected"
-                return  # nobody to answer
-            if status == 500:
-                body = ServerError("The engine failed while generating this response", code="engine_error").body()
-            else:
-                body = {"id": self.completion_id, "object": "chat.completion", "created": int(time.time()),
-                        "model": gen.handle.name, "system_fingerprint": None,
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text,
-                                                             "refusal": None},
-                                     "logprobs": gen.logprobs_field(), "finish_reason": gen.finish_reason}],
-                        "usage": gen.usage()}
-            data = json.dumps(body, ensure_ascii=False).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-            headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
-            gen.finish(status, record_status)  # the usage record exists before the client sees the reply
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": data})
-        finally:
-            watcher.cancel()
-            gen.finish(status, record_status)
-
-    async def _watch(self, receive: Receive) -> None:
-        await wait_disconnect(receive)
-        self.gen.abort("client_disconnected")
+    return CompletionResponse(gen, started.headers, render)

@@ -74,28 +74,46 @@ class ChatRequest:
 
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
+    check_names(body, UNSUPPORTED, SUPPORTED)
+    req = ChatRequest(model=parse_model(body), messages=_messages(body.get("messages"), max_messages))
+    parse_common(body, req)
+    req.response_format = _response_format(body.get("response_format"))
+    req.logprobs = _logprobs(body.get("logprobs"), body.get("top_logprobs"))
+    return req
+
+
+def check_names(body: Any, unsupported: dict[str, Callable[[Any], bool]], supported: tuple[str, ...]) -> None:
+    """A JSON object whose every name is supported, or unsupported but set to its neutral value."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name in body:
-        if name in UNSUPPORTED:
-            if not UNSUPPORTED[name](body[name]):
+        if name in unsupported:
+            if not unsupported[name](body[name]):
                 raise BadRequest(f"'{name}' is not supported by Tokenyard", param=name, code="unsupported_parameter")
-        elif name not in SUPPORTED:
+        elif name not in supported:
             raise BadRequest(f"Unrecognized request argument supplied: {name}", param=name,
                              code="unrecognized_parameter")
+
+
+def parse_model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    req = ChatRequest(model=model, messages=_messages(body.get("messages"), max_messages))
+    return model
+
+
+def parse_common(body: dict[str, Any], req: Any) -> None:
+    """The parameters chat and text completions share, set on req (a ChatRequest or a
+    CompletionRequest): n, max_tokens, sampling, stop, stream, user, metadata, penalties, bias."""
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise BadRequest("only n=1 is supported" if _is_int(n) and n > 1 else "'n' must be 1", param="n",
-                         code="unsupported_parameter" if _is_int(n) and n > 1 else None)
+    if n is not None and (not is_int(n) or n != 1):
+        raise BadRequest("only n=1 is supported" if is_int(n) and n > 1 else "'n' must be 1", param="n",
+                         code="unsupported_parameter" if is_int(n) and n > 1 else None)
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise BadRequest(f"'{name}' must be an integer >= 1, got {value!r}", param=name)
         if req.max_tokens is not None and req.max_tokens != value:
             raise BadRequest("max_tokens and max_completion_tokens disagree; send one", param=name)
@@ -103,7 +121,7 @@ def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
     req.temperature = _number(body, "temperature", 1.0, lambda x: 0 <= x <= 2, "a number in [0, 2]")
     req.top_p = _number(body, "top_p", 1.0, lambda x: 0 < x <= 1, "a number in (0, 1]")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -MAX_SEED - 1 <= seed <= MAX_SEED):
+    if seed is not None and (not is_int(seed) or not -MAX_SEED - 1 <= seed <= MAX_SEED):
         raise BadRequest(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
     req.seed = seed
     req.stop = _stop(body.get("stop"))
@@ -126,19 +144,16 @@ def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
         raise BadRequest("'user' must be a string", param="user")
     req.user = user
     req.metadata = _metadata(body.get("metadata"))
-    req.response_format = _response_format(body.get("response_format"))
     req.presence_penalty = _number(body, "presence_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
     req.frequency_penalty = _number(body, "frequency_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
     req.logit_bias = _logit_bias(body.get("logit_bias"))
-    req.logprobs = _logprobs(body.get("logprobs"), body.get("top_logprobs"))
-    return req
 
 
 def _logprobs(logprobs: Any, top: Any) -> int | None:
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest(f"'logprobs' must be a boolean, got {logprobs!r}", param="logprobs")
     if top is not None:
-        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
                              param="top_logprobs")
         if not logprobs:
@@ -297,5 +312,5 @@ def _number(body: dict[str, Any], name: str, default: float, ok: Callable[[float
     return float(value)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

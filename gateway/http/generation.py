@@ -143,6 +143,28 @@ class Generation:
                    for t, lp, top in self.logprobs[start:end]]
         return {"content": content, "refusal": None}
 
+    def legacy_logprobs_field(self, start: int = 0, end: int | None = None) -> dict | None:
+        """The text completion's choices[].logprobs (OpenAI's legacy shape: tokens, token_logprobs,
+        top_logprobs as {token: logprob}, text_offset in characters of the completion text) for
+        completion tokens [start, end), or None when not asked."""
+        if self.params.logprobs is None:
+            return None
+        tok = self.handle.tokenizer
+
+        def text(token_id: int) -> str:
+            return tok.id_to_bytes(token_id).decode("utf-8", "replace")
+
+        offset = sum(len(text(t)) for t, _, _ in self.logprobs[:start])
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in self.logprobs[start:end]:
+            s = text(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(max(float(lp), -9999.0))   # JSON has no -Infinity
+            out["top_logprobs"].append({text(i): max(float(v), -9999.0) for i, v in top})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
     # -- the end ------------------------------------------------------------------------------
     def usage(self) -> dict:
         p, c = self.num_prompt_tokens, self.num_completion_tokens

@@ -10,6 +10,8 @@ from typing import Any
 
 from engines.core.structured_output import MAX_SCHEMA_CHARS
 from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
+from gateway.http.completion_request import MAX_LOGPROBS
+from gateway.http.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -113,6 +115,45 @@ def openapi_schema() -> dict[str, Any]:
             "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                         "content": {"type": "string"}}}}}},
         "usage": {"oneOf": [usage, {"type": "null"}]}}}
+    shared = {k: request["properties"][k] for k in (
+        "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+        "logit_bias", "stream", "stream_options", "user", "metadata")}
+    text_request = {
+        "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
+        "description": ("OpenAI's legacy text completion: the prompt is encoded as is (no chat template). Refused "
+                        "with 400 naming them unless neutral: " + ", ".join(sorted(TEXT_UNSUPPORTED))
+                        + " (echo false, suffix empty, best_of 1 are accepted)"),
+        "properties": {
+            **shared,
+            "prompt": {"description": ("one prompt: a string, or an array of token ids of the serving engine's "
+                                       "vocabulary; an array of several prompts is refused (one prompt per request)"),
+                       "oneOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                                 {"type": "array", "minItems": 1, "maxItems": 1,
+                                  "items": {"oneOf": [{"type": "string", "minLength": 1},
+                                                      {"type": "array", "minItems": 1,
+                                                       "items": {"type": "integer", "minimum": 0}}]}}]},
+            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS,
+                         "description": ("return each completion token's log probability and this many most "
+                                         "likely alternatives (the model's distribution, as on chat)")},
+            "echo": {"enum": [False, None], "description": "not supported: false only"},
+            "suffix": {"enum": ["", None], "description": "not supported: empty only"},
+            "best_of": {"enum": [1, None], "description": "not supported: 1 only"},
+        }}
+    legacy_lp = {"oneOf": [{"type": "null"}, {"type": "object", "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"type": "number"}},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        "text_offset": {"type": "array", "items": {"type": "integer"}}}}]}
+    text_choice = {"type": "object", "properties": {
+        "text": {"type": "string"}, "index": {"type": "integer"}, "logprobs": legacy_lp,
+        "finish_reason": {"enum": ["stop", "length", None]}}}
+    text_completion = {"type": "object", "description": ("the reply; streamed, each `data:` event is one of these "
+                                                         "(usage on the last with include_usage), then "
+                                                         "`data: [DONE]`"), "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+        "model": {"type": "string", "description": "the engine that served"},
+        "choices": {"type": "array", "items": text_choice}, "usage": {"oneOf": [usage, {"type": "null"}]}}}
     error = {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
@@ -128,11 +169,12 @@ def openapi_schema() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "Tokenyard gateway", "version": "0.1.0",
-                 "description": "OpenAI-compatible chat completions over Tokenyard's engines"},
+                 "description": "OpenAI-compatible chat and text completions over Tokenyard's engines"},
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {"ChatCompletionRequest": request, "ChatCompletion": completion,
-                        "ChatCompletionChunk": chunk, "Error": error, "Model": model}},
+                        "ChatCompletionChunk": chunk, "CompletionRequest": text_request,
+                        "TextCompletion": text_completion, "Error": error, "Model": model}},
         "paths": {
             "/v1/chat/completions": {"post": {
                 "summary": "Create a chat completion (streamed as server-sent events when stream is true)",
@@ -151,6 +193,22 @@ def openapi_schema() -> dict[str, Any]:
                                         "text/event-stream": {"schema": {
                                             "$ref": "#/components/schemas/ChatCompletionChunk"}}}},
                     **_errors(400, 401, 403, 404, 413, 422, 429, 500, 503)}}},
+            "/v1/completions": {"post": {
+                "summary": "Create a text completion from a prompt (streamed as server-sent events when stream is "
+                           "true); same admission, limits, routing and spend as chat",
+                "security": auth,
+                "parameters": [{"name": "x-request-id", "in": "header", "required": False,
+                                "schema": {"type": "string", "maxLength": 128}},
+                               {"name": "x-request-deadline-ms", "in": "header", "required": False,
+                                "description": "as for chat completions", "schema": {"type": "integer", "minimum": 1}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
+                "responses": {
+                    "200": {"description": "a text completion, or an event stream of them", "headers": headers,
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TextCompletion"}},
+                                        "text/event-stream": {"schema": {
+                                            "$ref": "#/components/schemas/TextCompletion"}}}},
+                    **_errors(400, 401, 403, 404, 413, 429, 500, 503)}}},
             "/v1/models": {"get": {"summary": "List models: 'auto' and every engine", "security": auth,
                                    "responses": {"200": _json({"type": "object", "properties": {
                                        "object": {"const": "list"},

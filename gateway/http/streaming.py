@@ -1,4 +1,5 @@
-"""Server-sent events for a streamed chat completion (OpenAI's chat.completion.chunk objects).
+"""Server-sent events for a streamed completion: OpenAI's chat.completion.chunk objects
+(SSEResponse) or text_completion objects (TextSSEResponse: no role chunk, `text` for `delta`).
 
     data: {... "delta": {"role": "assistant", "content": ""} ...}     first: the role
     data: {... "delta": {"content": "Hel"} ...}                        text as it is made
@@ -118,14 +119,25 @@ class SSEResponse:
             chunk["usage"] = None  # as OpenAI: null on every chunk but the last
         return chunk
 
+    def _opening(self) -> dict[str, Any] | None:
+        return self._chunk({"role": "assistant", "content": "", "refusal": None})
+
+    def _delta_chunk(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text}, with_logprobs=True)
+
+    def _final_chunk(self) -> dict[str, Any]:
+        return self._chunk({}, self.gen.finish_reason, with_logprobs=True)
+
     async def _produce(self) -> None:
         gen = self.gen
         try:
-            self._push(self._chunk({"role": "assistant", "content": "", "refusal": None}))
+            opening = self._opening()
+            if opening is not None:
+                self._push(opening)
             async for delta in gen.deltas():
-                self._push(self._chunk({"content": delta}, with_logprobs=True))
+                self._push(self._delta_chunk(delta))
             if gen.aborted is None:
-                self._push(self._chunk({}, gen.finish_reason, with_logprobs=True))
+                self._push(self._final_chunk())
                 if self.include_usage:
                     self._push({**self._head, "choices": [], "usage": gen.usage()})
                 gen.finish(200)  # the usage record exists before the client can see [DONE]
@@ -141,3 +153,33 @@ class SSEResponse:
         finally:
             self._produced_all = True
             self._ready.set()
+
+
+class TextSSEResponse(SSEResponse):
+    """A streamed text completion: text_completion objects whose choice carries `text` (and the
+    legacy logprobs shape), no opening role chunk; usage and [DONE] as for chat."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head = {"id": self._head["id"], "object": "text_completion", "created": self._head["created"],
+                      "model": self.gen.handle.name, "system_fingerprint": None}
+
+    def _opening(self) -> dict[str, Any] | None:
+        return None
+
+    def _delta_chunk(self, text: str) -> dict[str, Any]:
+        return self._text_chunk(text, None)
+
+    def _final_chunk(self) -> dict[str, Any]:
+        return self._text_chunk("", self.gen.finish_reason)
+
+    def _text_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        chunk = dict(self._head)
+        logprobs = None
+        if self.gen.params.logprobs is not None and self._logprobs_sent < len(self.gen.logprobs):
+            logprobs = self.gen.legacy_logprobs_field(self._logprobs_sent)
+            self._logprobs_sent = len(self.gen.logprobs)
+        chunk["choices"] = [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk

@@ -1,10 +1,12 @@
-"""Policy and route for one chat request: the step between authentication and the limits.
+"""Policy and route for one chat or text completion request: the step between authentication and
+the limits.
 
     plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
 
 1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
 2. The prompt is tokenised once (the pinned engine's tokenizer, else the counting engine's; again
-   only if the engine finally chosen has another tokenizer).
+   only if the engine finally chosen has another tokenizer). Chat messages go through the model's
+   chat template; a text completion's prompt is encoded as is, or taken as token ids.
 3. The learned router (deployment `router:`) scores every prompt: P(small is enough),
    to metrics, the response headers and the usage record (the replay of a policy needs it).
 4. Without a policy (the built-in default, version 0) the deployment's routing decides: a named
@@ -34,6 +36,7 @@ from engines.text.chat_template import ChatTemplateError, apply_chat_template
 from engines.text.tokenizer import Tokenizer
 from gateway.auth.api_keys import PRIORITIES, KeyRecord
 from gateway.http.chat_request import ChatRequest
+from gateway.http.completion_request import CompletionRequest
 from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 from policies import EngineState, RequestFeatures, TenantSpend, decide
 from router_models.runtime.features import prompt_text
@@ -60,9 +63,18 @@ class Plan:
     explanation: list[str] = field(default_factory=list)
 
 
-def _tokenize(gw: "Gateway", engine: str, req: ChatRequest) -> tuple[Any, list[int]]:
+def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> tuple[Any, list[int]]:
     tok = gw.handles[engine].tokenizer
+    if isinstance(req, CompletionRequest):
+        return tok, tokenize_prompt(tok, req.prompt)
     return tok, tokenize(tok, req.messages)
+
+
+def _router_text(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int]) -> str:
+    """The text the learned router scores: the messages' contents, or the completion prompt."""
+    if isinstance(req, ChatRequest):
+        return prompt_text(req.messages)
+    return req.prompt if isinstance(req.prompt, str) else tok.decode(ids)
 
 
 def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, EngineState]:
@@ -75,7 +87,7 @@ def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, Engine
     return out
 
 
-async def plan_route(gw: "Gateway", req: ChatRequest, key: KeyRecord, deadline: float) -> Plan:
+async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
     pinned = gw.router.pinned(req.model)          # NotFound for unknown names
     state = gw.policy
     policy = state.policy
@@ -86,7 +98,7 @@ async def plan_route(gw: "Gateway", req: ChatRequest, key: KeyRecord, deadline: 
     # named-engine request to the router, and the what-if replay of a future policy needs the score
     # in every usage record. Scoring is a hashed dot product (tens of microseconds).
     if gw.learned_router is not None:
-        score = gw.learned_router.scorer.score(prompt_text(req.messages), len(ids))
+        score = gw.learned_router.scorer.score(_router_text(req, tok, ids), len(ids))
         gw.metrics.router_score.observe(score)
     if policy is None:
         if pinned is not None:
@@ -129,7 +141,7 @@ async def plan_route(gw: "Gateway", req: ChatRequest, key: KeyRecord, deadline: 
     return _finish(gw, req, tok, plan)
 
 
-def _finish(gw: "Gateway", req: ChatRequest, counted_with: Any, plan: Plan) -> Plan:
+def _finish(gw: "Gateway", req: ChatRequest | CompletionRequest, counted_with: Any, plan: Plan) -> Plan:
     if gw.handles[plan.engine].tokenizer is not counted_with:
         plan.prompt_ids = _tokenize(gw, plan.engine, req)[1]
     return plan
@@ -155,3 +167,15 @@ def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
     except RequestError as e:
         raise BadRequest(str(e), param="messages") from e
     return tok.encode(text, add_special_tokens=False)  # the template already wrote BOS
+
+
+def tokenize_prompt(tok: Tokenizer, prompt: str | list[int]) -> list[int]:
+    """A text completion's prompt: the text encoded as is (with the tokenizer's BOS, no chat
+    template), or token ids, which must be in this engine's vocabulary."""
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"prompt token id {bad} is outside the model's vocabulary (0..{tok.vocab_size - 1})",
+                         param="prompt")
+    return list(prompt)

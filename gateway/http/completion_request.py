@@ -1,0 +1,76 @@
+"""A /v1/completions body (OpenAI's legacy text completion), validated into a typed request.
+
+The parameters it shares with chat (sampling, stop, stream, penalties, bias, user, metadata) are
+parsed by chat_request.parse_common, so both endpoints accept and refuse them alike. What is
+particular here: `prompt` (one string or one array of token ids; no chat template is applied),
+`logprobs` as an integer 0..MAX_LOGPROBS, and `echo`, `suffix`, `best_of` refused by name unless
+neutral.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gateway.http.chat_request import check_names, is_int, parse_common, parse_model
+from gateway.http.errors import BadRequest
+
+MAX_LOGPROBS = 5      # OpenAI's limit for the legacy endpoint
+MAX_PROMPT_IDS = 1_000_000   # far above any context; bounds the work before the context check
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v is None or v == "",
+    "best_of": lambda v: v is None or (is_int(v) and v == 1),
+}
+SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
+             "stream_options", "user", "metadata", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]                  # text (tokenised as is, no template) or token ids
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
+    response_format: None = None             # chat only; here so the shared flow reads one shape
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    check_names(body, UNSUPPORTED, SUPPORTED)
+    req = CompletionRequest(model=parse_model(body), prompt=_prompt(body.get("prompt")))
+    parse_common(body, req)
+    lp = body.get("logprobs")
+    if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise BadRequest(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}", param="logprobs")
+    req.logprobs = lp
+    return req
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    """One string, or one array of token ids; a batch (an array of several) is refused by name."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("'prompt' must be a non-empty string", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(is_int(t) for t in prompt):
+            if len(prompt) > MAX_PROMPT_IDS or not all(t >= 0 for t in prompt):
+                raise BadRequest("'prompt' token ids must be non-negative integers", param="prompt")
+            return list(prompt)
+        if len(prompt) == 1 and (isinstance(prompt[0], str) or isinstance(prompt[0], list)):
+            return _prompt(prompt[0])   # a batch of one is one prompt
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise BadRequest("prompt: one prompt per request is supported", param="prompt",
+                             code="unsupported_parameter")
+    raise BadRequest("'prompt' must be a non-empty string or a non-empty array of token ids", param="prompt")

@@ -1,0 +1,40 @@
+"""POST /v1/completions (OpenAI's legacy text completion): the shared flow
+(gateway/http/completion_flow.py) with a prompt that is encoded as is or given as token ids (no
+chat template), rendered as text_completion objects, streamed or not. Admission, limits,
+routing and spend are the chat endpoint's, unchanged.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.routing import Route
+
+from gateway.http.completion_flow import CompletionResponse, start_generation
+from gateway.http.completion_request import parse_completion_request
+from gateway.http.generation import Generation
+from gateway.http.streaming import TextSSEResponse
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/completions", completions, methods=["POST"])]
+
+
+async def completions(request: Request) -> Any:
+    started = await start_generation(request, lambda body, gw: parse_completion_request(body), "prompt")
+    gen, req = started.gen, started.req
+    completion_id = "cmpl-" + started.request_id
+    if req.stream:
+        lim = request.app.state.gateway.deployment.limits
+        return TextSSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,
+                               lim.stream_buffer_bytes, lim.stream_write_timeout_s)
+
+    def render(gen: Generation) -> dict:
+        return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
+                "model": gen.handle.name, "system_fingerprint": None,
+                "choices": [{"text": gen.text, "index": 0, "logprobs": gen.legacy_logprobs_field(),
+                             "finish_reason": gen.finish_reason}],
+                "usage": gen.usage()}
+
+    return CompletionResponse(gen, started.headers, render)
