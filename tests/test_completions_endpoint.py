@@ -151,3 +151,26 @@ def test_openapi_lists_the_endpoint(srv):
     assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"prompt", "echo", "suffix", "logprobs", "stop", "stream", "max_tokens"} <= set(props)
+
+
+def test_logprobs_legacy_shape_with_the_torch_engine():
+    from gateway_helpers import ROOT
+    doc = {"server": {"access_log": False},
+           "engines": {"demo": {"type": "torch", "model": str(ROOT / "models" / "demo-small"), "dtype": "float32",
+                                "kv_cache_memory": 8 << 20}}}
+    with running_gateway(doc) as s:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        r = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                      logprobs=2)
+        lp = r.choices[0].logprobs
+        n = r.usage.completion_tokens
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+        assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+        # Greedy: the chosen token is the most likely one.
+        assert all(abs(max(t.values()) - v) < 1e-4 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        chunks = list(client.completions.create(model="demo", prompt="Once upon a time", max_tokens=6,
+                                                temperature=0, logprobs=2, stream=True))
+        streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+        assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
