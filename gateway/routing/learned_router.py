@@ -9,7 +9,9 @@ Deployment YAML (all keys optional; without `router.artifact` nothing changes):
       small: demo-small          # default: routing.small
       large: demo-large          # default: routing.large
 
-Per request (gateway/http/chat_endpoint.py, once the prompt is tokenised with the counting engine):
+Per request, gateway/routing/plan.py scores the prompt once it is tokenised with the counting
+engine and picks with `LearnedRouter.engine_for(score)`; `route_auto` does both in one call for
+tools and benchmarks:
 
     decision = route_auto(gw.learned_router, gw.router, prompt_text(req.messages), len(ids))
     # decision.engine, decision.reason ("router" or the interim "auto:..."), decision.score
