@@ -51,10 +51,12 @@ MAX_LOGIT_BIAS = 1024   # entries; bounds the work one request adds to every dec
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-@dataclass(slots=True)
-class ChatRequest:
+@dataclass(slots=True, kw_only=True)
+class SamplingRequest:
+    """What chat and text completions share: the model, sampling, stop, stream, tags, penalties,
+    logprobs. parse_common fills it for both; the shared flow (completion_flow.py) reads only these."""
+
     model: str
-    messages: list[dict[str, str]]           # {"role", "content"} with text content only
     max_tokens: int | None = None            # None: the deployment's default, capped by the context
     temperature: float = 1.0
     top_p: float = 1.0
@@ -65,12 +67,17 @@ class ChatRequest:
     user: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     # None (plain text), {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"}:
-    # the engine's SamplingParams.response_format shape (the json_schema wrapper unwrapped).
+    # the engine's SamplingParams.response_format shape (the json_schema wrapper unwrapped). Chat only.
     response_format: dict[str, Any] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)   # ids checked against the vocabulary by the engine
     logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatRequest(SamplingRequest):
+    messages: list[dict[str, str]]           # {"role", "content"} with text content only
 
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
@@ -102,7 +109,7 @@ def parse_model(body: dict[str, Any]) -> str:
     return model
 
 
-def parse_common(body: dict[str, Any], req: Any) -> None:
+def parse_common(body: dict[str, Any], req: SamplingRequest) -> None:
     """The parameters chat and text completions share, set on req (a ChatRequest or a
     CompletionRequest): n, max_tokens, sampling, stop, stream, user, metadata, penalties, bias."""
     n = body.get("n")

@@ -8,10 +8,10 @@ neutral.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from gateway.http.chat_request import check_names, is_int, parse_common, parse_model
+from gateway.http.chat_request import SamplingRequest, check_names, is_int, parse_common, parse_model
 from gateway.http.errors import BadRequest
 
 MAX_LOGPROBS = 5      # OpenAI's limit for the legacy endpoint
@@ -26,24 +26,9 @@ SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop
              "stream_options", "user", "metadata", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
 
-@dataclass(slots=True)
-class CompletionRequest:
-    model: str
+@dataclass(slots=True, kw_only=True)
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int]                  # text (tokenised as is, no template) or token ids
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    user: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
-    response_format: None = None             # chat only; here so the shared flow reads one shape
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
