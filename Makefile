@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: serve test reliability gpu-check bench install clean chromium
+.PHONY: serve test reliability gpu-check bench install clean chromium bench-peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -67,3 +67,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# Tokenyard against llama.cpp on the same weights (issue 26): builds llama-server and llama-bench
+# once from the llama-cpp-python source distribution into bench/peers/build/ (~15 min on 2 cores),
+# then measures both models (bench/results/peers_w2.json, peers_smollm2.json). Never part of `make test`.
+# PEERS_ARGS passes options, e.g. `make bench-peers PEERS_ARGS="--model w2 --only decode,prefill"`.
+PEERS_ARGS ?=
+bench-peers: $(STAMP)
+	bench/peers/build_llama_cpp.sh
+	$(BIN)/python -m bench.peers.peer_bench $(PEERS_ARGS)
