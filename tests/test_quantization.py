@@ -32,7 +32,7 @@ def _bound(xb: torch.Tensor, abs_err_w: torch.Tensor, abs_w: torch.Tensor) -> to
     return 2 * (xb.abs() @ abs_err_w.t() + ULP * (xb.abs() @ abs_w.t())) + 1e-6
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 70])  # 70 >= DENSE_MIN_ROWS: the dequantise-then-GEMM path
+@pytest.mark.parametrize("m", [1, 3, 17, 70])  # 70 >= INT8_DENSE_MIN_ROWS: the dequantise-then-GEMM path
 @pytest.mark.parametrize("n,k", [(48, 256), (33, 128)])
 def test_int8_cpu_matmul_matches_dequantised(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)

@@ -17,6 +17,10 @@ and keeps only what its backend reads:
 - "triton": `kernels.quant_matmul_triton` reads the stored layout directly (CUDA).
 - "torch": `kernels.quant_matmul_torch`, the reference (dequantises per call: slow, exact in
   fp32); used where a packed op is missing or a shape does not suit it.
+
+On the "cpu" backend, calls with at least INT8_DENSE_MIN_ROWS / INT4_DENSE_MIN_ROWS rows (prefill)
+dequantise the packed weight to bf16 tile by tile and run dense bf16 GEMMs instead of the packed
+op: the same weights (the packed op's, rounded to bf16), at the GEMM's rate (see the constants).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from torch import nn
 
 from kernels import quant_matmul_torch as ref_ops
 from kernels.quant_layout import Int4Weight, Int8Weight, unpack_int4
+from kernels.quant_matmul_torch import int4pack_cpu_layout, int4pack_dense_mm, int4pack_dense_tiles, int8_dense_mm
 
 BACKENDS = ("auto", "cpu", "triton", "torch")
 
@@ -56,13 +61,21 @@ def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: i
     return "torch"
 
 
-# From this many rows on, int8 on the CPU dequantises and runs a bf16 GEMM instead of the packed
-# op. Measured: at 32 rows the two are about even once the dequantisation is paid per call, at
-# 64 the GEMM path is 1.6x faster, and a 512-token prefill of a 200M model drops from 1,034 to
-# 440 ms (bf16 weights: 422 ms). Decode batches below 64 keep the packed op. int4 has no such
-# path: its CPU layout is torch's int4pack, and a second copy to dequantise would cost the
-# memory int4 saves.
-DENSE_MIN_ROWS = 64
+# Prefill on the CPU: from this many rows (tokens in the step) on, the "cpu" backend dequantises
+# the weight to bf16 tile by tile and runs dense bf16 GEMMs instead of torch's packed op
+# (kernels.quant_matmul_torch: int8_dense_mm, int4pack_dense_mm). The packed ops cost about the
+# same per row at any M (a GEMV loop), so they win for decode batches and lose for prefill chunks;
+# the dequantisation costs the same at any M, so the crossover is where the packed op's per-row
+# excess pays for one dequantisation of the weight. 64 rows: int8's crossover measured in issue 7
+# (bench/RESULTS.md "Weight-only quantisation"); int4's is provisional until
+# `python -m bench.quant_prefill --thresholds` has measured it per weight shape. The branch is a
+# plain comparison of a static shape with a module constant, so torch.compile traces either path
+# without a graph break (decode, M = batch size, stays on the packed op below the thresholds).
+INT8_DENSE_MIN_ROWS = 64
+INT4_DENSE_MIN_ROWS = 64
+# The dequantised weight is transient and made per column tile of at most this many weights
+# (8 MiB of bf16): a layer's whole dense copy never exists when it is larger, e.g. an LM head.
+DENSE_TILE_WEIGHTS = 1 << 22
 
 
 class QuantLinear(nn.Module):
@@ -121,6 +134,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("packed", _INT4_PACK(q.contiguous(), 1), persistent=False)
         sz = torch.stack([scales, shifted_zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
         self.register_buffer("scale_zero", sz.to(torch.bfloat16), persistent=False)
+        # The dense prefill path reads `packed` in place; None when this torch packs in a layout
+        # kernels.quant_matmul_torch cannot read (then the packed op runs at any M).
+        self._layout = int4pack_cpu_layout()
+        self._dense_tiles = (int4pack_dense_tiles(self._n_padded, self._layout,
+                                                  max(1, DENSE_TILE_WEIGHTS // self.in_features))
+                             if self._layout else None)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.int4 else ""
@@ -151,11 +170,12 @@ class QuantLinear(nn.Module):
             return x2.new_empty(0, self.out_features, dtype=torch.bfloat16)
         xb = x2.to(torch.bfloat16).contiguous()
         if not self.int4:
-            if xb.shape[0] >= DENSE_MIN_ROWS:
-                # torch's packed int8 op costs about the same per row at any M (a GEMV loop), so
-                # for prefill chunks and large batches dequantising to bf16 and running one GEMM
-                # is faster: at M=512, 5632x1024, 17.5 ms vs 39.4 ms (bf16 weights: 14.7 ms).
-                return torch.nn.functional.linear(xb, self.w_q.to(torch.bfloat16) * self.scales[:, None])
+            if xb.shape[0] >= INT8_DENSE_MIN_ROWS:
+                return int8_dense_mm(xb, self.w_q, self.scales, max(1, DENSE_TILE_WEIGHTS // self.in_features))
             return _INT8_MM(xb, self.w_q, self.scales)
-        y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
+        if xb.shape[0] >= INT4_DENSE_MIN_ROWS and self._dense_tiles is not None:
+            y = int4pack_dense_mm(xb, self.packed, self.scale_zero, self._n_padded, self.in_features,
+                                  self.group_size, self._layout, self._dense_tiles)
+        else:
+            y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
         return y[:, :self.out_features] if self._n_padded != self.out_features else y
