@@ -83,7 +83,8 @@ def test_max_tokens_and_stop(client):
     ({"echo": True}, "echo"),
     ({"suffix": " the end"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"logprobs": 6}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 2}, "logprobs"),          # valid, but the mock engine has no distribution to report

@@ -40,7 +40,9 @@ CASES = [
     ("image content", json.dumps({**GOOD, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "unsupported_parameter",
      "messages[0].content"),
-    ("tool role", json.dumps({**GOOD, "messages": [{"role": "tool", "content": "x"}]}).encode(), 400,
+    ("tool message without its call id", json.dumps({**GOOD, "messages": [{"role": "tool", "content": "x"}]}).encode(),
+     400, None, "messages[0].tool_call_id"),
+    ("function role", json.dumps({**GOOD, "messages": [{"role": "function", "content": "x"}]}).encode(), 400,
      "unsupported_parameter", "messages[0].role"),
     ("stop list over 4", json.dumps({**GOOD, "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, None, "stop"),
     ("stream wrong type", json.dumps({**GOOD, "stream": "yes"}).encode(), 400, None, "stream"),

@@ -73,12 +73,12 @@ def test_unknown_model_is_404(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),       # without tools
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),

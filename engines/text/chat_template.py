@@ -54,6 +54,22 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return list(messages)
 
 
+def renders_tools(tokenizer_or_template: Any) -> bool:
+    """Whether the template does something with `tools` (Qwen2.5's and Llama 3.1's do; ChatML
+    and SmolLM2's do not): the caller describes the tools some other way when it does not."""
+    template = tokenizer_or_template if isinstance(tokenizer_or_template, str) else (
+        getattr(tokenizer_or_template, "chat_template", None) or FALLBACK_CHAT_TEMPLATE)
+    return _mentions_tools(template)
+
+
+@lru_cache(maxsize=32)
+def _mentions_tools(template: str) -> bool:
+    try:
+        return any(node.name == "tools" for node in _ENV.parse(template).find_all(nodes.Name))
+    except jinja2.TemplateSyntaxError:
+        return False    # _compile reports the broken template when it is rendered
+
+
 def apply_chat_template(tokenizer_or_template: Any, messages: Sequence[dict[str, Any]],
                         add_generation_prompt: bool = True, tokenize: bool = False,
                         tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None,

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the shared flow (gateway/http/completion_flow.py) with the chat
-parser (gateway/http/chat_request.py), rendered as chat.completion objects (or their chunks).
+parser (gateway/http/chat_request.py), rendered as chat.completion objects (or their chunks):
+one choice per `n`, each message's text parsed into content and tool_calls when the request has tools.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from starlette.routing import Route
 from gateway.http.chat_request import parse_chat_request
 from gateway.http.completion_flow import CompletionResponse, start_generation
 from gateway.http.generation import Generation
+from gateway.http.generation_group import GenerationGroup
 from gateway.http.streaming import SSEResponse
+from gateway.http.tool_calls import ToolCallStream, assemble
 
 
 def routes() -> list[Route]:
@@ -24,16 +27,31 @@ async def chat_completions(request: Request) -> Any:
         request, lambda body, gw: parse_chat_request(body, gw.deployment.limits.max_messages), "messages")
     gen, req = started.gen, started.req
     completion_id = "chatcmpl-" + started.request_id
+    tools = req.tools if req.tools is not None and req.tools.parses_calls else None
+
+    def tool_stream() -> ToolCallStream | None:
+        return ToolCallStream(tools) if tools is not None else None
+
     if req.stream:
         lim = request.app.state.gateway.deployment.limits
         return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,
-                           lim.stream_buffer_bytes, lim.stream_write_timeout_s)
+                           lim.stream_buffer_bytes, lim.stream_write_timeout_s, tool_stream)
 
-    def render(gen: Generation) -> dict:
+    def choice(index: int, g: Generation) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": g.text, "refusal": None}
+        finish = g.finish_reason
+        parser = tool_stream()
+        if parser is not None:
+            deltas = parser.feed(g.text)
+            more, finish = parser.close(finish)
+            message["content"], calls = assemble(deltas + more)
+            if calls:
+                message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": g.logprobs_field(), "finish_reason": finish}
+
+    def render(gen: GenerationGroup) -> dict:
         return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
                 "model": gen.handle.name, "system_fingerprint": None,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text, "refusal": None},
-                             "logprobs": gen.logprobs_field(), "finish_reason": gen.finish_reason}],
-                "usage": gen.usage()}
+                "choices": [choice(i, g) for i, g in enumerate(gen.choices)], "usage": gen.usage()}
 
     return CompletionResponse(gen, started.headers, render)

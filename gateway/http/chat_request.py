@@ -1,5 +1,8 @@
 """A /v1/chat/completions body, validated into a typed request.
 
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are parsed by gateway/http/tool_request.py;
+the conversation may carry assistant messages with `tool_calls` and `tool` messages answering them.
+
 What the API defines but Tokenyard does not implement is refused with a 400 naming the
 parameter (never silently ignored): a client that asks for tools or logprobs must learn at
 once that it will not get them. A parameter set to its neutral value (n=1, logprobs=false,
@@ -15,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gateway.http.errors import BadRequest
+from gateway.http.tool_request import ToolSetup, parse_tools
 
 MAX_STOP = 4
-ROLES = ("system", "developer", "user", "assistant")
+MAX_N = 16            # choices per request; each is an engine sequence
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**63 - 1
 
 
@@ -27,9 +32,6 @@ def _is_neutral(*values: Any) -> Callable[[Any], bool]:
 
 # Parameter -> "is this value one we can honour by doing nothing?"
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": _is_neutral("none"),
-    "parallel_tool_calls": lambda v: v is None,
     "functions": lambda v: v is None or v == [],
     "function_call": _is_neutral("none"),
     "audio": lambda v: v is None,
@@ -45,7 +47,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
              "seed", "stream", "stream_options", "user", "metadata", "response_format", "presence_penalty",
-             "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
+             "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries; bounds the work one request adds to every decode step
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -73,11 +75,15 @@ class SamplingRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)   # ids checked against the vocabulary by the engine
     logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
+    n: int = 1                               # choices; one prefill, shared through the prefix cache
 
 
 @dataclass(slots=True, kw_only=True)
 class ChatRequest(SamplingRequest):
-    messages: list[dict[str, str]]           # {"role", "content"} with text content only
+    # {"role", "content": str}; an assistant's may add "tool_calls" (OpenAI's shape, arguments a
+    # JSON string), a tool's has "tool_call_id".
+    messages: list[dict[str, Any]]
+    tools: ToolSetup | None = None
 
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
@@ -86,6 +92,12 @@ def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
     parse_common(body, req)
     req.response_format = _response_format(body.get("response_format"))
     req.logprobs = _logprobs(body.get("logprobs"), body.get("top_logprobs"))
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.forced:
+        if req.response_format is not None:
+            raise BadRequest("tool_choice 'required' or a named function cannot be combined with response_format: "
+                             "the reply is held to the tool call", param="tool_choice")
+        req.response_format = req.tools.constraint()
     return req
 
 
@@ -113,9 +125,10 @@ def parse_common(body: dict[str, Any], req: SamplingRequest) -> None:
     """The parameters chat and text completions share, set on req (a ChatRequest or a
     CompletionRequest): n, max_tokens, sampling, stop, stream, user, metadata, penalties, bias."""
     n = body.get("n")
-    if n is not None and (not is_int(n) or n != 1):
-        raise BadRequest("only n=1 is supported" if is_int(n) and n > 1 else "'n' must be 1", param="n",
-                         code="unsupported_parameter" if is_int(n) and n > 1 else None)
+    if n is not None:
+        if not is_int(n) or not 1 <= n <= MAX_N:
+            raise BadRequest(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+        req.n = n
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is None:
@@ -250,21 +263,60 @@ def _messages(messages: Any, max_messages: int) -> list[dict[str, str]]:
         if not isinstance(msg, dict):
             raise BadRequest(f"{where} must be an object", param=where)
         role = msg.get("role")
-        if role in ("tool", "function"):
-            raise BadRequest(f"{where}.role {role!r} needs tool calling, which Tokenyard does not support",
+        if role == "function":
+            raise BadRequest(f"{where}.role 'function' is the deprecated form; use 'tool' messages",
                              param=f"{where}.role", code="unsupported_parameter")
         if role not in ROLES:
             raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
         for key in msg:
-            if key in ("tool_calls", "function_call", "audio") and msg[key] is not None:
+            if key in ("function_call", "audio") and msg[key] is not None:
                 raise BadRequest(f"{where}.{key} is not supported by Tokenyard", param=f"{where}.{key}",
                                  code="unsupported_parameter")
-            if key not in ("role", "content", "name", "tool_calls", "function_call", "audio", "refusal"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "audio",
+                           "refusal"):
                 raise BadRequest(f"{where}: unrecognized field {key!r}", param=f"{where}.{key}")
         name = msg.get("name")
         if name is not None and not isinstance(name, str):
             raise BadRequest(f"{where}.name must be a string", param=f"{where}.name")
+        calls = msg.get("tool_calls")
+        if calls is not None and (role != "assistant" or calls == []):
+            if calls == [] and role == "assistant":
+                calls = None
+            else:
+                raise BadRequest(f"{where}.tool_calls is only allowed on assistant messages", param=f"{where}.tool_calls")
+        if role == "assistant" and calls is not None:
+            content = msg.get("content")
+            text = "" if content is None or content == "" else _content(content, where)
+            out.append({"role": role, "content": text, "tool_calls": _tool_calls(calls, f"{where}.tool_calls")})
+            continue
+        if msg.get("tool_call_id") is not None and role != "tool":
+            raise BadRequest(f"{where}.tool_call_id is only allowed on tool messages", param=f"{where}.tool_call_id")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise BadRequest(f"{where}: a tool message needs 'tool_call_id' (the id of the call it answers)",
+                                 param=f"{where}.tool_call_id")
+            out.append({"role": role, "content": _content(msg.get("content"), where), "tool_call_id": call_id})
+            continue
         out.append({"role": role, "content": _content(msg.get("content"), where)})
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier calls: [{"id", "type": "function", "function": {"name", "arguments": str}}]."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be an array", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments"), str)):
+            raise BadRequest(f"{at} must be {{\"id\": string, \"type\": \"function\", \"function\": "
+                             f"{{\"name\": string, \"arguments\": string}}}}", param=at)
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
 
 

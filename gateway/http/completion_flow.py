@@ -29,6 +29,7 @@ from gateway.http.completion_request import CompletionRequest
 from gateway.http.edge_params import json_int, parse_int, read_int
 from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from gateway.http.generation import EngineFailed, Generation
+from gateway.http.generation_group import GenerationGroup
 from gateway.http.streaming import wait_disconnect
 from gateway.routing.plan import plan_route
 from gateway.spend.usage import RecordContext
@@ -39,9 +40,17 @@ if TYPE_CHECKING:
 AnyRequest = ChatRequest | CompletionRequest
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 keeps the request's seed (n=1 replies are unchanged); the others get seeds of
+    their own, reproducible from it, so n seeded choices differ from each other."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (2**63)
+
+
 @dataclass(slots=True)
 class Started:
-    gen: Generation                 # started in the engine; the response must finish() it
+    gen: GenerationGroup            # started in the engine; the response must finish() it
     req: AnyRequest
     request_id: str
     headers: dict[str, str]         # engine, route reason, policy version, rate limits
@@ -78,18 +87,20 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; you asked for "
                          f"{len(prompt_ids)} prompt + {max_tokens} completion tokens. Lower max_tokens.",
                          param="max_tokens", code="context_length_exceeded")
+    grammar_param = "tools" if getattr(req, "tools", None) is not None and req.tools.forced else "response_format"
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                stop=req.stop, response_format=req.response_format,
-                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                logit_bias=req.logit_bias, logprobs=req.logprobs)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                 seed=choice_seed(req.seed, i), stop=req.stop, response_format=req.response_format,
+                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                 logit_bias=req.logit_bias, logprobs=req.logprobs) for i in range(req.n)]
     except ParamError as e:
         raise BadRequest(str(e), param=e.param, code=e.code) from e
     except GrammarError as e:   # the schema is over the size limit
-        raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
+        raise BadRequest(str(e), param=grammar_param, code=f"invalid_{grammar_param}") from e
     info.update(engine=handle.name, route_reason=route.reason)
-    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens, deadline, route.priority,
-                                         route.rate)
+    # n choices may each run to max_tokens; the prompt is computed (and charged) once.
+    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens * req.n, deadline,
+                                         route.priority, route.rate)
     request_id = info.get("request_id") or secrets.token_hex(12)
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
     # Everything the usage record needs besides the engine's counts (the policy replay reads it too).
@@ -100,9 +111,10 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
                             requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
                             prices=route.prices, policy_version=route.policy_version)
     priority = key.priority_class if route.priority is None else route.priority
-    gen = Generation(handle, engine_rid, prompt_ids, params, req.model, route.reason, req.stream, arrival,
-                     time.time(), gw.metrics, gw.usage_sink, priority=priority, tenant=key.tenant,
-                     on_end=admitted.end, context=context)
+    choices = [Generation(handle, engine_rid if i == 0 else f"{engine_rid}.{i}", prompt_ids, params[i], req.model,
+                          route.reason, req.stream, arrival, time.time(), gw.metrics, gw.usage_sink,
+                          priority=priority, tenant=key.tenant, context=context) for i in range(req.n)]
+    gen = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink)
     try:
         gen.start()
     except EngineDeadError as e:
@@ -110,7 +122,7 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     except ParamError as e:     # before RequestError, its base: e.g. a logit_bias id outside the vocabulary
         raise BadRequest(str(e), param=e.param, code=e.code) from e
     except GrammarError as e:   # before RequestError, its base: the schema is the problem
-        raise BadRequest(str(e), param="response_format", code="invalid_response_format") from e
+        raise BadRequest(str(e), param=grammar_param, code=f"invalid_{grammar_param}") from e
     except RequestError as e:
         raise BadRequest(str(e)) from e
     info["generation"] = gen
@@ -221,9 +233,10 @@ def _depth(value: Any, limit: int) -> int:
 
 class CompletionResponse:
     """A non-streamed completion; a watcher aborts the engine request if the client leaves.
-    render(gen) gives the reply's JSON object once the text is complete."""
+    render(gen) gives the reply's JSON object once every choice's text is complete."""
 
-    def __init__(self, gen: Generation, headers: dict[str, str], render: Callable[[Generation], dict]) -> None:
+    def __init__(self, gen: GenerationGroup, headers: dict[str, str],
+                 render: Callable[[GenerationGroup], dict]) -> None:
         self.gen = gen
         self.headers = headers
         self.render = render

@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from gateway.http.completion_flow import CompletionResponse, start_generation
 from gateway.http.completion_request import parse_completion_request
-from gateway.http.generation import Generation
+from gateway.http.generation_group import GenerationGroup
 from gateway.http.streaming import TextSSEResponse
 
 
@@ -30,11 +30,11 @@ async def completions(request: Request) -> Any:
         return TextSSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,
                                lim.stream_buffer_bytes, lim.stream_write_timeout_s)
 
-    def render(gen: Generation) -> dict:
+    def render(gen: GenerationGroup) -> dict:
         return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
                 "model": gen.handle.name, "system_fingerprint": None,
-                "choices": [{"text": gen.text, "index": 0, "logprobs": gen.legacy_logprobs_field(),
-                             "finish_reason": gen.finish_reason}],
+                "choices": [{"text": g.text, "index": i, "logprobs": g.legacy_logprobs_field(),
+                             "finish_reason": g.finish_reason} for i, g in enumerate(gen.choices)],
                 "usage": gen.usage()}
 
     return CompletionResponse(gen, started.headers, render)

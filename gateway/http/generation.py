@@ -12,7 +12,7 @@ tokens the engine had already produced, records metrics and hands a UsageRecord 
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from engines.core.async_engine import RequestStream
 from engines.core.outputs import StepOutput
@@ -31,7 +31,8 @@ class Generation:
     def __init__(self, handle: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  requested_model: str, route_reason: str, stream: bool, arrival: float, arrival_wall: float,
                  metrics: GatewayMetrics, sink: UsageSink, priority: int = 0, tenant: str = "",
-                 on_end: Callable[[int | None], None] | None = None, context: RecordContext | None = None) -> None:
+                 on_end: Callable[[int | None], None] | None = None, context: RecordContext | None = None,
+                 on_first_token: Callable[[], None] | None = None, counted: bool = True) -> None:
         self.handle = handle
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -47,6 +48,8 @@ class Generation:
         self.tenant = tenant
         self.context = context or RecordContext(tenant=tenant)
         self._on_end = on_end                  # gets the tokens used (None: never ran): refund, free the slot
+        self._on_first_token = on_first_token  # called once, when the prompt's prefill is done
+        self._counted = counted                # False: another choice of the same request counts it
         self._bucket = prompt_bucket(len(prompt_ids))
         self._text = TextStream(handle.tokenizer, params, prompt_ids)
         self._engine_stream: RequestStream | None = None
@@ -118,6 +121,8 @@ class Generation:
             now = time.perf_counter()
             if self.first_token_at is None:
                 self.first_token_at = now
+                if self._on_first_token is not None:
+                    self._on_first_token()
             elif self.last_token_at is not None:
                 self._metrics.itl.labels(self.handle.name, self._bucket).observe(now - self.last_token_at)
             self.last_token_at = now
@@ -195,12 +200,12 @@ class Generation:
         m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
         m.cached_tokens.labels(name).inc(self.num_cached_tokens)
         m.completion_tokens.labels(name).inc(self.num_completion_tokens)
-        m.count_request(name, http_status, self.route_reason)
+        if self._counted:
+            m.count_request(name, http_status, self.route_reason)
         status = status or ("error" if self.error else self.aborted or "ok")
         p, cached, c = self.num_prompt_tokens, self.num_cached_tokens, self.num_completion_tokens
         ctx = self.context
-        prices = ctx.prices or self.handle.prices      # the policy's prices win over the deployment's
-        baseline = ctx.baseline_prices or prices
+        prices, baseline = self.prices()
         self.record = UsageRecord(
             request_id=self.request_id, time=self.arrival_wall, engine=name, requested_model=self.requested_model,
             route_reason=self.route_reason, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
@@ -215,6 +220,11 @@ class Generation:
         self._sink(self.record)
         self._end(p + c)
         return self.record
+
+    def prices(self) -> tuple[Any, Any]:
+        """(the prices charged, the baseline engine's prices): the policy's prices win over the deployment's."""
+        prices = self.context.prices or self.handle.prices
+        return prices, self.context.baseline_prices or prices
 
     def _end(self, used_tokens: int | None) -> None:
         on_end, self._on_end = self._on_end, None

@@ -9,9 +9,10 @@ from functools import lru_cache
 from typing import Any
 
 from engines.core.structured_output import MAX_SCHEMA_CHARS
-from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
+from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
 from gateway.http.completion_request import MAX_LOGPROBS
 from gateway.http.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
+from gateway.http.tool_request import MAX_TOOLS
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -28,10 +29,24 @@ def _errors(*codes: int) -> dict[str, Any]:
 def openapi_schema() -> dict[str, Any]:
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string", "description": "a JSON object, as text"}}}}}
+    message = {"type": "object", "required": ["role"], "properties": {
         "role": {"enum": list(ROLES)},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": text_part}]},
-        "name": {"type": "string"}}}
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": text_part},
+                              {"type": "null"}],
+                    "description": "required, except on an assistant message that carries tool_calls"},
+        "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": call, "description": "assistant messages: the calls it made"},
+        "tool_call_id": {"type": "string", "description": "tool messages (required): the call this answers"}}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "a JSON Schema of type object for the arguments"},
+            "strict": {"type": ["boolean", "null"]}}}}}
     request = {
         "type": "object", "required": ["model", "messages"], "additionalProperties": False,
         "description": ("Parameters of OpenAI's API that Tokenyard does not implement are refused with 400 "
@@ -43,7 +58,26 @@ def openapi_schema() -> dict[str, Any]:
             "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
             "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2, "default": 1},
             "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1, "default": 1},
-            "n": {"type": ["integer", "null"], "const": 1},
+            "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N, "default": 1,
+                  "description": ("choices to generate; the prompt is prefilled once (the other choices start "
+                                  "from its prefix-cache blocks) and counted once in usage; each choice has its "
+                                  "own seed (derived from `seed` when given)")},
+            "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": tool,
+                      "description": ("functions the model may call: passed to a chat template that renders "
+                                      "tools, else described in a system preamble")},
+            "tool_choice": {"description": ("'auto' (default with tools): a call the model writes is parsed "
+                                            "into tool_calls; 'none': plain text; 'required' or a named function: "
+                                            "constrained decoding holds the reply to exactly one call whose "
+                                            "arguments follow the function's parameters (cannot be combined with "
+                                            "response_format); a schema the grammar cannot compile is a 400 with "
+                                            "param 'tools'"),
+                            "oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "null"},
+                                      {"type": "object", "required": ["type", "function"], "properties": {
+                                          "type": {"const": "function"}, "function": {
+                                              "type": "object", "required": ["name"],
+                                              "properties": {"name": {"type": "string"}}}}}]},
+            "parallel_tool_calls": {"type": ["boolean", "null"], "default": True,
+                                    "description": "false: at most one call per reply"},
             "stop": {"oneOf": [{"type": "string", "minLength": 1},
                                {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}},
                                {"type": "null"}]},
@@ -103,17 +137,26 @@ def openapi_schema() -> dict[str, Any]:
         "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
         "model": {"type": "string", "description": "the engine that served"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length"]}, "logprobs": logprobs,
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+            "logprobs": logprobs,
             "message": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                          "content": {"type": "string"}}}}}},
+                                                          "content": {"type": ["string", "null"]},
+                                                          "tool_calls": {"type": "array", "items": call}}}}}},
         "usage": usage}}
     chunk = {"type": "object", "description": "one `data:` event; the stream ends with `data: [DONE]`", "properties": {
         "id": {"type": "string"}, "object": {"const": "chat.completion.chunk"}, "created": {"type": "integer"},
         "model": {"type": "string"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", None]}, "logprobs": logprobs,
-            "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                        "content": {"type": "string"}}}}}},
+            "index": {"type": "integer"}, "finish_reason": {"enum": ["stop", "length", "tool_calls", None]},
+            "logprobs": logprobs,
+            "delta": {"type": "object", "properties": {
+                "role": {"const": "assistant"}, "content": {"type": "string"},
+                "tool_calls": {"type": "array", "description": (
+                    "a call's first delta has index, id, type and function.name (arguments ''); later deltas "
+                    "carry pieces of function.arguments for that index"), "items": {"type": "object", "properties": {
+                        "index": {"type": "integer"}, "id": {"type": "string"}, "type": {"const": "function"},
+                        "function": {"type": "object", "properties": {"name": {"type": "string"},
+                                                                      "arguments": {"type": "string"}}}}}}}}}}},
         "usage": {"oneOf": [usage, {"type": "null"}]}}}
     shared = {k: request["properties"][k] for k in (
         "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",

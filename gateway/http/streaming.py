@@ -3,9 +3,15 @@
 
     data: {... "delta": {"role": "assistant", "content": ""} ...}     first: the role
     data: {... "delta": {"content": "Hel"} ...}                        text as it is made
+    data: {... "delta": {"tool_calls": [{"index": 0, "id", "function": {"name", "arguments": ""}}]}}
+    data: {... "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"ci"}}]}}
     data: {... "delta": {}, "finish_reason": "stop"}                  last choice chunk
     data: {... "choices": [], "usage": {...}}                          with include_usage
     data: [DONE]
+
+With n > 1 choices each chunk carries one choice, told apart by its `index`, in the order the
+text is made. With tools, a per-choice `ToolCallStream` turns text into content and tool-call
+deltas (gateway/http/tool_calls.py).
 
 An error after the stream began is one `data: {"error": {...}}` event, then the stream closes.
 
@@ -21,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from starlette.types import Receive, Scope, Send
 
 from gateway.http.errors import ServerError
 from gateway.http.generation import EngineFailed, Generation
+from gateway.http.generation_group import GenerationGroup
+from gateway.http.tool_calls import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +46,22 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
+class _ChoiceState:
+    """One choice's place in the stream: its logprobs sent so far and its tool-call parser."""
+
+    __slots__ = ("index", "gen", "logprobs_sent", "tools")
+
+    def __init__(self, index: int, gen: Generation, tools: ToolCallStream | None) -> None:
+        self.index = index
+        self.gen = gen
+        self.logprobs_sent = 0    # completion tokens whose logprobs a chunk has carried
+        self.tools = tools
+
+
 class SSEResponse:
-    def __init__(self, gen: Generation, completion_id: str, created: int, include_usage: bool,
-                 headers: dict[str, str], buffer_bytes: int, write_timeout_s: float) -> None:
+    def __init__(self, gen: GenerationGroup, completion_id: str, created: int, include_usage: bool,
+                 headers: dict[str, str], buffer_bytes: int, write_timeout_s: float,
+                 tool_stream: Callable[[], ToolCallStream | None] | None = None) -> None:
         self.gen = gen
         self.include_usage = include_usage
         self.headers = headers
@@ -53,7 +74,7 @@ class SSEResponse:
         self._buffered = 0
         self._ready = asyncio.Event()
         self._produced_all = False
-        self._logprobs_sent = 0   # completion tokens whose logprobs a chunk has carried
+        self._choices = [_ChoiceState(i, g, tool_stream() if tool_stream else None) for i, g in enumerate(gen.choices)]
         self.status = 200
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,39 +126,52 @@ class SSEResponse:
         if self._buffered > self.buffer_bytes:
             self.gen.abort("slow_client")
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None, with_logprobs: bool = False
-               ) -> dict[str, Any]:
+    def _new_logprobs(self, st: _ChoiceState, legacy: bool = False) -> dict | None:
+        """The logprobs of the tokens since the choice's last chunk: a token whose text is held
+        back (part of a UTF-8 character, maybe a stop string) goes with the chunk that releases it."""
+        gen = st.gen
+        if gen.params.logprobs is None or st.logprobs_sent >= len(gen.logprobs):
+            return None
+        out = gen.legacy_logprobs_field(st.logprobs_sent) if legacy else gen.logprobs_field(st.logprobs_sent)
+        st.logprobs_sent = len(gen.logprobs)
+        return out
+
+    def _chunk(self, st: _ChoiceState, delta: dict[str, Any], finish_reason: str | None = None,
+               with_logprobs: bool = False) -> dict[str, Any]:
         chunk = dict(self._head)
-        logprobs = None
-        if with_logprobs and self.gen.params.logprobs is not None and self._logprobs_sent < len(self.gen.logprobs):
-            # The tokens since the last chunk: a token whose text is held back (part of a UTF-8
-            # character, maybe a stop string) is reported with the chunk that releases it, or the last.
-            logprobs = self.gen.logprobs_field(self._logprobs_sent)
-            self._logprobs_sent = len(self.gen.logprobs)
-        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        logprobs = self._new_logprobs(st) if with_logprobs else None
+        chunk["choices"] = [{"index": st.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         if self.include_usage:
             chunk["usage"] = None  # as OpenAI: null on every chunk but the last
         return chunk
 
-    def _opening(self) -> dict[str, Any] | None:
-        return self._chunk({"role": "assistant", "content": "", "refusal": None})
+    def _opening(self, st: _ChoiceState) -> dict[str, Any] | None:
+        return self._chunk(st, {"role": "assistant", "content": "", "refusal": None})
 
-    def _delta_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, with_logprobs=True)
+    def _delta_chunks(self, st: _ChoiceState, text: str) -> list[dict[str, Any]]:
+        deltas = st.tools.feed(text) if st.tools is not None else [{"content": text}]
+        return [self._chunk(st, d, with_logprobs=True) for d in deltas]
 
-    def _final_chunk(self) -> dict[str, Any]:
-        return self._chunk({}, self.gen.finish_reason, with_logprobs=True)
+    def _final_chunks(self, st: _ChoiceState) -> list[dict[str, Any]]:
+        finish = st.gen.finish_reason
+        deltas: list[dict[str, Any]] = []
+        if st.tools is not None:
+            deltas, finish = st.tools.close(finish)
+        return [self._chunk(st, d, with_logprobs=True) for d in deltas] + [
+            self._chunk(st, {}, finish, with_logprobs=True)]
 
     async def _produce(self) -> None:
         gen = self.gen
         try:
-            opening = self._opening()
-            if opening is not None:
-                self._push(opening)
-            async for delta in gen.deltas():
-                self._push(self._delta_chunk(delta))
+            for st in self._choices:
+                opening = self._opening(st)
+                if opening is not None:
+                    self._push(opening)
+            async for index, delta in gen.deltas():
+                st = self._choices[index]
+                for chunk in (self._final_chunks(st) if delta is None else self._delta_chunks(st, delta)):
+                    self._push(chunk)
             if gen.aborted is None:
-                self._push(self._final_chunk())
                 if self.include_usage:
                     self._push({**self._head, "choices": [], "usage": gen.usage()})
                 gen.finish(200)  # the usage record exists before the client can see [DONE]
@@ -148,7 +182,7 @@ class SSEResponse:
                                              code="engine_error").body()["error"]})
         except Exception:  # noqa: BLE001 - the stream is already open: report in-band, never a trace
             log.exception("stream %s failed", gen.request_id)
-            gen.error = gen.error or "internal error"
+            gen.first.error = gen.first.error or "internal error"
             self._push({"error": ServerError("Internal error while streaming").body()["error"]})
         finally:
             self._produced_all = True
@@ -164,22 +198,19 @@ class TextSSEResponse(SSEResponse):
         self._head = {"id": self._head["id"], "object": "text_completion", "created": self._head["created"],
                       "model": self.gen.handle.name, "system_fingerprint": None}
 
-    def _opening(self) -> dict[str, Any] | None:
+    def _opening(self, st: _ChoiceState) -> dict[str, Any] | None:
         return None
 
-    def _delta_chunk(self, text: str) -> dict[str, Any]:
-        return self._text_chunk(text, None)
+    def _delta_chunks(self, st: _ChoiceState, text: str) -> list[dict[str, Any]]:
+        return [self._text_chunk(st, text, None)]
 
-    def _final_chunk(self) -> dict[str, Any]:
-        return self._text_chunk("", self.gen.finish_reason)
+    def _final_chunks(self, st: _ChoiceState) -> list[dict[str, Any]]:
+        return [self._text_chunk(st, "", st.gen.finish_reason)]
 
-    def _text_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _text_chunk(self, st: _ChoiceState, text: str, finish_reason: str | None) -> dict[str, Any]:
         chunk = dict(self._head)
-        logprobs = None
-        if self.gen.params.logprobs is not None and self._logprobs_sent < len(self.gen.logprobs):
-            logprobs = self.gen.legacy_logprobs_field(self._logprobs_sent)
-            self._logprobs_sent = len(self.gen.logprobs)
-        chunk["choices"] = [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
+        chunk["choices"] = [{"text": text, "index": st.index, "logprobs": self._new_logprobs(st, legacy=True),
+                             "finish_reason": finish_reason}]
         if self.include_usage:
             chunk["usage"] = None
         return chunk

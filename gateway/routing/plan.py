@@ -32,12 +32,14 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from engines.core.errors import RequestError
-from engines.text.chat_template import ChatTemplateError, apply_chat_template
+from engines.text.chat_template import ChatTemplateError, apply_chat_template, renders_tools
 from engines.text.tokenizer import Tokenizer
 from gateway.auth.api_keys import PRIORITIES, KeyRecord
 from gateway.http.chat_request import ChatRequest
 from gateway.http.completion_request import CompletionRequest
 from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
+from gateway.http.tool_calls import template_messages
+from gateway.http.tool_request import ToolSetup
 from policies import EngineState, RequestFeatures, TenantSpend, decide
 from router_models.runtime.features import prompt_text
 
@@ -67,7 +69,7 @@ def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) 
     tok = gw.handles[engine].tokenizer
     if isinstance(req, CompletionRequest):
         return tok, tokenize_prompt(tok, req.prompt)
-    return tok, tokenize(tok, req.messages)
+    return tok, tokenize(tok, req.messages, req.tools)
 
 
 def _router_text(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int]) -> str:
@@ -158,9 +160,12 @@ def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
     return err
 
 
-def tokenize(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def tokenize(tok: Tokenizer, messages: list[dict[str, Any]], tools: ToolSetup | None = None) -> list[int]:
+    """The chat through the model's template; tools as the template renders them, else as a
+    system preamble (gateway/http/tool_calls.py)."""
+    messages, template_tools = template_messages(messages, tools, renders_tools(tok))
     try:
-        text = apply_chat_template(tok, messages, add_generation_prompt=True)
+        text = apply_chat_template(tok, messages, add_generation_prompt=True, tools=template_tools)
     except ChatTemplateError as e:
         raise Unprocessable(f"The model's chat template rejected the conversation: {e}", param="messages",
                             code="chat_template_error") from e

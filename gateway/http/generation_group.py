@@ -1,0 +1,194 @@
+"""The n choices of one request (OpenAI's `n`), each one engine sequence, answered as one reply.
+
+    group = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink)
+    group.start()                              # choice 0 only; the rest follow its prefill
+    async for index, delta in group.deltas():  # delta None: that choice has finished
+        ...
+    group.finish(200)                          # one usage record, one refund
+
+One prefill for all choices: choice 0 starts alone, and the other choices are handed to the
+engine when choice 0's first token arrives, that is when its prompt blocks are complete and in
+the prefix cache, so they compute only the prompt's last, partial block (fewer than block_size
+tokens) themselves. Started together they would all miss the cache and prefill n times.
+
+One request, one bill: OpenAI counts the prompt once for n choices, and so does the usage
+record (prompt and cached tokens as choice 0 computed them, completion tokens summed over the
+choices). The rate limiter gets the tokens of all choices back in one refund, once every choice
+has ended. With n == 1 the group is a thin wrapper over its one Generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, AsyncIterator, Callable
+
+from engines.core.errors import EngineDeadError, RequestError
+from gateway.http.generation import EngineFailed, Generation
+from gateway.spend.usage import UsageRecord, UsageSink
+
+_STATUS_ORDER = ("ok", "draining", "slow_client", "client_disconnected", "unfinished", "aborted", "error")
+
+
+class GenerationGroup:
+    def __init__(self, choices: list[Generation], on_end: Callable[[int | None], None] | None,
+                 sink: UsageSink) -> None:
+        self.choices = choices
+        self._on_end = on_end
+        self._sink = sink
+        self._records: list[UsageRecord | None] = [None] * len(choices)
+        self._used: list[int | None] = [None] * len(choices)
+        self._ended = 0
+        self._started = 1
+        self._queue: asyncio.Queue[tuple[int, str | None, BaseException | None]] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.record: UsageRecord | None = None
+        self._aborted: str | None = None
+        for i, gen in enumerate(choices):
+            if len(choices) > 1:
+                # Each choice reports to the group, which bills and refunds once for all of them.
+                gen._sink = lambda rec, i=i: self._collect(i, rec)
+                gen._on_end = lambda used, i=i: self._choice_ended(i, used)
+                gen._counted = i == 0
+            else:
+                gen._sink, gen._on_end = sink, on_end
+        if len(choices) > 1:
+            choices[0]._on_first_token = self._start_followers
+
+    # -- what the responses read -------------------------------------------------------------
+    @property
+    def first(self) -> Generation:
+        return self.choices[0]
+
+    @property
+    def handle(self) -> Any:
+        return self.first.handle
+
+    @property
+    def params(self) -> Any:
+        return self.first.params
+
+    @property
+    def request_id(self) -> str:
+        return self.first.request_id
+
+    @property
+    def aborted(self) -> str | None:
+        """Why the request was cut short (the client left, a slow reader, ...), if it was."""
+        return self._aborted or next((g.aborted for g in self.choices if g.aborted), None)
+
+    @property
+    def error(self) -> str | None:
+        return next((g.error for g in self.choices if g.error), None)
+
+    def usage(self) -> dict:
+        p, cached = self.first.num_prompt_tokens, self.first.num_cached_tokens
+        c = sum(g.num_completion_tokens for g in self.choices)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # -- running ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Choice 0 goes to the engine now (its errors are the caller's: bad input, engine down)."""
+        self.first.start()
+
+    def _start_followers(self) -> None:
+        """Choice 0's prefill is done: its full prompt blocks are cached; the rest can share them."""
+        while self._started < len(self.choices):
+            i = self._started
+            self._started += 1
+            gen = self.choices[i]
+            if self._aborted is not None:
+                continue
+            try:
+                gen.start()
+            except (EngineDeadError, RequestError) as e:
+                gen.error = f"engine refused choice {i}: {e}"
+                self._queue_put((i, None, EngineFailed(gen.error)))
+                continue
+            self._tasks.append(asyncio.get_running_loop().create_task(self._pump(i)))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, str | None]]:
+        """(choice index, text delta) as the text is made; (index, None) once a choice has ended.
+        Returns quietly when aborted; raises EngineFailed when any choice fails."""
+        if len(self.choices) == 1:
+            async for delta in self.first.deltas():
+                yield 0, delta
+            if self.first.aborted is None:
+                yield 0, None
+            return
+        self._queue = asyncio.Queue()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(0)))
+        pending = len(self.choices)
+        try:
+            while pending:
+                index, delta, error = await self._queue.get()
+                if error is not None:
+                    self.abort("error")
+                    raise error
+                if delta is None:
+                    pending -= 1
+                    if self.choices[index].aborted is not None:
+                        self.abort(self._aborted or self.choices[index].aborted)
+                        return
+                    if index == 0 and self._started < len(self.choices):
+                        self._start_followers()   # choice 0 ended before any token (e.g. max_tokens 0)
+                yield index, delta
+        finally:
+            for task in self._tasks:
+                task.cancel()
+
+    async def _pump(self, index: int) -> None:
+        gen = self.choices[index]
+        try:
+            async for delta in gen.deltas():
+                self._queue_put((index, delta, None))
+            self._queue_put((index, None, None))
+        except EngineFailed as e:
+            self._queue_put((index, None, e))
+
+    def _queue_put(self, item: tuple[int, str | None, BaseException | None]) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(item)
+
+    def abort(self, why: str) -> None:
+        """Cut every choice short; choices not yet started never start."""
+        if self._aborted is None:
+            self._aborted = why
+        for gen in self.choices:
+            gen.abort(why)
+
+    # -- the end ------------------------------------------------------------------------------
+    def finish(self, http_status: int, status: str | None = None) -> UsageRecord:
+        if self.record is not None:
+            return self.record
+        if len(self.choices) == 1:
+            self.record = self.first.finish(http_status, status)
+            return self.record
+        for gen in self.choices:
+            gen.finish(http_status, status)
+        records = [r for r in self._records if r is not None]
+        first = records[0]
+        c = sum(r.completion_tokens for r in records)
+        prices, baseline = self.first.prices()
+        p, cached = first.prompt_tokens, first.cached_tokens
+        worst = max((r.status for r in records), key=lambda s: _STATUS_ORDER.index(s) if s in _STATUS_ORDER else 0)
+        self.record = dataclasses.replace(
+            first, request_id=first.request_id, completion_tokens=c, cost_micros=prices.cost(p, cached, c),
+            baseline_cost_micros=baseline.cost(p, cached, c), status=worst,
+            e2e_s=max(r.e2e_s for r in records), max_tokens=first.max_tokens * len(self.choices))
+        self._sink(self.record)
+        return self.record
+
+    def _collect(self, index: int, record: UsageRecord) -> None:
+        self._records[index] = record
+
+    def _choice_ended(self, index: int, used: int | None) -> None:
+        self._used[index] = used
+        self._ended += 1
+        if self._ended < len(self.choices) or self._on_end is None:
+            return
+        ran = [u for u in self._used if u is not None]
+        # Each choice reports its prompt + completion; the prompt is charged once.
+        total = None if not ran else sum(ran) - self.first.num_prompt_tokens * (len(ran) - 1)
+        on_end, self._on_end = self._on_end, None
+        on_end(total)
