@@ -7,6 +7,7 @@ from a new place, so every import statement counts here, including the ones insi
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,25 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
+    """The project's own modules: git-ignored folders (bench/peers/build holds llama.cpp's sources,
+    .venv, build outputs) are someone else's code."""
+    ignored = _git_ignored()
     mods: dict[str, Path] = {}
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
-            mods[module_name(path)] = path
+            if not any(parent in ignored for parent in path.relative_to(ROOT).parents):
+                mods[module_name(path)] = path
     return mods
+
+
+def _git_ignored() -> set[Path]:
+    """Ignored folders as paths relative to the root (empty when git is not there: a tarball)."""
+    try:
+        out = subprocess.run(["git", "status", "--ignored", "--porcelain", "--untracked-files=normal"], cwd=ROOT,
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {Path(line[3:].rstrip("/")) for line in out.splitlines() if line.startswith("!! ") and line.endswith("/")}
 
 
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
