@@ -88,7 +88,10 @@ def test_max_tokens_and_stop(client):
     ({"logprobs": 6}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 2}, "logprobs"),          # valid, but the mock engine has no distribution to report
-    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": ["one", ""]}, "prompt"),
+    ({"prompt": [["x"]]}, "prompt"),
+    ({"prompt": ["p"] * 33}, "prompt"),
+    ({"prompt": ["p"] * 8, "n": 9}, "n"),          # 72 choices
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "x"]}, "prompt"),

@@ -182,3 +182,14 @@ def test_n_on_the_mock_engine_bills_the_prompt_once_and_refunds_once():
         r = client.completions.create(model="mock", prompt="Once upon a time", n=2, max_tokens=3)
         assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
         assert len(records) == 2 and ends[-1] == r.usage.prompt_tokens + 6
+        # A batch of prompts: n choices each, indexed prompt * n + choice; every prompt counted once.
+        prompts = ["Once upon a time", [1, 2, 3, 4, 5]]
+        r = client.completions.create(model="mock", prompt=prompts, n=2, max_tokens=3)
+        tok = srv.gateway.handles["mock"].tokenizer
+        prompt_tokens = len(tok.encode(prompts[0])) + 5
+        assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 12
+        assert r.usage.prompt_tokens == prompt_tokens and records[-1].prompt_tokens == prompt_tokens
+        assert reserved[-1] == (prompt_tokens, 12) and ends[-1] == prompt_tokens + 12
+        stream = client.completions.create(model="mock", prompt=prompts, max_tokens=3, stream=True)
+        finished = {c.choices[0].index: c.choices[0].finish_reason for c in stream if c.choices[0].finish_reason}
+        assert finished == {0: "length", 1: "length"}

@@ -31,7 +31,7 @@ from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, Serve
 from gateway.http.generation import EngineFailed, Generation
 from gateway.http.generation_group import GenerationGroup
 from gateway.http.streaming import wait_disconnect
-from gateway.routing.plan import plan_route
+from gateway.routing.plan import plan_route, tokenize_prompt
 from gateway.spend.usage import RecordContext
 
 if TYPE_CHECKING:
@@ -74,9 +74,10 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
     # Policy and route: rules, the learned router, budget, overflow; may refuse here.
     route = await plan_route(gw, req, key, deadline)
-    prompt_ids = route.prompt_ids
     handle = gw.handles[route.engine]
     max_len = handle.engine.max_model_len
+    all_ids = _all_prompt_ids(req, route.prompt_ids, handle.tokenizer)
+    prompt_ids = max(all_ids, key=len)
     if len(prompt_ids) >= max_len:
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; the {prompt_param} have "
                          f"{len(prompt_ids)} tokens", param=prompt_param, code="context_length_exceeded")
@@ -98,9 +99,10 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     except GrammarError as e:   # the schema is over the size limit
         raise BadRequest(str(e), param=grammar_param, code=f"invalid_{grammar_param}") from e
     info.update(engine=handle.name, route_reason=route.reason)
-    # n choices may each run to max_tokens; the prompt is computed (and charged) once.
-    admitted = await gw.gatekeeper.enter(key, handle.name, len(prompt_ids), max_tokens * req.n, deadline,
-                                         route.priority, route.rate)
+    # n choices per prompt may each run to max_tokens; each prompt is computed (and charged) once.
+    num_choices = len(all_ids) * req.n
+    admitted = await gw.gatekeeper.enter(key, handle.name, sum(len(ids) for ids in all_ids), max_tokens * num_choices,
+                                         deadline, route.priority, route.rate)
     request_id = info.get("request_id") or secrets.token_hex(12)
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
     # Everything the usage record needs besides the engine's counts (the policy replay reads it too).
@@ -111,10 +113,13 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
                             requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
                             prices=route.prices, policy_version=route.policy_version)
     priority = key.priority_class if route.priority is None else route.priority
-    choices = [Generation(handle, engine_rid if i == 0 else f"{engine_rid}.{i}", prompt_ids, params[i], req.model,
-                          route.reason, req.stream, arrival, time.time(), gw.metrics, gw.usage_sink,
-                          priority=priority, tenant=key.tenant, context=context) for i in range(req.n)]
-    gen = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink)
+    # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
+    choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],
+                          params[k % req.n], req.model, route.reason, req.stream, arrival, time.time(), gw.metrics,
+                          gw.usage_sink, priority=priority, tenant=key.tenant, context=context)
+               for k in range(num_choices)]
+    gen = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink,
+                          leaders=[k - k % req.n for k in range(num_choices)])
     try:
         gen.start()
     except EngineDeadError as e:
@@ -131,6 +136,14 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     if route.score is not None:
         headers["x-tokenyard-router-score"] = f"{route.score:.6f}"
     return Started(gen, req, request_id, headers)
+
+
+def _all_prompt_ids(req: AnyRequest, routed_ids: list[int], tok: Any) -> list[list[int]]:
+    """Token ids of every prompt: the routed one as plan_route tokenised it, the others of a text
+    completion batch with the same engine's tokenizer."""
+    if not isinstance(req, CompletionRequest) or len(req.prompts) == 1:
+        return [routed_ids]
+    return [routed_ids if p is req.prompt else tokenize_prompt(tok, p) for p in req.prompts]
 
 
 async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:

@@ -1,18 +1,20 @@
-"""The n choices of one request (OpenAI's `n`), each one engine sequence, answered as one reply.
+"""The choices of one request (OpenAI's `n`, times the prompts of a text-completion batch), each
+one engine sequence, answered as one reply.
 
-    group = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink)
-    group.start()                              # choice 0 only; the rest follow its prefill
+    group = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink, leaders=[0, 0, 2, 2])
+    group.start()                              # the leaders only; the rest follow their prefill
     async for index, delta in group.deltas():  # delta None: that choice has finished
         ...
     group.finish(200)                          # one usage record, one refund
 
-One prefill for all choices: choice 0 starts alone, and the other choices are handed to the
-engine when choice 0's first token arrives, that is when its prompt blocks are complete and in
-the prefix cache, so they compute only the prompt's last, partial block (fewer than block_size
-tokens) themselves. Started together they would all miss the cache and prefill n times.
+One prefill per prompt: the first choice of each prompt (its leader) starts alone, and the other
+choices of that prompt are handed to the engine when the leader's first token arrives, that is
+when its prompt blocks are complete and in the prefix cache, so they compute only the prompt's
+last, partial block (fewer than block_size tokens) themselves. Started together they would all
+miss the cache and prefill n times.
 
-One request, one bill: OpenAI counts the prompt once for n choices, and so does the usage
-record (prompt and cached tokens as choice 0 computed them, completion tokens summed over the
+One request, one bill: OpenAI counts each prompt once for n choices, and so does the usage
+record (prompt and cached tokens as the leaders computed them, completion tokens summed over the
 choices). The rate limiter gets the tokens of all choices back in one refund, once every choice
 has ended. With n == 1 the group is a thin wrapper over its one Generation.
 """
@@ -31,14 +33,17 @@ _STATUS_ORDER = ("ok", "draining", "slow_client", "client_disconnected", "unfini
 
 class GenerationGroup:
     def __init__(self, choices: list[Generation], on_end: Callable[[int | None], None] | None,
-                 sink: UsageSink) -> None:
+                 sink: UsageSink, leaders: list[int] | None = None) -> None:
+        """leaders[i]: the choice whose prefill choice i shares (itself for a leader); default: all
+        choices share choice 0's prompt."""
         self.choices = choices
+        self.leaders = leaders if leaders is not None else [0] * len(choices)
         self._on_end = on_end
         self._sink = sink
         self._records: list[UsageRecord | None] = [None] * len(choices)
         self._used: list[int | None] = [None] * len(choices)
         self._ended = 0
-        self._started = 1
+        self._started = [i == self.leaders[i] for i in range(len(choices))]
         self._queue: asyncio.Queue[tuple[int, str | None, BaseException | None]] | None = None
         self._tasks: list[asyncio.Task] = []
         self.record: UsageRecord | None = None
@@ -51,8 +56,9 @@ class GenerationGroup:
                 gen._counted = i == 0
             else:
                 gen._sink, gen._on_end = sink, on_end
-        if len(choices) > 1:
-            choices[0]._on_first_token = self._start_followers
+        for i in range(len(choices)):
+            if self.leaders[i] == i and any(self.leaders[j] == i for j in range(len(choices)) if j != i):
+                choices[i]._on_first_token = lambda i=i: self._start_followers(i)
 
     # -- what the responses read -------------------------------------------------------------
     @property
@@ -80,22 +86,44 @@ class GenerationGroup:
     def error(self) -> str | None:
         return next((g.error for g in self.choices if g.error), None)
 
+    def _leading(self) -> list[Generation]:
+        return [g for i, g in enumerate(self.choices) if self.leaders[i] == i]
+
     def usage(self) -> dict:
-        p, cached = self.first.num_prompt_tokens, self.first.num_cached_tokens
+        p = sum(g.num_prompt_tokens for g in self._leading())
+        cached = sum(g.num_cached_tokens for g in self._leading())
         c = sum(g.num_completion_tokens for g in self.choices)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -- running ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Choice 0 goes to the engine now (its errors are the caller's: bad input, engine down)."""
-        self.first.start()
+        """The leaders go to the engine now (their errors are the caller's: bad input, engine down;
+        a leader that fails takes back those started before it)."""
+        started = []
+        try:
+            for g in self._leading():
+                g.start()
+                started.append(g)
+        except BaseException:
+            # The request fails as a whole: stop the leaders already running (their tokens count),
+            # and end the choices that never ran, so the admission pass is given back once.
+            self._aborted = "aborted"
+            for g in self.choices:
+                if g in started:
+                    g.abort("aborted")
+                else:
+                    g._end(None)
+            if started:
+                self.finish(400, "aborted")
+            raise
 
-    def _start_followers(self) -> None:
-        """Choice 0's prefill is done: its full prompt blocks are cached; the rest can share them."""
-        while self._started < len(self.choices):
-            i = self._started
-            self._started += 1
+    def _start_followers(self, leader: int) -> None:
+        """The leader's prefill is done: its full prompt blocks are cached; its followers can share them."""
+        for i in range(len(self.choices)):
+            if self.leaders[i] != leader or self._started[i]:
+                continue
+            self._started[i] = True
             gen = self.choices[i]
             if self._aborted is not None:
                 continue
@@ -117,7 +145,8 @@ class GenerationGroup:
                 yield 0, None
             return
         self._queue = asyncio.Queue()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(0)))
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._pump(i)) for i in range(len(self.choices)) if self.leaders[i] == i]
         pending = len(self.choices)
         try:
             while pending:
@@ -130,8 +159,8 @@ class GenerationGroup:
                     if self.choices[index].aborted is not None:
                         self.abort(self._aborted or self.choices[index].aborted)
                         return
-                    if index == 0 and self._started < len(self.choices):
-                        self._start_followers()   # choice 0 ended before any token (e.g. max_tokens 0)
+                    if self.leaders[index] == index:
+                        self._start_followers(index)   # a leader that ended before any token
                 yield index, delta
         finally:
             for task in self._tasks:
@@ -170,10 +199,12 @@ class GenerationGroup:
         first = records[0]
         c = sum(r.completion_tokens for r in records)
         prices, baseline = self.first.prices()
-        p, cached = first.prompt_tokens, first.cached_tokens
+        leading = [r for i, r in enumerate(self._records) if r is not None and self.leaders[i] == i]
+        p, cached = sum(r.prompt_tokens for r in leading), sum(r.cached_tokens for r in leading)
         worst = max((r.status for r in records), key=lambda s: _STATUS_ORDER.index(s) if s in _STATUS_ORDER else 0)
         self.record = dataclasses.replace(
-            first, request_id=first.request_id, completion_tokens=c, cost_micros=prices.cost(p, cached, c),
+            first, request_id=first.request_id, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
+            cost_micros=prices.cost(p, cached, c),
             baseline_cost_micros=baseline.cost(p, cached, c), status=worst,
             e2e_s=max(r.e2e_s for r in records), max_tokens=first.max_tokens * len(self.choices))
         self._sink(self.record)
@@ -187,8 +218,9 @@ class GenerationGroup:
         self._ended += 1
         if self._ended < len(self.choices) or self._on_end is None:
             return
-        ran = [u for u in self._used if u is not None]
-        # Each choice reports its prompt + completion; the prompt is charged once.
-        total = None if not ran else sum(ran) - self.first.num_prompt_tokens * (len(ran) - 1)
+        # Each choice reports its prompt + completion (None: never ran); a prompt is charged once.
+        ran = [i for i, u in enumerate(self._used) if u is not None]
+        total = None if not ran else sum(self._used[i] for i in ran) - sum(
+            self.choices[i].num_prompt_tokens for i in ran if self.leaders[i] != i)
         on_end, self._on_end = self._on_end, None
         on_end(total)

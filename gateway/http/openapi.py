@@ -10,7 +10,7 @@ from typing import Any
 
 from engines.core.structured_output import MAX_SCHEMA_CHARS
 from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
-from gateway.http.completion_request import MAX_LOGPROBS
+from gateway.http.completion_request import MAX_CHOICES, MAX_LOGPROBS, MAX_PROMPTS
 from gateway.http.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
 from gateway.http.tool_request import MAX_TOOLS
 
@@ -168,11 +168,13 @@ def openapi_schema() -> dict[str, Any]:
                         + " (echo false, suffix empty, best_of 1 are accepted)"),
         "properties": {
             **shared,
-            "prompt": {"description": ("one prompt: a string, or an array of token ids of the serving engine's "
-                                       "vocabulary; an array of several prompts is refused (one prompt per request)"),
+            "prompt": {"description": ("a string, an array of token ids of the serving engine's vocabulary, or a "
+                                       f"batch of up to {MAX_PROMPTS} of those (prompts x n at most {MAX_CHOICES}); "
+                                       "a batch goes to one engine, routed by its longest prompt, and its choices "
+                                       "are indexed prompt * n + choice"),
                        "oneOf": [{"type": "string", "minLength": 1},
                                  {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                                 {"type": "array", "minItems": 1, "maxItems": 1,
+                                 {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
                                   "items": {"oneOf": [{"type": "string", "minLength": 1},
                                                       {"type": "array", "minItems": 1,
                                                        "items": {"type": "integer", "minimum": 0}}]}}]},
