@@ -133,7 +133,7 @@ def crossover(rows: list[int], packed: list[float], dense: list[float]) -> int |
 
 def run_thresholds(args) -> int:
     from kernels.quant_layout import quantize_int4, quantize_int8
-    rec = RunRecorder("quant_prefill_thresholds")
+    rec = RunRecorder("quant_prefill_thresholds" + (f"_t{args.threads}" if args.threads else ""))
     g = torch.Generator().manual_seed(0)
     layers = {}
     for model, proj, n, k in SHAPES:
@@ -203,7 +203,7 @@ def run_smollm2(args) -> int:
     from bench.smollm2_bench import _prompt_of
     from engines import LLM, SamplingParams
     from engines.weights.gguf_models import smollm2_path
-    rec = RunRecorder("quant_prefill_smollm2")
+    rec = RunRecorder("quant_prefill_smollm2" + (f"_t{args.threads}" if args.threads else ""))
     path = smollm2_path()
     biggest = max(args.tokens)
     llms = {name: LLM(str(path), kv_cache_memory=max(64 << 20, biggest * 30 * 2 * 192 * 4 * 2),
@@ -269,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--packed-int8", action="store_true", help="int8 always through the packed op (200M Llama)")
     ap.add_argument("--packed", action="store_true", help="int8 and int4 always through the packed op (200M Llama)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, 2 here); the results file gets a _t<N> suffix")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/quant_prefill*.json")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.tokens is None:
         args.tokens = [128, 512, 2048] if args.smollm2 else [512]
     if args.thresholds:
