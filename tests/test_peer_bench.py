@@ -81,3 +81,10 @@ def test_missing_binaries_say_how_to_build(tmp_path, monkeypatch):
     monkeypatch.setattr(pm, "LLAMA_BIN", tmp_path)
     with pytest.raises(pm.PeerSetupError, match="build_llama_cpp.sh"):
         pm.llama_binary("llama-bench")
+
+
+def test_cpu_busy_fraction_from_proc_stat_deltas():
+    before = [100, 0, 50, 800, 50, 0, 0, 0]
+    after = [150, 0, 100, 850, 100, 0, 0, 0]        # +50 user, +50 system, +50 idle, +50 iowait
+    assert pb.cpu_busy_fraction(before, after) == 0.5
+    assert pb.cpu_busy_fraction(before, before) == 0.0

@@ -141,6 +141,48 @@ def served_figures(records: Sequence[RequestRecord], duration_s: float, expected
             "tpot_p50_ms": s["tpot"]["percentiles"]["p50"], "errors": s["errors"]}
 
 
+def cpu_busy_fraction(before: Sequence[int], after: Sequence[int]) -> float:
+    """Share of all CPUs busy between two readings of /proc/stat's `cpu` line (user nice system
+    idle iowait irq softirq steal ...): everything but idle and iowait counts as busy."""
+    d = [b - a for a, b in zip(before, after)]
+    total = sum(d)
+    if total <= 0:
+        return 0.0
+    idle = d[3] + (d[4] if len(d) > 4 else 0)
+    return max(0.0, min(1.0, (total - idle) / total))
+
+
+def _cpu_stat() -> list[int]:
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+@dataclass(slots=True)
+class Quiet:
+    """Before each measurement, sample how busy the machine is (this harness is idle then, so it
+    is other work) for `sample_s`; with wait_s > 0, wait up to that long for it to drop below
+    `below`. What was seen goes into the run's row."""
+
+    wait_s: float = 0.0
+    below: float = 0.25
+    sample_s: float = 1.0
+
+    def check(self) -> dict[str, Any]:
+        try:
+            waited, t0 = 0.0, time.monotonic()
+            while True:
+                a = _cpu_stat()
+                time.sleep(self.sample_s)
+                busy = cpu_busy_fraction(a, _cpu_stat())
+                waited = time.monotonic() - t0
+                if busy < self.below or waited >= self.wait_s:
+                    break
+        except OSError:
+            return {"load_avg": [round(x, 2) for x in os.getloadavg()]}
+        return {"cpu_busy_before": round(busy, 3), "waited_s": round(waited, 1),
+                "load_avg": [round(x, 2) for x in os.getloadavg()]}
+
+
 # -- model configurations ---------------------------------------------------------------------
 
 ENGINE_COMMON = dict(max_num_seqs=128, max_num_batched_tokens=2048, progress=False, enable_prefix_caching=False)
@@ -249,7 +291,7 @@ def llama_server(gguf: Path, slots: int, threads: int, log_dir: Path) -> Iterato
     port = _free_port()
     cmd = [str(pm.llama_binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CTX_PER_SLOT),
-           "--no-webui"]
+           "--cache-ram", "0", "--no-webui"]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"llama-server-{slots}.log"
     with open(log_path, "w") as log:
@@ -401,7 +443,7 @@ class TokenyardLocal:
         return len(prompt) / self.timed(prompt, 1)
 
 
-def bench_local(cfg: Config, parts: Sequence[str], repeats: int, threads: int, bar) -> tuple[dict, list]:
+def bench_local(cfg: Config, parts: Sequence[str], repeats: int, threads: int, bar, quiet: Quiet) -> tuple[dict, list]:
     figures: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     engines = {mode: TokenyardLocal(cfg, mode) for mode in cfg.modes}
@@ -421,18 +463,20 @@ def bench_local(cfg: Config, parts: Sequence[str], repeats: int, threads: int, b
         series: dict[str, list[float]] = {"llama.cpp": [], **{f"tokenyard_{m}": [] for m in engines}}
         for r in range(repeats):
             bar.set_description(f"{cfg.name} {part} round {r + 1}: llama-bench {label}")
+            seen = quiet.check()
             row = llama_bench(cfg.gguf, threads=threads, **lb_args)
             series["llama.cpp"].append(row["tok_s"])
-            runs.append({"part": part, "round": r, "engine": "llama.cpp", "tok_s": row["tok_s"], "llama_bench": row})
+            runs.append({"part": part, "round": r, "engine": "llama.cpp", "tok_s": row["tok_s"], "llama_bench": row,
+                         **seen})
             figures.setdefault("llama_cpp_build", {k: row[k] for k in ("build_commit", "build_number", "model_type",
                                                                        "n_threads", "type_k", "flash_attn")})
             bar.update()
             for mode, e in engines.items():
                 bar.set_description(f"{cfg.name} {part} round {r + 1}: tokenyard {mode}")
+                seen = quiet.check()
                 v = ours(e)
                 series[f"tokenyard_{mode}"].append(v)
-                runs.append({"part": part, "round": r, "engine": f"tokenyard_{mode}", "tok_s": v,
-                             "load_avg": [round(x, 2) for x in os.getloadavg()]})
+                runs.append({"part": part, "round": r, "engine": f"tokenyard_{mode}", "tok_s": v, **seen})
                 bar.update()
             tqdm_write(f"{cfg.name} {part} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in series.items()))
         figures[f"{part}_{label}_tok_s"] = {k: spread(v) for k, v in series.items()}
@@ -440,7 +484,7 @@ def bench_local(cfg: Config, parts: Sequence[str], repeats: int, threads: int, b
     return figures, runs
 
 
-def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar) -> tuple[dict, list]:
+def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar, quiet: Quiet) -> tuple[dict, list]:
     from bench.workloads import w2
     reqs = [(r.prompt_token_ids, r.output_len) for r in w2(requests, vocab_size=8192)]
     log_dir = pm.ROOT / "bench" / "out" / "peers-logs"
@@ -460,8 +504,9 @@ def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar) ->
             for s in servers:
                 for c in concurrencies:
                     bar.set_description(f"{cfg.name} served round {r + 1}: {s.name} x{c}")
+                    seen = quiet.check()
                     f = run_load(s, reqs, c)
-                    f["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+                    f.update(seen)
                     results[s.name].setdefault(f"concurrency_{c}", []).append(f)
                     runs.append({"part": "served", "round": r, "engine": s.name, "concurrency": c, **f})
                     tqdm_write(f"{cfg.name} served round {r + 1} {s.name} x{c}: {f['useful_output_tok_s']:.0f} tok/s, "
@@ -512,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (Tokenyard uses torch's default)")
     ap.add_argument("--requests", type=int, default=None, help="served requests (default: w2 96, smollm2 32)")
+    ap.add_argument("--quiet-wait-s", type=float, default=0.0,
+                    help="before each measurement wait up to this long for other work to fall below --quiet-below")
+    ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
     ap.add_argument("--results-name", default=None, help="bench/results/<name>.json (default peers_<model>)")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -540,13 +588,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    "llama_cpp_python_sdist": LLAMA_CPP_PY_VERSION, "threads_llama_cpp": args.threads,
                                    "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "parts": parts}
         runs: list[dict[str, Any]] = []
+        quiet = Quiet(args.quiet_wait_s, args.quiet_below)
         with tqdm(total=n_local + n_served, unit="step", dynamic_ncols=True) as bar:
             if {"decode", "prefill"} & set(parts):
-                f, r = bench_local(cfg, parts, args.repeats, args.threads, bar)
+                f, r = bench_local(cfg, parts, args.repeats, args.threads, bar, quiet)
                 figures.update(f)
                 runs += r
             if "served" in parts:
-                f, r = bench_served(cfg, args.repeats, args.threads, requests, bar)
+                f, r = bench_served(cfg, args.repeats, args.threads, requests, bar, quiet)
                 figures["served"] = f
                 runs += r
         print(table(figures), flush=True)
