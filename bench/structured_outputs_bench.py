@@ -14,7 +14,8 @@
    Plain requests ignore EOS and constrained ones use a schema that needs more than `tpot-tokens`
    tokens, so both decode the same number of tokens.
 
-Writes bench/results/structured_outputs.json through bench.results_io.RunRecorder.
+Writes bench/results/structured_outputs.json (structured_outputs_tpot.json with --only tpot)
+through bench.results_io.RunRecorder.
 """
 from __future__ import annotations
 
@@ -125,7 +126,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="validity,tpot")
     args = ap.parse_args()
-    rec = RunRecorder("structured_outputs")
+    # One file per part, so the parts can be re-run apart: validity -> structured_outputs.json,
+    # tpot -> structured_outputs_tpot.json.
+    rec = RunRecorder("structured_outputs_tpot" if args.only == "tpot" else "structured_outputs")
     figures: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     only = set(args.only.split(","))

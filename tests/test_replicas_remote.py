@@ -151,3 +151,27 @@ def test_drained_replica_finishes_in_flight_work(tmp_path):
     finally:
         for r in reps:
             r.stop()
+
+
+def test_input_a_replica_refuses_is_a_400_naming_the_parameter(tmp_path):
+    """A remote replica checks parameters only when the request reaches it: what it refuses is the
+    client's 400 (in-band for a stream that already began), never a retry or an engine 500."""
+    reps = start_replicas(tmp_path, 1, token_ms=1, output_len=4)
+    try:
+        with running_gateway(pool_deployment([r.url for r in reps], health_interval_s=0.2)) as srv:
+            for extra, param, code in (({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+                                       ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+                                       ({"response_format": {"type": "json_object"}}, "response_format",
+                                        "invalid_response_format")):
+                status, data = _ask(srv, "hello", **extra)
+                assert status == 400 and data["error"]["param"] == param, data
+                assert data["error"]["code"] == code and data["error"]["type"] == "invalid_request_error"
+                status, events = _ask(srv, "hello", stream=True, **extra)
+                assert status == 200 and events[-1]["error"]["param"] == param, events
+            status, _ = _ask(srv, "hello")           # the replica is still healthy and serving
+            assert status == 200 and srv.engine().replicas[0].routable
+            statuses = [r.status for r in srv.gateway.usage.records]
+            assert statuses == ["rejected"] * 6 + ["ok"], statuses
+    finally:
+        for r in reps:
+            r.stop()

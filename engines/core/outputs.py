@@ -18,6 +18,11 @@ class StepOutput:
     # When the request asked for logprobs: one [token id, logprob, [[id, logprob], ...]] per new token,
     # the model's log_softmax (see SamplingParams.logprobs).
     logprobs: list | None = None
+    # finish_reason "error" caused by the request itself (a remote replica refused its parameters):
+    # the gateway answers it as a 400 naming error_param, not as an engine failure.
+    bad_request: bool = False
+    error_param: str | None = None
+    error_code: str | None = None
 
 
 @dataclass(slots=True)

@@ -29,6 +29,8 @@ from typing import Any
 
 from engines.core.async_engine import AsyncEngine
 from engines.core.errors import EngineDeadError, RequestError
+from engines.core.sampling_params import ParamError
+from engines.core.structured_output import GrammarError
 
 log = logging.getLogger("tokenyard.replica")
 
@@ -68,6 +70,10 @@ def build_app(state: ReplicaState):
             return JSONResponse({"error": f"bad request body: {e}"}, 400)
         try:
             stream = engine.add_request(rid, ids, params, priority=priority, cache_salt=salt)
+        except GrammarError as e:        # before RequestError, its base: the schema is the problem
+            return JSONResponse({"error": str(e), "param": "response_format", "kind": "grammar"}, 400)
+        except ParamError as e:
+            return JSONResponse({"error": str(e), "param": e.param, "code": e.code, "kind": "param"}, 400)
         except RequestError as e:
             return JSONResponse({"error": str(e)}, 400)
         except EngineDeadError as e:

@@ -174,6 +174,10 @@ class RemoteEngine:
                         doc = json.loads(text)
                     except ValueError:
                         doc = {"error": text[:200]}
+                    if resp.status == 400:   # the request's own fault: the client gets a 400, never a retry
+                        self._reject(rid, stream, str(doc.get("error")), doc.get("kind"), doc.get("param"),
+                                     doc.get("code"))
+                        return
                     self._fail(rid, stream, f"replica answered {resp.status}: {doc.get('error')}",
                                retryable=resp.status == 503 or bool(doc.get("retryable")), transport=False)
                     return
@@ -199,6 +203,15 @@ class RemoteEngine:
                        retryable=not stream.got_tokens)
         finally:
             self._tasks.pop(rid, None)
+
+    def _reject(self, rid: str, stream: RemoteStream, message: str, kind: str | None, param: str | None,
+                code: str | None) -> None:
+        if self._streams.get(rid) is not stream:
+            return
+        del self._streams[rid]
+        stream.retryable = False
+        stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message, bad_request=True,
+                              error_param="grammar" if kind == "grammar" else param, error_code=code))
 
     def _fail(self, rid: str, stream: RemoteStream, message: str, retryable: bool, transport: bool = True) -> None:
         if transport and self.on_failure is not None:

@@ -28,7 +28,7 @@ from gateway.http.chat_request import ChatRequest
 from gateway.http.completion_request import CompletionRequest
 from gateway.http.edge_params import json_int, parse_int, read_int
 from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
-from gateway.http.generation import EngineFailed, Generation
+from gateway.http.generation import EngineFailed, Generation, RequestRejected
 from gateway.http.generation_group import GenerationGroup
 from gateway.http.streaming import wait_disconnect
 from gateway.routing.plan import plan_route, tokenize_prompt
@@ -118,6 +118,8 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
                           params[k % req.n], req.model, route.reason, req.stream, arrival, time.time(), gw.metrics,
                           gw.usage_sink, priority=priority, tenant=key.tenant, context=context)
                for k in range(num_choices)]
+    for g in choices:
+        g.grammar_param = grammar_param
     gen = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink,
                           leaders=[k - k % req.n for k in range(num_choices)])
     try:
@@ -258,16 +260,21 @@ class CompletionResponse:
         gen = self.gen
         watcher = asyncio.get_running_loop().create_task(self._watch(receive))
         status, record_status = 200, None
+        rejected: RequestRejected | None = None
         try:
             try:
                 async for _ in gen.deltas():
                     pass
+            except RequestRejected as e:
+                status, record_status, rejected = 400, "rejected", e
             except EngineFailed:
                 status = 500
             if gen.aborted == "client_disconnected":
                 status, record_status = 499, "client_disconnected"
                 return  # nobody to answer
-            if status == 500:
+            if rejected is not None:
+                body = rejected.as_http().body()
+            elif status == 500:
                 body = ServerError("The engine failed while generating this response", code="engine_error").body()
             else:
                 body = self.render(gen)

@@ -19,12 +19,29 @@ from engines.core.outputs import StepOutput
 from engines.core.sampling_params import SamplingParams
 from engines.text.text_stream import TextStream
 from gateway.backends.engine_pool import EngineHandle
+from gateway.http.errors import BadRequest
 from gateway.observability.metrics import GatewayMetrics, prompt_bucket
 from gateway.spend.usage import RecordContext, UsageRecord, UsageSink
 
 
 class EngineFailed(Exception):
     """The engine failed while serving this request (the step raised)."""
+
+
+class RequestRejected(EngineFailed):
+    """The engine (a remote replica, which checks parameters only when the request reaches it)
+    refused the request's own input: answered as a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def as_http(self) -> BadRequest:
+        """The 400 a local engine would have given before the reply started."""
+        code = self.code or {"response_format": "invalid_response_format",
+                             "tools": "invalid_tools"}.get(self.param or "")
+        return BadRequest(str(self), param=self.param, code=code)
 
 
 class Generation:
@@ -61,6 +78,8 @@ class Generation:
         self.record: UsageRecord | None = None
         # [token id, logprob, [[id, logprob], ...]] per completion token, when params.logprobs is set.
         self.logprobs: list = []
+        self.rejected = False                  # the engine refused the request's input (a 400)
+        self.grammar_param = "response_format"  # the parameter a grammar refusal is blamed on ("tools")
 
     # -- running ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +122,10 @@ class Generation:
                 return
             if out.finish_reason == "error":
                 self.error = out.error or "engine error"
+                if out.bad_request:
+                    self.rejected = True
+                    raise RequestRejected(self.error, self.grammar_param if out.error_param == "grammar"
+                                          else out.error_param, out.error_code)
                 raise EngineFailed(self.error)
             delta = self._feed(out)
             if self._text.needs_abort:  # a stop string ended the text; the engine still runs it

@@ -28,7 +28,7 @@ from engines.core.errors import EngineDeadError, RequestError
 from gateway.http.generation import EngineFailed, Generation
 from gateway.spend.usage import UsageRecord, UsageSink
 
-_STATUS_ORDER = ("ok", "draining", "slow_client", "client_disconnected", "unfinished", "aborted", "error")
+_STATUS_ORDER = ("ok", "draining", "slow_client", "client_disconnected", "unfinished", "aborted", "rejected", "error")
 
 
 class GenerationGroup:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from starlette.types import Receive, Scope, Send
 
 from gateway.http.errors import ServerError
-from gateway.http.generation import EngineFailed, Generation
+from gateway.http.generation import EngineFailed, Generation, RequestRejected
 from gateway.http.generation_group import GenerationGroup
 from gateway.http.tool_calls import ToolCallStream
 
@@ -176,6 +176,9 @@ class SSEResponse:
                     self._push({**self._head, "choices": [], "usage": gen.usage()})
                 gen.finish(200)  # the usage record exists before the client can see [DONE]
                 self._push(b"data: [DONE]\n\n")
+        except RequestRejected as e:    # a remote replica refused the input after the stream began
+            gen.finish(400, "rejected")
+            self._push({"error": e.as_http().body()["error"]})
         except EngineFailed:
             gen.finish(500)
             self._push({"error": ServerError("The engine failed while generating this response",

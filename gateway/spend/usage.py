@@ -50,7 +50,7 @@ class UsageRecord:
     cached_tokens: int
     completion_tokens: int
     cost_micros: int               # from the engine's prices, integer micro-units
-    status: str                    # "ok", "client_disconnected", "slow_client", "error", "draining"
+    status: str                    # "ok", "client_disconnected", "slow_client", "error", "draining", "rejected"
     finish_reason: str | None
     ttft_s: float | None
     e2e_s: float
