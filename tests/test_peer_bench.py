@@ -88,3 +88,10 @@ def test_cpu_busy_fraction_from_proc_stat_deltas():
     after = [150, 0, 100, 850, 100, 0, 0, 0]        # +50 user, +50 system, +50 idle, +50 iowait
     assert pb.cpu_busy_fraction(before, after) == 0.5
     assert pb.cpu_busy_fraction(before, before) == 0.0
+
+
+def test_served_runs_per_server():
+    assert pb.concurrencies_for(None, 96) == [96, 32]          # Tokenyard: all at once, then 32 clients
+    assert pb.concurrencies_for(32, 96) == [96, 32]
+    assert pb.concurrencies_for(96, 96) == [96]                 # 32 clients on 96 slots = the 32-slot case
+    assert pb.concurrencies_for(32, 32) == [32]                 # all at once is 32 clients already

@@ -304,7 +304,7 @@ def llama_server(gguf: Path, slots: int, threads: int, log_dir: Path) -> Iterato
                     "cache_prompt": False, "stream": True, "stream_options": {"include_usage": True}}
 
         yield Server(f"llama.cpp_{slots}slots", f"http://127.0.0.1:{port}", {}, body,
-                     {"command": cmd[1:], "log": str(log_path)})
+                     {"slots": slots, "command": cmd[1:], "log": str(log_path)})
     finally:
         _stop(proc)
 
@@ -491,7 +491,6 @@ def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar, qu
     figures: dict[str, Any] = {"requests": len(reqs), "prompt_tokens": sum(len(i) for i, _ in reqs),
                                "useful_output_tokens": sum(n for _, n in reqs)}
     runs: list[dict[str, Any]] = []
-    concurrencies = sorted({len(reqs), min(LATENCY_CONCURRENCY, len(reqs))}, reverse=True)
     with contextlib.ExitStack() as stack:
         bar.set_description(f"{cfg.name} served: starting servers")
         servers = [stack.enter_context(tokenyard_gateway(cfg, log_dir))]
@@ -502,7 +501,7 @@ def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar, qu
         results: dict[str, dict[str, list[dict]]] = {s.name: {} for s in servers}
         for r in range(repeats):
             for s in servers:
-                for c in concurrencies:
+                for c in concurrencies_for(s.info.get("slots"), len(reqs)):
                     bar.set_description(f"{cfg.name} served round {r + 1}: {s.name} x{c}")
                     seen = quiet.check()
                     f = run_load(s, reqs, c)
@@ -517,6 +516,16 @@ def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar, qu
     figures["by_server"] = {name: {c: {k: spread([x[k] for x in fs]) for k in keys} | {
         "failed_total": sum(x["failed"] for x in fs)} for c, fs in by_c.items()} for name, by_c in results.items()}
     return figures, runs
+
+
+def concurrencies_for(slots: int | None, requests: int) -> list[int]:
+    """The served runs of one server: every request at once, then LATENCY_CONCURRENCY clients.
+    A llama-server with more slots than that runs the first only (with 32 clients it would serve
+    exactly as its 32-slot sibling does)."""
+    runs = [requests]
+    if min(LATENCY_CONCURRENCY, requests) != requests and (slots is None or slots <= LATENCY_CONCURRENCY):
+        runs.append(LATENCY_CONCURRENCY)
+    return runs
 
 
 def tqdm_write(msg: str) -> None:
@@ -581,7 +590,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         import torch
         requests = args.requests or cfg.requests
         n_local = sum(p in parts for p in ("decode", "prefill")) * args.repeats * (1 + len(cfg.modes))
-        n_served = ("served" in parts) * args.repeats * (1 + len(cfg.slots)) * (2 if requests > LATENCY_CONCURRENCY else 1)
+        n_served = ("served" in parts) * args.repeats * sum(
+            len(concurrencies_for(s, requests)) for s in [None, *cfg.slots])
         figures: dict[str, Any] = {"config": name, "model": cfg.describe, "llama_gguf": cfg.gguf.name,
                                    "tokenyard_model": str(cfg.tokenyard_model.relative_to(pm.ROOT))
                                    if cfg.tokenyard_model.is_relative_to(pm.ROOT) else cfg.tokenyard_model.name,
