@@ -63,10 +63,17 @@ def test_served_figures_counts_only_requested_tokens():
     assert math.isclose(f["itl_p50_ms"], 15.0)
 
 
-def test_table_renders_medians_and_ranges():
-    fig = {"decode_tg128_tok_s": {"llama.cpp": pb.spread([600.0, 620.0, 610.0]),
-                                  "tokenyard_fp32": pb.spread([120.0, 130.0, 125.0])}}
-    assert "llama.cpp: 610.0 (600.0-620.0)" in pb.table(fig)
+def test_table_renders_medians_ranges_and_ratios():
+    fig = {"config": "w2",
+           "decode_tg128_tok_s": {"llama.cpp": pb.spread([600.0, 620.0, 610.0]),
+                                  "tokenyard_fp32": pb.spread([120.0, 130.0, 122.0])},
+           "served": {"requests": 96, "by_server": {"tokenyard_fp32": {
+               "concurrency_96": {"useful_output_tok_s": pb.spread([800.0]), "failed_total": 0},
+               "concurrency_32": {k: pb.spread([10.0]) for k in ("useful_output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
+                                                                 "itl_p50_ms", "itl_p99_ms")} | {"failed_total": 1}}}}}
+    text = pb.table(fig)
+    assert "| 610.0 (600.0-620.0) | 122.0 (120.0-130.0) | 0.20x |" in text
+    assert "| tokenyard_fp32 | 800 (800-800) | 10 (10-10) |" in text and text.rstrip().endswith("| 1 |")
 
 
 def test_placeholder_vocab_has_exactly_the_model_vocab():

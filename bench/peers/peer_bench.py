@@ -542,21 +542,55 @@ def _fmt(s: dict[str, Any] | None, digits: int = 0) -> str:
     return f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"
 
 
+def _ratio(ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
+    if not ours or not theirs or not ours.get("median") or not theirs.get("median"):
+        return "-"
+    return f"{ours['median'] / theirs['median']:.2f}x"
+
+
 def table(figures: dict[str, Any]) -> str:
-    """The Markdown rows RESULTS.md shows (medians, min-max in brackets)."""
-    lines = []
-    for key, title in (("decode_tg128_tok_s", "batch-1 decode tok/s (tg128)"),
-                       ("prefill_pp512_tok_s", "prefill 512 tok/s (pp512)")):
-        if key in figures:
-            lines.append(f"| {title} | " + " | ".join(f"{k}: {_fmt(v, 1 if 'decode' in key else 0)}"
-                                                      for k, v in figures[key].items()) + " |")
+    """The Markdown tables RESULTS.md shows for one results file: medians, (min-max) over rounds."""
+    out: list[str] = []
+    single = [(k, t, d) for k, t, d in (("decode_tg128_tok_s", "batch-1 decode, tok/s (tg128)", 1),
+                                        ("prefill_pp512_tok_s", "prefill 512 tokens, tok/s (pp512)", 0))
+              if k in figures]
+    if single:
+        engines = list(figures[single[0][0]])
+        ours = [e for e in engines if e != "llama.cpp"]
+        out.append("| " + figures.get("config", "") + " | " + " | ".join(engines) + " | "
+                   + " | ".join(f"{e.removeprefix('tokenyard_')} / llama.cpp" for e in ours) + " |")
+        out.append("| --- " * (1 + len(engines) + len(ours)) + "|")
+        for key, title, digits in single:
+            row = figures[key]
+            out.append(f"| {title} | " + " | ".join(_fmt(row.get(e), digits) for e in engines) + " | "
+                       + " | ".join(_ratio(row.get(e), row.get("llama.cpp")) for e in ours) + " |")
     served = figures.get("served", {}).get("by_server", {})
-    for name, by_c in served.items():
-        for c, f in by_c.items():
-            lines.append(f"| served {name} {c} | tok/s {_fmt(f['useful_output_tok_s'])} | TTFT p50 "
-                         f"{_fmt(f['ttft_p50_ms'])} p99 {_fmt(f['ttft_p99_ms'])} ms | ITL p50 {_fmt(f['itl_p50_ms'], 1)} "
-                         f"p99 {_fmt(f['itl_p99_ms'], 1)} ms |")
-    return "\n".join(lines)
+    if served:
+        n = figures["served"].get("requests")
+        if out:
+            out.append("")
+        out.append(f"| server | {n} requests at once: useful output tok/s | {LATENCY_CONCURRENCY} clients: tok/s | "
+                   "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | failed |")
+        out.append("| --- " * 8 + "|")
+        for name, by_c in served.items():
+            burst = by_c.get(f"concurrency_{n}", {})
+            lat = by_c.get(f"concurrency_{LATENCY_CONCURRENCY}", burst if n == LATENCY_CONCURRENCY else {})
+            failed = sum(f.get("failed_total", 0) for f in by_c.values())
+            out.append(f"| {name} | {_fmt(burst.get('useful_output_tok_s'))} | {_fmt(lat.get('useful_output_tok_s'))} | "
+                       f"{_fmt(lat.get('ttft_p50_ms'))} | {_fmt(lat.get('ttft_p99_ms'))} | "
+                       f"{_fmt(lat.get('itl_p50_ms'), 1)} | {_fmt(lat.get('itl_p99_ms'), 1)} | {failed} |")
+    return "\n".join(out)
+
+
+def report(paths: Sequence[Path]) -> str:
+    """Tables for results files already written (`--report`), each under its name and load."""
+    parts = []
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        la = doc.get("load_avg", {})
+        parts.append(f"`bench/results/{Path(path).name}` ({doc.get('date')}, commit {str(doc.get('git_commit'))[:7]}, "
+                     f"load average {la.get('before')} -> {la.get('after')}):\n\n{table(doc['figures'])}")
+    return "\n\n".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -569,8 +603,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
+    ap.add_argument("--report", nargs="*", metavar="JSON", default=None,
+                    help="print the Markdown tables of results files (default bench/results/peers_*.json) and exit")
     ap.add_argument("--results-name", default=None, help="bench/results/<name>.json (default peers_<model>)")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        from bench.results_io import RESULTS_DIR
+        print(report([Path(p) for p in args.report] or sorted(RESULTS_DIR.glob("peers_*.json"))))
+        return
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
     if bad:
