@@ -16,8 +16,10 @@ import json
 import sys
 import time
 
+from gateway.http.errors import BadRequest
 from gateway.spend import reports as reports
 from gateway.spend import store as store
+from gateway.spend.queries import read_report
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -25,7 +27,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
     sub = ap.add_subparsers(dest="spend_command", required=True)
     rep = sub.add_parser("report", help="spend, tokens, cost per 1M tokens and savings, grouped")
-    rep.add_argument("--by", default="model", help="model, tenant, day or hour; several comma-separated")
+    rep.add_argument("--by", default="model", help=("model, tenant, day, hour, key, user, route or tag:NAME; several "
+                                                    "comma-separated (two or more of key/user/route/tag: from the "
+                                                    "request stream)"))
     rep.add_argument("--since", default="7d", help="7d, 12h, 30m, 2w before now, or unix seconds / ISO 8601")
     rep.add_argument("--until", help="end (unix seconds / ISO 8601; default: now)")
     rep.add_argument("--tenant", help="only this tenant")
@@ -42,10 +46,10 @@ async def _report(url: str, prefix: str, tenant: str | None, start: float, end: 
     client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
     try:
         tenants = [tenant] if tenant else await store.all_tenants(client, prefix)
-        rows = await store.rollups(client, prefix, tenants, *reports.hour_range(start, end))
+        data, total, _, _ = await read_report(client, prefix, tenants, *reports.hour_range(start, end), group_by)
     finally:
         await client.aclose()
-    return reports.aggregate(rows, group_by), reports.totals(rows)
+    return data, total
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     except (redis.RedisError, OSError) as e:
         print(f"tokenyard: redis: {e}", file=sys.stderr)
         return 1
+    except BadRequest as e:     # a stream-sourced grouping over too many records
+        print(f"tokenyard: {e.message}", file=sys.stderr)
+        return 2
     if args.format == "csv":
         sys.stdout.write(reports.to_csv(data, group_by))
     elif args.format == "json":

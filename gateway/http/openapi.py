@@ -298,7 +298,10 @@ def _spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
         "baseline_cost_micros", "savings_micros", "cost_per_million_tokens_micros", "errors")}}
     report = {"type": "object", "properties": {
         "object": {"const": "spend.report"}, "start": {"type": "string"}, "end": {"type": "string"},
-        "group_by": {"type": "array", "items": {"enum": ["model", "tenant", "day", "hour"]}},
+        "group_by": {"type": "array", "items": {"oneOf": [
+            {"enum": ["model", "tenant", "day", "hour", "key", "user", "route"]},
+            {"type": "string", "pattern": "^tag:.{1,64}$"}]}},
+        "source": {"enum": ["rollups", "stream"]},
         "baseline_engine": {"type": "string"}, "tenant": {"type": ["string", "null"]},
         "data": {"type": "array", "items": row}, "total": row}}
     page = {"type": "object", "properties": {
@@ -309,7 +312,10 @@ def _spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
             "summary": ("Spend and tokens from the hourly rollups, grouped; JSON or CSV (format=csv or "
                         "Accept: text/csv)"),
             "security": auth,
-            "parameters": [*window, _q("group_by", "model, tenant, day or hour, or several comma-separated"),
+            "parameters": [*window, _q("group_by", ("model, tenant, day, hour, key, user, route or tag:NAME, or several "
+                                                       "comma-separated; one of key/user/route/tag from the rollups "
+                                                       "(its \"\" group: records without a value), two or more from "
+                                                       "the request stream")),
                            _q("format", "json (default) or csv", {"enum": ["json", "csv"]})],
             "responses": {"200": {"description": "the report", "content": {
                 "application/json": {"schema": report}, "text/csv": {"schema": {"type": "string"}}}},

@@ -1,7 +1,7 @@
 """Deployment sections of the spend ledger, the dashboard and /metrics access.
 
     spend:      {enabled, baseline_engine, rollup_retention_days, stream_max_len, stream_retention_days,
-                 spool_dir, spool_fsync, replay_interval_s}
+                 spool_dir, spool_fsync, replay_interval_s, max_values_per_dimension}
     dashboard:  {enabled, session_ttl_s, cookie_secure}
     metrics:    {access}
 
@@ -36,6 +36,8 @@ class SpendConfig:
     spool_dir: Path = Path(".tokenyard/spool")   # records wait here (JSONL) while Redis is unreachable
     spool_fsync: str = "always"             # "always": fsync after every append; "never": leave it to the OS
     replay_interval_s: float = 2.0          # how often a non-empty spool is retried against Redis
+    max_values_per_dimension: int = 1000    # distinct keys / users / route reasons / values of one tag kept per
+                                            # tenant and hour in the rollups; beyond, counted under "(other)"
 
 
 @dataclass(slots=True)
@@ -67,7 +69,7 @@ def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], erro
     sp.baseline_engine = _typed(spend, "spend.", "baseline_engine", str, None, error, nullable=True)
     if sp.baseline_engine is not None and sp.baseline_engine not in engines:
         raise error(f"spend.baseline_engine names engine {sp.baseline_engine!r}, which is not under engines")
-    for key in ("rollup_retention_days", "stream_max_len", "stream_retention_days"):
+    for key in ("rollup_retention_days", "stream_max_len", "stream_retention_days", "max_values_per_dimension"):
         value = _typed(spend, "spend.", key, int, getattr(sp, key), error)
         if value <= 0:
             raise error(f"spend.{key} must be a positive integer, got {value}")

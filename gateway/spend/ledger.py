@@ -31,7 +31,18 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.spend.config import SpendConfig
-from gateway.spend.redis_keys import hours_key, rollup_key, seen_key, stream_key, tenants_key
+from gateway.spend.redis_keys import (
+    OTHER,
+    dim_field_prefix,
+    dim_values_key,
+    dims_key,
+    hours_key,
+    record_dimensions,
+    rollup_key,
+    seen_key,
+    stream_key,
+    tenants_key,
+)
 from gateway.spend.spool import SpendSpool
 from gateway.spend.usage import UsageRecord
 
@@ -141,6 +152,12 @@ class SpendLedger:
                 0 if rec["status"] == "ok" else 1,
                 cfg.rollup_retention_days * 86400, retention_s, cfg.stream_max_len,
                 max(0, now_ms - retention_s * 1000), int(now_ms // 1000 - cfg.rollup_retention_days * 86400) // 3600]
+        dims = record_dimensions(rec)
+        keys.append(dims_key(p, tenant, hour))
+        keys += [dim_values_key(p, tenant, hour, d) for d, _ in dims]
+        args += [len(dims), cfg.max_values_per_dimension]
+        for d, v in dims:
+            args += [v, dim_field_prefix(d, v, rec["engine"]), dim_field_prefix(d, OTHER, rec["engine"])]
         return keys, args
 
     async def _to_spool(self, records: list[dict[str, Any]]) -> None:

@@ -66,17 +66,60 @@ def ledger_redis(gw: "Gateway") -> Any:
     return gw.ledger.redis
 
 
+MAX_STREAM_REPORT = 200_000    # records one stream-sourced report may read
+
+
 async def build_report(gw: "Gateway", tenants: list[str], start: float, end: float,
                        group_by: list[str]) -> dict[str, Any]:
     start_hour, end_hour = reports.hour_range(start, end)
     try:
-        rows = await store.rollups(ledger_redis(gw), gw.deployment.redis_prefix, tenants, start_hour, end_hour)
+        data, total, source, rows = await read_report(ledger_redis(gw), gw.deployment.redis_prefix, tenants,
+                                                      start_hour, end_hour, group_by)
     except (RedisError, OSError) as e:
         raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",
                           headers={"retry-after": "1"}) from e
     return {"object": "spend.report", "start": reports.iso(start_hour * 3600), "end": reports.iso(end_hour * 3600),
             "group_by": group_by, "currency": "micro-units", "baseline_engine": gw.baseline_engine,
-            "data": reports.aggregate(rows, group_by), "total": reports.totals(rows), "rows": rows}
+            "source": source, "data": data, "total": total, "rows": rows}
+
+
+async def read_report(redis: Any, prefix: str, tenants: list[str], start_hour: int, end_hour: int,
+                      group_by: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any], str, list[store.RollupRow]]:
+    """(groups, total, source, base rollup rows): from the hourly rollups, with at most one dimension
+    among key, user, route, tag:NAME; else from the request stream (exact within its retention; at
+    most MAX_STREAM_REPORT records, BadRequest past that)."""
+    dims = reports.dimensions(group_by)
+    rows = await store.rollups(redis, prefix, tenants, start_hour, end_hour)
+    if not dims:
+        return reports.aggregate(rows, group_by), reports.totals(rows), "rollups", rows
+    if len(dims) == 1:
+        dim_rows = await store.dim_rollups(redis, prefix, tenants, start_hour, end_hour, dims[0])
+        return reports.aggregate_with_dimension(rows, dim_rows, group_by), reports.totals(rows), "rollups", rows
+    recs = await stream_records(redis, prefix, tenants, start_hour * 3600, end_hour * 3600)
+    return reports.aggregate_records(recs, group_by), reports.derive(_sum_records(recs)), "stream", rows
+
+
+async def stream_records(redis: Any, prefix: str, tenants: list[str], start: float, end: float) -> list[dict[str, Any]]:
+    """Every record in [start, end) from the tenants' streams; a 400 past MAX_STREAM_REPORT."""
+    out: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page, cursor = await store.records(redis, prefix, tenants, limit=10_000, cursor=cursor, start=start, end=end)
+        out += page
+        if len(out) > MAX_STREAM_REPORT:
+            raise BadRequest(f"this grouping reads the request stream, and the window holds more than "
+                             f"{MAX_STREAM_REPORT} records; narrow start/end or group by at most one of key, user, "
+                             "route, tag:NAME (those come from the rollups)", param="group_by", code="report_too_large")
+        if cursor is None:
+            return out
+
+
+def _sum_records(recs: list[dict[str, Any]]) -> dict[str, int]:
+    acc = dict.fromkeys(reports.SUMS, 0)
+    for rec in recs:
+        for k, v in reports.record_sums(rec).items():
+            acc[k] += v
+    return acc
 
 
 def wants_csv(request: Request) -> bool:

@@ -4,6 +4,10 @@
     {prefix}spend:{T}:stream              stream of records, newest last; field "r" = the record's JSON
     {prefix}spend:{T}:h:{hour}            hash of one hour's rollup: "{engine}|{field}" -> integer
     {prefix}spend:{T}:hours               sorted set of the hours that have a rollup (score = member = hour)
+    {prefix}spend:{T}:hd:{hour}           hash of one hour's rollup by one more dimension (key, user, route,
+                                          tag:NAME): '["{dim}", "{value}", "{engine}"]|{field}' -> integer
+    {prefix}spend:{T}:hv:{hour}:{dim}     set of the values of dim seen that hour (bounded: past
+                                          spend.max_values_per_dimension, new values count as "(other)")
     {prefix}spend:tenants                 set of tenants with any record
 
 T is the tenant inside braces, a Redis Cluster hash tag: everything one record touches except the
@@ -11,6 +15,10 @@ tenants index lives in one slot. `hour` is unix seconds // 3600 of the request's
 """
 from __future__ import annotations
 
+import json
+from typing import Any
+
+OTHER = "(other)"     # the value a dimension's rollup counts new values under once it holds max_values_per_dimension
 ROLLUP_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros",
                  "baseline_cost_micros", "errors")
 
@@ -31,9 +39,32 @@ def rollup_key(prefix: str, tenant: str, hour: int) -> str:
     return f"{_t(prefix, tenant)}:h:{hour}"
 
 
+def dims_key(prefix: str, tenant: str, hour: int) -> str:
+    return f"{_t(prefix, tenant)}:hd:{hour}"
+
+
+def dim_values_key(prefix: str, tenant: str, hour: int, dim: str) -> str:
+    return f"{_t(prefix, tenant)}:hv:{hour}:{dim}"
+
+
 def hours_key(prefix: str, tenant: str) -> str:
     return f"{_t(prefix, tenant)}:hours"
 
 
 def tenants_key(prefix: str) -> str:
     return f"{prefix}spend:tenants"
+
+
+def record_dimensions(rec: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (dimension, value) pairs a record is rolled up by besides tenant, engine and hour: its
+    key id, user, route reason and each metadata tag (tag:NAME). Empty values are left out: a
+    report's "" group is the rest of the total (which also covers records older than these rollups)."""
+    dims = [("key", rec.get("key_id") or ""), ("user", rec.get("user") or ""),
+            ("route", rec.get("route_reason") or "")]
+    dims += [(f"tag:{k}", str(v)) for k, v in sorted((rec.get("tags") or {}).items())]
+    return [(d, v) for d, v in dims if v]
+
+
+def dim_field_prefix(dim: str, value: str, engine: str) -> str:
+    """A dimension rollup's field prefix: JSON, so any value (a user id, a tag with '|' in it) parses back."""
+    return json.dumps([dim, value, engine], ensure_ascii=False, separators=(",", ":")) + "|"

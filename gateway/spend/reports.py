@@ -1,4 +1,12 @@
-"""Spend reports: rollup rows grouped by model, tenant, day or hour; JSON rows, CSV and text tables.
+"""Spend reports: rollup rows grouped by model, tenant, day, hour and at most one more dimension
+(key, user, route, tag:NAME); JSON rows, CSV and text tables.
+
+Grouping by a dimension reads that dimension's rollups. Its "" group holds every record without a
+value for it (and records from before dimension rollups existed): the ungrouped total less the
+dimension's rows, so the groups always add up to the total, to the micro-unit. Per tenant and
+hour a dimension keeps spend.max_values_per_dimension distinct values; later values are counted
+under "(other)". Two or more dimensions at once are answered from the request stream (exact, for
+the stream's retention window; `source: "stream"` in the report).
 
 Pure functions (no Redis, no HTTP), shared by GET /v1/spend/report, the dashboard and
 `tokenyard spend report`. All money is integer micro-units; nothing here uses a float for it.
@@ -20,19 +28,29 @@ from gateway.http.edge_params import read_time
 from gateway.spend.store import RollupRow
 
 GROUPS = ("model", "tenant", "day", "hour")
+DIMENSIONS = ("key", "user", "route")     # and tag:NAME, NAME a metadata key
 SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros", "baseline_cost_micros",
         "errors")
 COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "cost_micros",
            "baseline_cost_micros", "savings_micros", "cost_per_million_tokens_micros", "errors")
 
 
+def is_dimension(group: str) -> bool:
+    return group in DIMENSIONS or (group.startswith("tag:") and 0 < len(group) - 4 <= 64)
+
+
 def parse_group_by(value: str | None) -> list[str]:
-    """"model", or several joined by commas ("day,model"). ValueError names what is wrong."""
+    """"model", or several joined by commas ("day,model", "model,tag:team"). ValueError names what is wrong."""
     parts = [p.strip() for p in (value or "model").split(",") if p.strip()]
-    bad = [p for p in parts if p not in GROUPS]
+    bad = [p for p in parts if p not in GROUPS and not is_dimension(p)]
     if bad or not parts or len(set(parts)) != len(parts):
-        raise ValueError(f"group_by must be one or more of {', '.join(GROUPS)} (comma-separated, no repeats)")
+        raise ValueError(f"group_by must be one or more of {', '.join(GROUPS + DIMENSIONS)}, tag:NAME "
+                         "(comma-separated, no repeats)")
     return parts
+
+
+def dimensions(group_by: list[str]) -> list[str]:
+    return [g for g in group_by if is_dimension(g)]
 
 
 def parse_time(value: str) -> float:
@@ -65,7 +83,7 @@ def iso(ts: float) -> str:
 
 def _key(row: RollupRow, group_by: list[str]) -> tuple[str, ...]:
     label = {"model": row.engine, "tenant": row.tenant, "day": day_label(row.hour), "hour": hour_label(row.hour)}
-    return tuple(label[g] for g in group_by)
+    return tuple(label[g] if g in label else row.value for g in group_by)
 
 
 def derive(sums: dict[str, int]) -> dict[str, Any]:
@@ -85,6 +103,70 @@ def aggregate(rows: Iterable[RollupRow], group_by: list[str]) -> list[dict[str, 
         for k in SUMS:
             acc[k] += getattr(row, k)
     return [{**dict(zip(group_by, key)), **derive(groups[key])} for key in sorted(groups)]
+
+
+def aggregate_with_dimension(rows: list[RollupRow], dim_rows: list[RollupRow], group_by: list[str]
+                             ) -> list[dict[str, Any]]:
+    """Groups by the base labels and one dimension; the dimension's "" group is what its rows do
+    not cover (records without a value), so every base group still adds up exactly."""
+    base_by = [g for g in group_by if not is_dimension(g)]
+    remainder: dict[tuple[str, ...], dict[str, int]] = {}
+    for row in rows:
+        acc = remainder.setdefault(_key(row, base_by), dict.fromkeys(SUMS, 0))
+        for k in SUMS:
+            acc[k] += getattr(row, k)
+    groups: dict[tuple[str, ...], dict[str, int]] = {}
+    for row in dim_rows:
+        acc = groups.setdefault(_key(row, group_by), dict.fromkeys(SUMS, 0))
+        rest = remainder.setdefault(_key(row, base_by), dict.fromkeys(SUMS, 0))
+        for k in SUMS:
+            acc[k] += getattr(row, k)
+            rest[k] -= getattr(row, k)
+    at = group_by.index(dimensions(group_by)[0])
+    for base, acc in remainder.items():
+        if any(acc.values()):
+            groups[base[:at] + ("",) + base[at:]] = acc
+    return [{**dict(zip(group_by, key)), **derive(groups[key])} for key in sorted(groups)]
+
+
+def aggregate_records(records: Iterable[dict[str, Any]], group_by: list[str]) -> list[dict[str, Any]]:
+    """Groups straight from usage records (the stream): any combination of groups and dimensions."""
+    groups: dict[tuple[str, ...], dict[str, int]] = {}
+    for rec in records:
+        acc = groups.setdefault(record_labels(rec, group_by), dict.fromkeys(SUMS, 0))
+        for k, v in record_sums(rec).items():
+            acc[k] += v
+    return [{**dict(zip(group_by, key)), **derive(groups[key])} for key in sorted(groups)]
+
+
+def record_sums(rec: dict[str, Any]) -> dict[str, int]:
+    return {"requests": 1, "prompt_tokens": int(rec["prompt_tokens"]), "cached_tokens": int(rec["cached_tokens"]),
+            "completion_tokens": int(rec["completion_tokens"]), "cost_micros": int(rec["cost_micros"]),
+            "baseline_cost_micros": int(rec.get("baseline_cost_micros", 0)),
+            "errors": 0 if rec.get("status") == "ok" else 1}
+
+
+def record_labels(rec: dict[str, Any], group_by: list[str]) -> tuple[str, ...]:
+    hour = int(rec["time"]) // 3600
+    out = []
+    for g in group_by:
+        if g == "model":
+            out.append(rec["engine"])
+        elif g == "tenant":
+            out.append(rec.get("tenant") or "-")
+        elif g == "day":
+            out.append(day_label(hour))
+        elif g == "hour":
+            out.append(hour_label(hour))
+        elif g == "key":
+            out.append(rec.get("key_id") or "")
+        elif g == "user":
+            out.append(rec.get("user") or "")
+        elif g == "route":
+            out.append(rec.get("route_reason") or "")
+        else:
+            out.append(str((rec.get("tags") or {}).get(g[4:], "")))
+    return tuple(out)
 
 
 def totals(rows: Iterable[RollupRow]) -> dict[str, Any]:

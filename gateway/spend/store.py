@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.http.edge_params import parse_stream_id
-from gateway.spend.redis_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
+from gateway.spend.redis_keys import ROLLUP_FIELDS, dims_key, hours_key, rollup_key, stream_key, tenants_key
 
 SCAN_BATCH = 200
 
@@ -29,6 +29,8 @@ class RollupRow:
     cost_micros: int = 0
     baseline_cost_micros: int = 0
     errors: int = 0
+    dim: str | None = None        # a dimension rollup's row: "key", "user", "route" or "tag:NAME" ...
+    value: str = ""               # ... and its value ("(other)": values past the per-hour bound)
 
 
 def _s(v: Any) -> str:
@@ -62,6 +64,37 @@ async def rollups(redis: Any, prefix: str, tenants: list[str], start_hour: int, 
                 row = by_engine.setdefault(engine, RollupRow(t, engine, h))
                 setattr(row, name, int(_s(v)))
         out.extend(by_engine[e] for e in sorted(by_engine))
+    return out
+
+
+async def dim_rollups(redis: Any, prefix: str, tenants: list[str], start_hour: int, end_hour: int,
+                     dim: str) -> list[RollupRow]:
+    """Rows of every (tenant, engine, hour, value of dim) with start_hour <= hour < end_hour. Records
+    without a value for dim (and records older than these rollups) are not in them."""
+    if not tenants or end_hour <= start_hour:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for t in tenants:
+        pipe.zrangebyscore(hours_key(prefix, t), start_hour, end_hour - 1)
+    wanted = [(t, int(_s(h))) for t, hours in zip(tenants, await pipe.execute()) for h in hours]
+    if not wanted:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for t, h in wanted:
+        pipe.hgetall(dims_key(prefix, t, h))
+    out: list[RollupRow] = []
+    for (t, h), raw in zip(wanted, await pipe.execute()):
+        rows: dict[tuple[str, str], RollupRow] = {}
+        for k, v in raw.items():
+            head, _, name = _s(k).rpartition("|")
+            if name not in ROLLUP_FIELDS:
+                continue
+            d, value, engine = json.loads(head)
+            if d != dim:
+                continue
+            row = rows.setdefault((engine, value), RollupRow(t, engine, h, dim=dim, value=value))
+            setattr(row, name, int(_s(v)))
+        out.extend(rows[k] for k in sorted(rows))
     return out
 
 

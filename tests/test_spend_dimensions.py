@@ -1,0 +1,150 @@
+"""Spend grouped by key, user, route and tag: 100k random usage records written through the ledger's
+Lua script into the shared Redis, then every grouping must add up to the ungrouped total to the
+micro-unit; the per-hour bound on distinct values sends the rest to "(other)" without losing a unit;
+two dimensions at once are answered exactly from the stream."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
+
+from gateway.spend import reports
+from gateway.spend.config import SpendConfig
+from gateway.spend.ledger import SpendLedger
+from gateway.spend.queries import read_report
+from gateway.spend.usage import UsageRecord
+
+N = 100_000
+HOURS = 6
+TENANTS = ("acme", "globex")
+
+
+class _Counter:
+    def labels(self, *a):
+        return self
+
+    def inc(self, n=1):
+        pass
+
+
+class _Metrics:
+    spend_records = _Counter()
+    spend_write_errors = _Counter()
+
+
+def _records(n: int, now: float) -> list[UsageRecord]:
+    rng = random.Random(7)
+    out = []
+    for i in range(n):
+        tags = {}
+        if rng.random() < 0.7:
+            tags["team"] = rng.choice(["search", "ads", "<b>growth</b>", "a|b"])
+        if rng.random() < 0.3:
+            tags["env"] = rng.choice(["prod", "dev"])
+        p, c = rng.randint(1, 4000), rng.randint(0, 800)
+        out.append(UsageRecord(
+            request_id=f"r{i}", time=now - rng.randint(0, HOURS * 3600 - 1), engine=rng.choice(["small", "large"]),
+            requested_model="auto", route_reason=rng.choice(["router", "pinned", "auto:default"]),
+            prompt_tokens=p, cached_tokens=rng.randint(0, p), completion_tokens=c,
+            cost_micros=rng.randint(0, 10**7), status="ok" if rng.random() < 0.97 else "error",
+            finish_reason="stop", ttft_s=0.1, e2e_s=0.5, stream=False, tenant=rng.choice(TENANTS),
+            key_id=f"key{rng.randint(0, 40)}", user=rng.choice([None, *[f"user{u}" for u in range(300)]]),
+            tags=tags, baseline_cost_micros=rng.randint(0, 10**7)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ledger_world(tmp_path_factory):
+    prefix = unique_prefix("dims")
+    cfg = SpendConfig(spool_dir=tmp_path_factory.mktemp("spool"), max_values_per_dimension=100)
+    now = time.time()
+    recs = _records(N, now)
+
+    async def write() -> None:
+        ledger = SpendLedger(SHARED_REDIS, prefix, cfg, _Metrics())
+        for i in range(0, N, 1024):
+            await asyncio.gather(*(ledger._store([r.to_dict() for r in recs[j:j + 128]], "stored")
+                                   for j in range(i, min(i + 1024, N), 128)))
+        await ledger.redis.aclose()
+
+    asyncio.run(write())
+    try:
+        yield prefix, recs, now, _exact(recs)
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
+
+
+def _report(prefix: str, group_by: list[str], now: float, hours: tuple[int, int] | None = None):
+    import redis.asyncio as aioredis
+
+    async def run():
+        client = aioredis.Redis.from_url(SHARED_REDIS)
+        try:
+            span = hours or reports.hour_range(now - (HOURS + 1) * 3600, now + 3600)
+            return await read_report(client, prefix, list(TENANTS), *span, group_by)
+        finally:
+            await client.aclose()
+    return asyncio.run(run())
+
+
+def _exact(recs: list[UsageRecord]) -> dict:
+    return {"requests": len(recs), "prompt_tokens": sum(r.prompt_tokens for r in recs),
+            "cached_tokens": sum(r.cached_tokens for r in recs),
+            "completion_tokens": sum(r.completion_tokens for r in recs), "cost_micros": sum(r.cost_micros for r in recs),
+            "baseline_cost_micros": sum(r.baseline_cost_micros for r in recs),
+            "errors": sum(r.status != "ok" for r in recs)}
+
+
+@pytest.mark.parametrize("group_by", [["model"], ["key"], ["user"], ["route"], ["tag:team"], ["tag:env", "model"],
+                                      ["day", "tenant", "user"], ["hour", "tag:team"]])
+def test_every_grouping_adds_up_to_the_total_to_the_micro_unit(ledger_world, group_by):
+    prefix, recs, now, exact = ledger_world
+    data, total, source, _ = _report(prefix, group_by, now)
+    assert source == "rollups"
+    for k in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros",
+              "baseline_cost_micros", "errors"):
+        assert total[k] == exact[k], k
+        assert sum(row[k] for row in data) == exact[k], (group_by, k)
+
+
+def test_a_dimension_within_its_bound_is_exact_per_value(ledger_world):
+    prefix, recs, now, _ = ledger_world
+    data, _, _, _ = _report(prefix, ["tag:team"], now)
+    got = {row["tag:team"]: row["cost_micros"] for row in data}
+    want: dict[str, int] = {}
+    for r in recs:
+        team = r.tags.get("team", "")
+        want[team] = want.get(team, 0) + r.cost_micros
+    assert got == want      # four teams, far under the bound: no "(other)"; "" is the untagged rest
+
+
+def test_values_past_the_bound_count_as_other(ledger_world):
+    prefix, recs, now, exact = ledger_world
+    data, _, _, _ = _report(prefix, ["user"], now)
+    users = {row["user"] for row in data}
+    # 300 users a tenant-hour, 100 kept each: "(other)" holds the rest, and the total still matches.
+    assert "(other)" in users and "" in users
+    assert sum(row["cost_micros"] for row in data) == exact["cost_micros"]
+
+
+def test_two_dimensions_come_from_the_stream_exactly(ledger_world):
+    prefix, recs, now, _ = ledger_world
+    hour = int(now) // 3600 - 2                 # one whole hour: ~1/6 of the records, read from the stream
+    data, total, source, _ = _report(prefix, ["key", "tag:env"], now, (hour, hour + 1))
+    assert source == "stream"
+    inside = [r for r in recs if int(r.time) // 3600 == hour]
+    want: dict[tuple[str, str], int] = {}
+    for r in inside:
+        k = (r.key_id, r.tags.get("env", ""))
+        want[k] = want.get(k, 0) + r.completion_tokens
+    assert len(inside) > 1000 and {(row["key"], row["tag:env"]): row["completion_tokens"] for row in data} == want
+    assert total["cost_micros"] == sum(r.cost_micros for r in inside)
+
+
+@pytest.mark.parametrize("value", ["tag:", "tag:" + "x" * 65, "model,model", "team"])
+def test_bad_group_by_names_the_choices(value):
+    with pytest.raises(ValueError, match="tag:NAME"):
+        reports.parse_group_by(value)
