@@ -206,3 +206,45 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             ot = torch.bmm(probs.view(num_kv_heads, rows * group, -1), vc[:, t.k_lo:t.k_hi])
             oc[t.q_lo:t.q_hi] = ot.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     return out
+
+
+# -- decode steps under torch.compile ---------------------------------------------------------
+
+def write_kv_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """write_kv as one indexed assignment per cache: the form torch.compile turns into an in-place
+    scatter into the cache (no copy of the cache, whatever its size)."""
+    k_cache[:, slots] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, slots] = v.transpose(0, 1).to(v_cache.dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, block_size: int, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence over its paged context; written for torch.compile (fixed op sequence,
+    no host values, every size taken from a tensor shape, so one graph serves any batch and width).
+
+    q: [B, heads, head_dim]; block_tables: [B, W] int64 padded with block 0; seq_lens: [B] int64
+    context lengths including the new token, whose K/V must already be written. Keys at positions
+    >= seq_len (the table's padding) are masked. Returns [B, heads, head_dim].
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    width = block_tables.shape[1]
+    length = width * block_size
+    offsets = torch.arange(block_size, device=q.device)
+    slots = (block_tables[:, :, None] * block_size + offsets).reshape(batch, length)      # [B, L]
+    k = k_cache[:, slots]                                                                   # [kvh, B, L, hd]
+    v = v_cache[:, slots]
+    qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)                      # [kvh, B, g, hd]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale                         # [kvh, B, g, L]
+    pos = torch.arange(length, device=q.device)
+    last = seq_lens[:, None] - 1
+    valid = pos[None, :] <= last
+    if sliding_window is not None:
+        valid = valid & (pos[None, :] > last - sliding_window)
+    scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)                                                            # [kvh, B, g, hd]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)

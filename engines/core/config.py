@@ -31,6 +31,14 @@ class EngineConfig:
     cuda_graphs: "auto" (on with CUDA and the triton backend), "on" or "off": decode steps of up to
       cuda_graph_max_batch sequences replay captured CUDA graphs; prefill always runs eagerly.
       "padded" runs the graphs' static, padded path eagerly (tests on CPU, needs triton attention).
+    cpu_compile: "auto", "on" or "off": on a CPU (torch attention, no tensor parallelism), decode
+      steps of up to max_num_seqs sequences run through torch.compile (inductor's C++ backend),
+      compiled at start-up for batch 1 and batch 2..max_num_seqs and cached on disk across
+      restarts (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tokenyard/inductor); prefill, mixed and
+      verify steps stay eager. "auto" compiles models of at least 20M parameters and decodes
+      eagerly, with a warning, when there is no C++ compiler or compiling fails; "on" compiles any
+      model and makes those an error. The environment variable TOKENYARD_CPU_COMPILE (auto, on,
+      off) replaces "auto" when set.
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
     speculative_method: "none", "ngram" (prompt lookup) or "draft" (draft_model proposes).
@@ -61,6 +69,7 @@ class EngineConfig:
     quant_group_size: int = 128
     cuda_graphs: str = "auto"
     cuda_graph_max_batch: int = 128
+    cpu_compile: str = "auto"
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
     speculative_method: str = "none"
@@ -95,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "on", "off", "padded"):
             raise ValueError(f"cuda_graphs must be auto, on, off or padded, got {self.cuda_graphs!r}")
+        if self.cpu_compile not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_compile must be auto, on or off, got {self.cpu_compile!r}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:

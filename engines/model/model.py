@@ -49,6 +49,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(h, positions, rotary)
+        return self.finish(h, attend(q, k, v, kv[0], kv[1], meta, self.scale))
+
+    # The two halves around attention, shared with the compiled decode step
+    # (engines/model/compiled_decoder.py), which attends differently.
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor,
+            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim], rotary applied to q and k."""
         cfg = self.cfg
         x = self.input_layernorm(h)
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -56,8 +64,11 @@ class DecoderLayer(nn.Module):
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = rotary(positions, q, k)
-        o = attend(q, k, v, kv[0], kv[1], meta, self.scale)
-        h = h + self._reduce(self.o_proj(o.reshape(-1, cfg.q_size)))
+        return q, k, v
+
+    def finish(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream after this layer, given the attention output o [T, heads, head_dim]."""
+        h = h + self._reduce(self.o_proj(o.reshape(-1, self.cfg.q_size)))
         x = self.post_attention_layernorm(h)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return h + self._reduce(self.down_proj(nn.functional.silu(gate) * up))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,11 +10,16 @@ import torch
 from engines.core.scheduler import SchedulerOutput
 from engines.core.sequence import Sequence
 from engines.model.attention import AttentionMetadata, resolve_backend
+from engines.model.compiled_decoder import CompiledDecoder, compiler_error
 from engines.model.cuda_graph_runner import CudaGraphDecoder
 from engines.model.model import CausalLM
 from engines.model.sampler import LogitAdjust, sample
 
 log = logging.getLogger(__name__)
+
+# cpu_compile "auto" compiles models from this size on (parameters). Compiling costs start-up
+# time (tens of seconds cold, a few warm); below this the engines are test and demo models.
+AUTO_COMPILE_MIN_PARAMS = 20_000_000
 
 
 @dataclass(slots=True)
@@ -32,7 +38,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, attention_backend: str = "torch", cuda_graphs: str = "off",
-                 max_model_len: int = 0, cuda_graph_max_batch: int = 0) -> None:
+                 max_model_len: int = 0, cuda_graph_max_batch: int = 0, cpu_compile: str = "off",
+                 max_num_seqs: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -57,7 +64,54 @@ class ModelRunner:
                 log.warning("CUDA graph capture failed; decoding eagerly (set cuda_graphs: on to make this an error)",
                             exc_info=True)
                 self.graphs = None
+        self.compiled: CompiledDecoder | None = None
+        if self.graphs is None:
+            self.compiled = self._compiled_decoder(cpu_compile, max_model_len, max_num_seqs)
         self.num_graph_steps = 0
+        self.num_compiled_steps = 0
+
+    def _compiled_decoder(self, mode: str, max_model_len: int, max_num_seqs: int) -> CompiledDecoder | None:
+        """The compiled CPU decode path per the cpu_compile knob (EngineConfig), warmed up; None
+        for eager decoding. "auto" compiles where it pays (see auto_compiles); a failure is then a
+        warning, and under "on" an error."""
+        if mode == "auto":
+            env = os.environ.get("TOKENYARD_CPU_COMPILE", "auto").strip().lower()
+            if env in ("on", "off"):
+                mode = env
+            elif env != "auto":
+                log.warning("ignoring TOKENYARD_CPU_COMPILE=%r (expected auto, on or off)", env)
+        if mode == "off" or (mode == "auto" and not self.auto_compiles()):
+            return None
+        if self.device.type != "cpu" or self.attention_backend != "torch" or self.model.layers[0].tp_enabled:
+            if mode == "on":
+                raise ValueError("cpu_compile needs a CPU device, the torch attention backend and no tensor parallelism")
+            return None
+        problem = compiler_error()
+        if problem is not None:
+            if mode == "on":
+                raise RuntimeError(f"cpu_compile is on but {problem}")
+            log.warning("decoding eagerly: %s (set cpu_compile: off to silence this)", problem)
+            return None
+        width = -(-max_model_len // self.block_size)
+        try:
+            dec = CompiledDecoder(self.model, self.kv_caches, self.block_size, width, max_num_seqs or 1)
+            seconds = dec.warm_up()
+        except Exception:  # noqa: BLE001 - "auto" promised speed, not a compiler: serve eagerly and say so
+            if mode == "on":
+                raise
+            log.warning("compiling the CPU decode step failed; decoding eagerly (set cpu_compile: on to make "
+                        "this an error)", exc_info=True)
+            return None
+        log.info("CPU decode step compiled in %.1f s (batch 1 and 2..%d; inductor cache %s)", seconds,
+                 dec.max_batch, dec.cache_dir)
+        return dec
+
+    def auto_compiles(self) -> bool:
+        """What cpu_compile "auto" decides: compile on a CPU for models of at least
+        AUTO_COMPILE_MIN_PARAMS parameters."""
+        if self.device.type != "cpu" or self.attention_backend != "torch":
+            return False
+        return sum(p.numel() for p in self.model.parameters()) >= AUTO_COMPILE_MIN_PARAMS
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Run the batch; return one sampled token per chunk that reaches its sequence's end."""
@@ -67,6 +121,11 @@ class ModelRunner:
             # Pure decode: one token per sequence, each sampled.
             logits = self.graphs.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
             self.num_graph_steps += 1
+            return self._sample(logits, sampled)
+        if self.compiled is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
+                and self.compiled.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
+            logits = self.compiled.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
+            self.num_compiled_steps += 1
             return self._sample(logits, sampled)
         logits = self.forward(inputs)
         if not sampled:

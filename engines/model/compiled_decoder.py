@@ -1,0 +1,143 @@
+"""Pure-decode steps on the CPU through torch.compile (inductor's C++ backend).
+
+A batch-1 decode step of a small model is a few hundred tiny ops; eagerly, the Python and
+dispatch cost of each op, not the arithmetic, sets the step time (W2's 30.9M model: ~7 ms eager
+for a step whose weights llama.cpp reads in 1.6 ms). Compiling the whole decode forward into one
+graph removes that: inductor fuses the pointwise and reduction ops into generated C++ loops and
+calls oneDNN/MKL for the matmuls. Prefill chunks, mixed and speculative verify steps stay eager:
+their shapes vary every step and their big matmuls hide the per-op cost anyway.
+
+Shapes. A step of n sequences is compiled with n and the block-table width W as dynamic sizes,
+so two graphs cover every decode step (the CPU analogue of the CUDA-graph ladder in
+cuda_graph_runner.py, without padding): one for n = 1 (torch specialises size 1; the matmuls are
+then matrix-vector products) and one for 2 <= n <= max_batch. W is at least 2 (a table of one
+block is padded with block 0, masked) so that it never specialises either. Both graphs are
+compiled at start-up (`warm_up`), never in the middle of serving: a step that would need another
+graph (a guard the warm-up did not see) runs eagerly instead of compiling (stance
+"eager_on_recompile"), and is counted.
+
+Attention reads the paged cache through `kernels.paged_attention_torch.decode_attention` (see its
+docstring for what was measured and why that form).
+
+Cache. Inductor keeps its generated code and compiled libraries on disk: here under
+$TORCHINDUCTOR_CACHE_DIR when set, else $XDG_CACHE_HOME/tokenyard/inductor (~/.cache/...), so a
+restart finds them and skips the C++ compilation (`cache_dir`). Tracing the model again is what
+remains of a warm start.
+
+Fallback: `compiler_error()` says why inductor cannot run (no C++ compiler); the runner then
+decodes eagerly with a warning, or raises when the knob says "on".
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engines.model.model import CausalLM
+from kernels import paged_attention_torch as torch_path
+
+log = logging.getLogger(__name__)
+
+_MIN_WIDTH = 2   # blocks per table row: keeps W off size 1, which torch would specialise
+
+
+def cache_dir() -> Path:
+    """Where inductor's on-disk caches live: $TORCHINDUCTOR_CACHE_DIR when the user set it, else
+    $XDG_CACHE_HOME/tokenyard/inductor (default ~/.cache/tokenyard/inductor). Inductor's own
+    default is a folder under /tmp, which a reboot empties; it also writes that default into the
+    environment the first time anything asks, so a value equal to it counts as unset."""
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env and os.path.abspath(env) != os.path.abspath(_inductor_default()):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokenyard" / "inductor"
+
+
+def _inductor_default() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return default_cache_dir()
+
+
+def compiler_error() -> str | None:
+    """None when inductor's CPU backend can build code here, else why not."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - any failure to find a compiler means "no compiler"
+        return f"no C++ compiler for torch.compile's CPU backend ({type(exc).__name__}: {exc})"
+    return None
+
+
+class CompiledDecoder:
+    """Runs pure-decode steps (one new token per sequence) of up to max_batch sequences through
+    compiled graphs; `can_run` says whether a step qualifies."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_blocks_per_seq: int, max_batch: int) -> None:
+        if model.lm_head.weight.device.type != "cpu":
+            raise ValueError("CompiledDecoder is the CPU decode path")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.width = max(_MIN_WIDTH, max_blocks_per_seq)
+        self.max_batch = max(1, max_batch)
+        self.sliding_window = model.cfg.sliding_window
+        self.compile_seconds = 0.0
+        self.cache_dir = cache_dir()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)   # read by inductor at each lookup
+        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
+
+    # The traced function: embedding, layers, final norm and LM head for one token per row.
+    def _step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+              seq_lens: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        h = model.embed_tokens(ids)
+        for layer, (k_cache, v_cache) in zip(model.layers, self.kv_caches):
+            q, k, v = layer.qkv(h, positions, model.rotary)
+            torch_path.write_kv_slots(k_cache, v_cache, k, v, slots)
+            o = torch_path.decode_attention(q, k_cache, v_cache, tables, seq_lens, self.block_size, layer.scale,
+                                            self.sliding_window)
+            h = layer.finish(h, o)
+        return model.lm_head(model.norm(h)).float()
+
+    def can_run(self, n: int, max_blocks: int) -> bool:
+        return 0 < n <= self.max_batch and max_blocks <= self.width
+
+    def warm_up(self) -> float:
+        """Compile both graphs (batch 1; batch 2..max_batch) now; returns the seconds it took.
+
+        The dummy steps write K/V into the first slots of block 0, before any request has run:
+        every slot is written by its own sequence before anything reads it."""
+        t0 = time.perf_counter()
+        for n in sorted({1, min(2, self.max_batch), self.max_batch}):
+            width = _MIN_WIDTH
+            args = self._tensors([3] * n, [0] * n, [0] * n, [1] * n, [[0] * width] * n, width)
+            self._mark_dynamic(args, n)
+            with torch.inference_mode():
+                self._compiled(*args)
+        self.compile_seconds = time.perf_counter() - t0
+        return self.compile_seconds
+
+    def _mark_dynamic(self, args: tuple[torch.Tensor, ...], n: int) -> None:
+        if n > 1:
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=max(2, self.max_batch))
+        torch._dynamo.mark_dynamic(args[3], 1, min=_MIN_WIDTH, max=self.width)
+
+    def _tensors(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+                 tables: list[list[int]], width: int) -> tuple[torch.Tensor, ...]:
+        long = torch.long
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=long)
+        return (torch.tensor(ids, dtype=long), torch.tensor(positions, dtype=long), torch.tensor(slots, dtype=long),
+                table, torch.tensor(seq_lens, dtype=long))
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """One decode token per sequence; returns fp32 logits [n, vocab]."""
+        width = max(_MIN_WIDTH, max(len(t) for t in tables))
+        args = self._tensors(ids, positions, slots, seq_lens, tables, width)
+        with torch.inference_mode(), torch.compiler.set_stance("eager_on_recompile"):
+            return self._compiled(*args)
