@@ -54,12 +54,14 @@ class Gateway:
         self.handles: dict[str, EngineHandle] = handles or {}
         self.router = Router(list(deployment.engines) or list(self.handles), deployment.routing)
         self.metrics = GatewayMetrics(lambda: {n: h.engine for n, h in self.handles.items()})
+        self.metrics.slo_ttft_s = deployment.web.metrics.slo_ttft_s
+        self.metrics.slo_itl_s = deployment.web.metrics.slo_itl_s
         self.metrics.registry.register(ReplicaCollector(lambda: self.handles))   # replica pools' own stats
         self.usage = RecentUsage()
         # Every record goes to memory (access log, tests), to a caller's sink if given, and to the
         # spend ledger when Redis is configured.
         self.ledger: SpendLedger | None = None
-        self.usage_sink: UsageSink = FanOut(self.usage, usage_sink, self._to_ledger)
+        self.usage_sink: UsageSink = FanOut(self.usage, usage_sink, self._to_ledger, self.metrics.count_spend)
         self.baseline_engine = deployment.baseline_engine
         spec = deployment.engines.get(self.baseline_engine)
         self.baseline_prices = spec.prices if spec is not None else None

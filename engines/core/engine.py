@@ -11,6 +11,7 @@ so the scheduler's state is only ever touched by that thread.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 import threading
@@ -23,7 +24,7 @@ import torch
 from engines.core.block_manager import BlockManager
 from engines.core.config import EngineConfig
 from engines.core.errors import EngineDeadError, RequestError
-from engines.core.outputs import EngineStats, StepOutput
+from engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from engines.core.request_inbox import RequestInbox
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import Scheduler, SchedulerConfig
@@ -90,6 +91,12 @@ class Engine:
         self._num_steps = 0
         self._last_step_tokens = 0
         self._last_step_seconds = 0.0
+        # Load counters for utilisation: seconds spent in steps (busy fraction = its rate), tokens
+        # computed for prompts and tokens emitted, and a histogram of sequences per step.
+        self._busy_seconds = 0.0
+        self._prefill_tokens = 0
+        self._output_tokens = 0
+        self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
@@ -138,6 +145,7 @@ class Engine:
         if not batch.chunks:
             return outputs
         samples = [c.samples for c in batch.chunks]
+        prefill = sum(c.num_tokens for c in batch.chunks if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
         try:
             if self.spec is not None:
                 results = [(r.new_tokens, r.num_computed) for r in self.spec.execute(batch)]
@@ -180,6 +188,10 @@ class Engine:
         self._num_steps += 1
         self._last_step_tokens = batch.num_tokens
         self._last_step_seconds = time.perf_counter() - t0
+        self._busy_seconds += self._last_step_seconds
+        self._output_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self._prefill_tokens += prefill
+        self._batch_counts[bisect.bisect_left(BATCH_BUCKETS, len(batch.chunks))] += 1
         return outputs
 
     def stats(self) -> EngineStats:
@@ -192,6 +204,8 @@ class Engine:
             prefix_cache_hit_rate=self.blocks.hit_rate, prefix_cache_hit_tokens=self.blocks.hit_tokens,
             num_steps=self._num_steps, last_step_tokens=self._last_step_tokens,
             last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
+            busy_seconds=self._busy_seconds, prefill_tokens=self._prefill_tokens, output_tokens=self._output_tokens,
+            batch_size_counts=list(self._batch_counts),
             max_num_batched_tokens=self.config.max_num_batched_tokens, **self._spec_stats())
 
     def _spec_stats(self) -> dict:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)   # upper bounds of the batch-size histogram
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -64,3 +66,10 @@ class EngineStats:
     spec_num_accepted: int = 0
     spec_acceptance_rate: float = 0.0       # accepted / proposed draft tokens
     spec_mean_accepted_length: float = 0.0  # tokens emitted per verification (1 .. k+1)
+    # Load, as counters since start: seconds spent in steps (busy fraction = their rate), prompt tokens
+    # computed, output tokens emitted, and steps by sequences per step (counts per BATCH_BUCKETS
+    # upper bound, the last for larger batches).
+    busy_seconds: float = 0.0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+    batch_size_counts: list[int] = field(default_factory=list)

@@ -18,13 +18,14 @@ looks like the real engine's and "back to idle" can be checked the same way.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from engines.core.errors import RequestError
-from engines.core.outputs import EngineStats, StepOutput
+from engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from engines.core.request_inbox import RequestInbox
 from engines.core.sampling_params import ParamError, SamplingParams
 from engines.core.structured_output import GrammarError
@@ -108,6 +109,9 @@ class MockEngine:
         self._inbox: RequestInbox[_MockSeq] = RequestInbox()
         self._running: dict[str, _MockSeq] = {}
         self._num_steps = 0
+        self._busy_seconds = 0.0
+        self._output_tokens = 0
+        self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
         self._last_step_tokens = 0
         self._last_step_seconds = 0.0
 
@@ -179,6 +183,11 @@ class MockEngine:
         self._num_steps += 1
         self._last_step_tokens = n
         self._last_step_seconds = time.perf_counter() - t0
+        # The same load counters as the real engine (its "forward pass" is the sleep above).
+        self._busy_seconds += self._last_step_seconds
+        self._output_tokens += n
+        if n:
+            self._batch_counts[bisect.bisect_left(BATCH_BUCKETS, n)] += 1
         return outputs
 
     def stats(self) -> EngineStats:
@@ -191,7 +200,9 @@ class MockEngine:
             num_total_blocks=cfg.num_blocks, kv_usage=used / cfg.num_blocks, block_size=cfg.block_size,
             num_preemptions=0, prefix_cache_hit_rate=0.0, prefix_cache_hit_tokens=0, num_steps=self._num_steps,
             last_step_tokens=self._last_step_tokens, last_step_seconds=self._last_step_seconds,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_seqs)
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_seqs,
+            busy_seconds=self._busy_seconds, output_tokens=self._output_tokens,
+            batch_size_counts=list(self._batch_counts))
 
     def _next_token(self, seq: _MockSeq) -> tuple[int, str | None]:
         i = seq.num_out

@@ -72,6 +72,7 @@ class Generation:
         self._engine_stream: RequestStream | None = None
         self.num_cached_tokens = 0
         self.first_token_at: float | None = None
+        self.max_itl = 0.0                     # the longest gap between two output tokens (the SLO's ITL)
         self.last_token_at: float | None = None
         self.aborted: str | None = None        # why the request was cut short, if it was
         self.error: str | None = None
@@ -148,6 +149,7 @@ class Generation:
                     self._on_first_token()
             elif self.last_token_at is not None:
                 self._metrics.itl.labels(self.handle.name, self._bucket).observe(now - self.last_token_at)
+                self.max_itl = max(self.max_itl, now - self.last_token_at)
             self.last_token_at = now
         self.num_cached_tokens = out.num_cached_tokens
         delta = self._text.feed(out)
@@ -215,6 +217,7 @@ class Generation:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         if ttft is not None:
             m.ttft.labels(name, self._bucket).observe(ttft)
+            m.count_slo(name, ttft, self.max_itl)
             n = self.num_completion_tokens
             if n > 1 and self.last_token_at is not None:
                 m.tpot.labels(name, self._bucket).observe((self.last_token_at - self.first_token_at) / (n - 1))

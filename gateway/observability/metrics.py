@@ -7,11 +7,14 @@ Engine gauges are read from each engine backend's latest stats snapshot at scrap
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from engines.core.outputs import BATCH_BUCKETS
+from gateway.observability.device_metrics import device_families
 
 if TYPE_CHECKING:   # engines/ pulls in torch: keep it out of processes that only need metrics
     from engines.core.backend import EngineBackend
@@ -97,12 +100,36 @@ class GatewayMetrics:
         self.policy_updates = Counter("tokenyard_policy_updates",
                                       "Policy versions installed in this gateway, by source (redis, file)",
                                       ("source",), registry=r)
+        self.slo = Counter("tokenyard_slo_requests",
+                           "Finished requests that produced tokens, by whether they met the deployment's SLO "
+                           "(metrics.slo_ttft_s, metrics.slo_itl_s): met, ttft_missed, itl_missed, both_missed",
+                           ("engine", "outcome"), registry=r)
+        self.slo_ttft_s = 2.0
+        self.slo_itl_s = 0.25
+        self.slo_counts: dict[str, list[int]] = {}   # engine -> [met, all]: the dashboard's live attainment
+        # By engine only: /metrics never names tenants (a scraper is not a tenant's reader); spend per
+        # tenant, key, user or tag is the spend report's (GET /v1/spend/report).
+        self.spend = Counter("tokenyard_spend_micros", "Cost of finished requests in micro-units, by engine",
+                             ("engine",), registry=r)
         self.admission: Callable[[], dict[str, tuple[list[int], float]]] = dict
         r.register(_EngineCollector(engines))
         r.register(_AdmissionCollector(lambda: self.admission()))
 
     def count_request(self, engine: str, status: int | str, route_reason: str) -> None:
         self.requests.labels(engine or "none", str(status), route_reason or "none").inc()
+
+    def count_spend(self, record: Any) -> None:
+        """A usage sink: the request's cost into the spend counter (what the ledger has, as a rate)."""
+        self.spend.labels(record.engine).inc(record.cost_micros)
+
+    def count_slo(self, engine: str, ttft_s: float, max_itl_s: float) -> None:
+        ttft_ok, itl_ok = ttft_s <= self.slo_ttft_s, max_itl_s <= self.slo_itl_s
+        outcome = "met" if ttft_ok and itl_ok else "ttft_missed" if itl_ok else "itl_missed" if ttft_ok \
+            else "both_missed"
+        self.slo.labels(engine, outcome).inc()
+        counts = self.slo_counts.setdefault(engine, [0, 0])
+        counts[0] += outcome == "met"
+        counts[1] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -132,6 +159,16 @@ class _EngineCollector(Collector):
         fail = CounterMetricFamily("tokenyard_engine_failed_steps", "Engine steps that raised", labels=["engine"])
         restarts = CounterMetricFamily("tokenyard_engine_restarts", "Engines rebuilt after a failure",
                                        labels=["engine"])
+        busy = CounterMetricFamily("tokenyard_engine_busy_seconds",
+                                   "Seconds the engine spent in steps (its rate is the busy fraction)", labels=["engine"])
+        prefill = CounterMetricFamily("tokenyard_engine_prefill_tokens", "Prompt tokens the engine computed",
+                                      labels=["engine"])
+        output = CounterMetricFamily("tokenyard_engine_output_tokens", "Output tokens the engine emitted",
+                                     labels=["engine"])
+        batch = HistogramMetricFamily("tokenyard_engine_batch_size", "Sequences per engine step", labels=["engine"])
+        accept = GaugeMetricFamily("tokenyard_engine_spec_acceptance_ratio",
+                                   "Accepted / proposed draft tokens (engines with speculation)", labels=["engine"])
+        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept]
         for name, eng in self._engines().items():
             s = eng.stats()
             running.add_metric([name], s.num_running)
@@ -141,7 +178,20 @@ class _EngineCollector(Collector):
             pre.add_metric([name], s.num_preemptions)
             fail.add_metric([name], eng.num_failed_steps)
             restarts.add_metric([name], getattr(eng, "num_restarts", 0))
-        return [running, waiting, kv, hit, pre, fail, restarts]
+            busy.add_metric([name], s.busy_seconds)
+            prefill.add_metric([name], s.prefill_tokens)
+            output.add_metric([name], s.output_tokens)
+            if s.batch_size_counts:
+                cumulative, buckets = 0, []
+                for bound, n in zip([*map(str, BATCH_BUCKETS), "+Inf"], s.batch_size_counts):
+                    cumulative += n
+                    buckets.append((bound, cumulative))
+                # The sum is not kept; a step's size is at most its bucket's bound (an upper bound).
+                batch.add_metric([name], buckets, sum_value=sum(
+                    b * n for b, n in zip([*BATCH_BUCKETS, BATCH_BUCKETS[-1]], s.batch_size_counts)))
+            if s.spec_proposer is not None:
+                accept.add_metric([name], s.spec_acceptance_rate)
+        return families + list(device_families())
 
 
 class _AdmissionCollector(Collector):

@@ -3,7 +3,7 @@
     spend:      {enabled, baseline_engine, rollup_retention_days, stream_max_len, stream_retention_days,
                  spool_dir, spool_fsync, replay_interval_s, max_values_per_dimension}
     dashboard:  {enabled, session_ttl_s, cookie_secure}
-    metrics:    {access}
+    metrics:    {access, slo_ttft_s, slo_itl_s}
 
 Kept apart from deployment.py so that file stays about the engines and the request path; every
 key is documented in the README ("Deployment file").
@@ -50,6 +50,8 @@ class DashboardConfig:
 @dataclass(slots=True)
 class MetricsConfig:
     access: str = "loopback"                # who may GET /metrics: loopback clients (or admin keys), anyone, admins
+    slo_ttft_s: float = 2.0                 # a request meets its SLO with TTFT at most this ...
+    slo_itl_s: float = 0.25                 # ... and no gap between output tokens longer than this
 
 
 @dataclass(slots=True)
@@ -96,4 +98,9 @@ def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], erro
     metrics = _mapping(top.get("metrics", {}), "metrics", error)
     _only(metrics, "metrics.", set(MetricsConfig.__slots__), error)
     out.metrics.access = _choice(metrics, "metrics.", "access", METRICS_ACCESS, out.metrics.access, error)
+    for key in ("slo_ttft_s", "slo_itl_s"):
+        value = metrics.get(key, getattr(out.metrics, key))
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise error(f"metrics.{key} must be a number of seconds > 0, got {value!r}")
+        setattr(out.metrics, key, float(value))
     return out

@@ -3,12 +3,14 @@
     spend per model per day   stacked SVG columns + a table (from the hourly rollups)
     tokens per model          prompt / cached / completion, cost per million tokens, savings
     latency percentiles       TTFT and E2E p50/p90/p99 per engine, from the latest records in range
-    live engine stats         running, waiting, gateway queue depth, KV usage (refreshed by dashboard.js)
+    live engine stats         running, waiting, gateway queue depth, KV usage, busy %, output tok/s,
+                              speculation acceptance, SLO attainment (refreshed by dashboard.js)
 """
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from gateway.spend import reports as reports
@@ -49,14 +51,30 @@ def latency_table(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_SAMPLES: "weakref.WeakKeyDictionary[Any, dict[str, tuple[float, float, int]]]" = weakref.WeakKeyDictionary()
+
+
 def live_stats(gw: "Gateway") -> list[dict[str, Any]]:
+    """Each engine now: state, queues, KV usage; and since the previous call (the page polls every
+    5 s; "-" on the first) its busy share of wall time and output tokens/s;
+    speculation acceptance; the share of requests that met the SLO since the gateway started."""
     queued = {name: sum(by_class) for name, (by_class, _) in gw.admission.snapshot().items()}
+    samples = _SAMPLES.setdefault(gw, {})
+    now = time.monotonic()
     out = []
     for name, h in gw.handles.items():
         s = h.engine.stats()
+        then, busy0, tokens0 = samples.get(name, (now, 0.0, 0))
+        span = now - then
+        samples[name] = (now, s.busy_seconds, s.output_tokens)
+        met, total = gw.metrics.slo_counts.get(name, (0, 0))
         out.append({"engine": name, "state": "down" if h.engine.dead else "ok", "running": s.num_running,
                     "waiting": s.num_waiting, "queued": queued.get(name, 0),
-                    "kv_usage_pct": f"{s.kv_usage * 100:.1f}"})
+                    "kv_usage_pct": f"{s.kv_usage * 100:.1f}",
+                    "busy_pct": f"{min(100.0, (s.busy_seconds - busy0) / span * 100):.1f}" if span > 0 else "-",
+                    "tokens_per_s": f"{(s.output_tokens - tokens0) / span:.1f}" if span > 0 else "-",
+                    "spec_accept_pct": f"{s.spec_acceptance_rate * 100:.1f}" if s.spec_proposer else "-",
+                    "slo_met_pct": f"{met / total * 100:.1f}" if total else "-"})
     return out
 
 
