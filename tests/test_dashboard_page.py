@@ -64,8 +64,9 @@ def test_dashboard_in_chromium():
         with running_gateway(doc) as srv:
             for key, n in ((acme, 4), (globex, 2)):
                 for i in range(n):
-                    assert srv.chat({"model": "mock", "messages": [{"role": "user", "content": f"x{i}"}]},
-                                    {"Authorization": f"Bearer {key}"})[0] == 200
+                    team = {"team": "<b>growth</b>"} if i % 2 else {}
+                    assert srv.chat({"model": "mock", "messages": [{"role": "user", "content": f"x{i}"}],
+                                     "metadata": team}, {"Authorization": f"Bearer {key}"})[0] == 200
             wait_ledger(srv)
             base = srv.base_url
             with sync_playwright() as p:
@@ -89,6 +90,21 @@ def test_dashboard_in_chromium():
                     assert page.evaluate("document.cookie") == ""            # HttpOnly: invisible to scripts
                     cookie = next(c for c in context.cookies() if c["name"] == "ty_session")
                     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/"
+                    # Spend by key, then by a tag whose value is HTML: shown as text, never as markup.
+                    assert page.locator("#breakdown tbody tr").count() == 2          # two keys made requests
+                    page.select_option("#by", "tag")
+                    page.fill("#tag", "team")
+                    page.click("#breakdown-form button")
+                    page.wait_for_url("**by=tag**")
+                    cells = page.locator("#breakdown tbody td:first-child").all_inner_texts()
+                    assert sorted(cells) == ["(none)", "<b>growth</b>"], cells
+                    assert page.locator("#breakdown b").count() == 0
+                    assert page.locator("#breakdown tbody td:nth-child(2)").all_inner_texts() == ["3", "3"]
+                    # The live table's load columns were filled by dashboard.js.
+                    page.wait_for_function(
+                        "document.querySelector('#live td[data-k=\"tokens_per_s\"]').textContent !== '-'",
+                        timeout=12000)
+                    assert float(page.inner_text('#live td[data-k="busy_pct"]')) >= 0
                     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
                     with page.expect_download() as dl:
                         page.click("#csv")

@@ -28,7 +28,7 @@ from gateway.auth import csrf
 from gateway.http.edge_params import parse_int
 from gateway.http.errors import BadRequest, Unauthorized, Unavailable
 from gateway.spend.queries import build_report, csv_response, visible_tenants
-from gateway.spend.reports import parse_group_by
+from gateway.spend.reports import is_dimension, parse_group_by
 from gateway.spend.store import all_tenants
 from gateway.state import gateway_of
 from gateway.web import dashboard_view
@@ -62,6 +62,18 @@ def _days(request: Request) -> int:
     return days
 
 
+def _breakdown_by(request: Request) -> str:
+    """The spend breakdown's dimension: by=key|user|route, or by=tag with tag=NAME."""
+    by = request.query_params.get("by") or "key"
+    if by == "tag":
+        name = (request.query_params.get("tag") or "").strip()
+        by = f"tag:{name}"
+    if by not in ("key", "user", "route") and not is_dimension(by):
+        raise BadRequest("by must be key, user, route, or tag with a tag name of 1-64 characters", param="by",
+                         code="invalid_breakdown")
+    return by
+
+
 async def _form(request: Request) -> dict[str, str]:
     return await read_form(request, MAX_FORM_BYTES)
 
@@ -76,8 +88,9 @@ async def page(request: Request) -> Response:
     tenant = request.query_params.get("tenant") or None
     tenants = await visible_tenants(gw, key, tenant)
     days = _days(request)
+    by = _breakdown_by(request)
     try:
-        view = await dashboard_view.build(gw, tenants, days)
+        view = await dashboard_view.build(gw, tenants, days, by)
         choices = await all_tenants(gw.ledger.redis, gw.deployment.redis_prefix) if key.is_admin else []
     except (RedisError, OSError) as e:
         raise Unavailable("The spend ledger cannot be read right now; retry shortly", code="spend_unavailable",

@@ -108,7 +108,23 @@ def day_labels(start: float, end: float) -> list[str]:
     return [reports.day_label(d * 24) for d in range(first, last + 1)]
 
 
-async def build(gw: "Gateway", tenants: list[str], days: int) -> dict[str, Any]:
+BREAKDOWN_ROWS = 20
+
+
+async def breakdown(gw: "Gateway", tenants: list[str], start: float, end: float, by: str) -> list[dict[str, Any]]:
+    """Spend by one dimension (key, user, route or tag:NAME), the costliest BREAKDOWN_ROWS values
+    and the rest summed into one row, so the table stays short whatever the cardinality."""
+    data = (await build_report(gw, tenants, start, end, [by]))["data"]
+    data.sort(key=lambda r: (-r["cost_micros"], r[by]))
+    rows, rest = data[:BREAKDOWN_ROWS], data[BREAKDOWN_ROWS:]
+    if rest:
+        sums = {k: sum(r[k] for r in rest) for k in reports.SUMS}
+        rows.append({by: f"{len(rest)} more", **reports.derive(sums)})
+    return [{"label": r[by] if r[by] != "" else "(none)", "requests": r["requests"], "tokens": r["total_tokens"],
+             "cost": reports.money(r["cost_micros"]), "errors": r["errors"]} for r in rows]
+
+
+async def build(gw: "Gateway", tenants: list[str], days: int, by: str = "key") -> dict[str, Any]:
     end = time.time()
     start = end - days * 86400
     report = await build_report(gw, tenants, start, end, ["day", "model"])
@@ -125,4 +141,5 @@ async def build(gw: "Gateway", tenants: list[str], days: int) -> dict[str, Any]:
                           "per_million": reports.money(r["cost_per_million_tokens_micros"])}
                          for r in reports.aggregate(rows, ["model"])],
             "chart": spend_chart(report["data"], day_labels(start, end)),
-            "latency": latency_table(records), "latency_sample": len(records), "live": live_stats(gw)}
+            "latency": latency_table(records), "latency_sample": len(records), "live": live_stats(gw),
+            "by": by, "breakdown": await breakdown(gw, tenants, start, end, by)}
