@@ -16,7 +16,8 @@
   int4 (group 32) and int8, timed on the packed op and on the dense path at M = 8 ... 512 rows;
   interleaved rounds, each the fastest of a few calls, median over rounds. The crossover per shape is
   the smallest M from which the dense path is faster at every larger M measured. Raw output:
-  bench/results/quant_prefill_thresholds.json.
+  bench/results/quant_prefill_thresholds[_t<threads>][_cpu].json (--cpu-time with --threads 1: the
+  thread's CPU time instead of the wall clock, which preemption by other work does not inflate).
 default: prefill time (TTFT of a one-token request) for none / int8 / int4 on the quantisation
   benchmark's 200M Llama (`python -m bench.quant_bench` builds it in bench/out/quant-llama-200m);
   --packed-int8 keeps int8 on the packed op at every size, --packed both int8 and int4. Raw output:
@@ -111,13 +112,13 @@ SHAPES = (("smollm2", "qkv_proj", 960, 576), ("smollm2", "o_proj", 576, 576),
 ROWS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 
-def _fastest_ms(fn: Callable[[], object], reps: int) -> float:
+def _fastest_ms(fn: Callable[[], object], reps: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return 1e3 * best
 
 
@@ -133,7 +134,11 @@ def crossover(rows: list[int], packed: list[float], dense: list[float]) -> int |
 
 def run_thresholds(args) -> int:
     from kernels.quant_layout import quantize_int4, quantize_int8
-    rec = RunRecorder("quant_prefill_thresholds" + (f"_t{args.threads}" if args.threads else ""))
+    if args.cpu_time and torch.get_num_threads() != 1:
+        raise SystemExit("--cpu-time measures the calling thread: use it with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    rec = RunRecorder("quant_prefill_thresholds" + (f"_t{args.threads}" if args.threads else "")
+                      + ("_cpu" if args.cpu_time else ""))
     g = torch.Generator().manual_seed(0)
     layers = {}
     for model, proj, n, k in SHAPES:
@@ -153,10 +158,11 @@ def run_thresholds(args) -> int:
                     for path, dense in (("packed", False), ("dense", True)):
                         ql.INT8_DENSE_MIN_ROWS = ql.INT4_DENSE_MIN_ROWS = 1 if dense else NEVER
                         samples.setdefault((model, proj, mode, path, m), []).append(
-                            _fastest_ms(lambda: lin(x), args.reps))
+                            _fastest_ms(lambda: lin(x), args.reps, clock))
                 lin = layers[(model, proj, "bf16")]
                 with torch.no_grad():
-                    samples.setdefault((model, proj, "bf16", "dense", m), []).append(_fastest_ms(lambda: lin(x), args.reps))
+                    samples.setdefault((model, proj, "bf16", "dense", m), []).append(
+                        _fastest_ms(lambda: lin(x), args.reps, clock))
     set_dense(True, True)
     figures: dict = {"rows": list(ROWS), "shapes": {}}
     runs = [{"model": key[0], "proj": key[1], "mode": key[2], "path": key[3], "m": key[4], "ms": [round(t, 4) for t in v]}
@@ -178,7 +184,8 @@ def run_thresholds(args) -> int:
         entry["bf16_ms"] = [statistics.median(samples[(model, proj, "bf16", "dense", m)]) for m in ROWS]
         figures["shapes"][f"{model}.{proj}"] = entry
     if not args.no_results:
-        rec.write(figures, runs, rounds=args.rounds, reps=args.reps, group_size=32)
+        rec.write(figures, runs, rounds=args.rounds, reps=args.reps, group_size=32,
+                  clock="thread CPU time" if args.cpu_time else "wall")
     return 0
 
 
@@ -269,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--packed-int8", action="store_true", help="int8 always through the packed op (200M Llama)")
     ap.add_argument("--packed", action="store_true", help="int8 and int4 always through the packed op (200M Llama)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="--thresholds with --threads 1: time by the thread's CPU time, not the wall clock "
+                         "(robust to other work on a shared machine; the file gets a _cpu suffix)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's, 2 here); the results file gets a _t<N> suffix")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/quant_prefill*.json")

@@ -66,16 +66,23 @@ def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: i
 # (kernels.quant_matmul_torch: int8_dense_mm, int4pack_dense_mm). The packed ops cost about the
 # same per row at any M (a GEMV loop), so they win for decode batches and lose for prefill chunks;
 # the dequantisation costs the same at any M, so the crossover is where the packed op's per-row
-# excess pays for one dequantisation of the weight. 64 rows: int8's crossover measured in issue 7
-# (bench/RESULTS.md "Weight-only quantisation"); int4's is provisional until
-# `python -m bench.quant_prefill --thresholds` has measured it per weight shape. The branch is a
-# plain comparison of a static shape with a module constant, so torch.compile traces either path
-# without a graph break (decode, M = batch size, stays on the packed op below the thresholds).
-INT8_DENSE_MIN_ROWS = 64
-INT4_DENSE_MIN_ROWS = 64
-# The dequantised weight is transient and made per column tile of at most this many weights
-# (8 MiB of bf16): a layer's whole dense copy never exists when it is larger, e.g. an LM head.
-DENSE_TILE_WEIGHTS = 1 << 22
+# excess pays for one dequantisation of the weight. Measured per projection shape of SmolLM2-135M
+# and of the 200M Llama, 8 to 512 rows (`python -m bench.quant_prefill --thresholds --threads 1
+# --cpu-time`, bench/results/quant_prefill_thresholds_t1_cpu.json, bench/RESULTS.md "Weight-only
+# quantisation"): int8's dense path wins from 32-48 rows on every shape; int4's, whose dequantisation
+# costs about twice int8's per weight (unpacking the nibbles), from 96-192 (at 128 rows it is ahead
+# on 5 of 8 shapes, level within 2% on 2, 24% behind on one). One threshold per mode: the crossovers
+# do not order by shape beyond the noise of a shared machine. The branch is a plain comparison of a static shape with
+# a module constant, so torch.compile traces either path without a graph break (decode, M = batch
+# size, stays on the packed op below the thresholds).
+INT8_DENSE_MIN_ROWS = 48
+INT4_DENSE_MIN_ROWS = 128
+# The dequantised weight is transient and made per column tile of at most this many weights (2 MiB
+# of bf16, after 4 MiB fp32 intermediates): a layer's whole dense copy never exists when it is
+# larger (an LM head: 28 tiles for SmolLM2's). Tiles of 4M weights dequantised up to 1.4x slower
+# per weight than tiles of 1M (the intermediates fall out of cache); tiles of 64-128K make the
+# GEMMs narrow and the whole call 1.2-1.5x slower (this 2-core VM, 1 thread, thread CPU time).
+DENSE_TILE_WEIGHTS = 1 << 20
 
 
 class QuantLinear(nn.Module):
