@@ -600,6 +600,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (Tokenyard uses torch's default)")
     ap.add_argument("--requests", type=int, default=None, help="served requests (default: w2 96, smollm2 32)")
+    ap.add_argument("--slots", default=None, help="llama-server slot counts, comma-separated (default: w2 32,96; "
+                                                  "smollm2 32)")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
@@ -627,6 +629,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             result_name = args.results_name + (f"_{name}" if args.model == "all" else "")
         rec = RunRecorder(result_name)
         cfg = CONFIGS[name]()
+        if args.slots:
+            cfg.slots = [int(x) for x in args.slots.split(",") if x.strip()]
         import torch
         requests = args.requests or cfg.requests
         n_local = sum(p in parts for p in ("decode", "prefill")) * args.repeats * (1 + len(cfg.modes))
@@ -636,7 +640,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    "tokenyard_model": str(cfg.tokenyard_model.relative_to(pm.ROOT))
                                    if cfg.tokenyard_model.is_relative_to(pm.ROOT) else cfg.tokenyard_model.name,
                                    "llama_cpp_python_sdist": LLAMA_CPP_PY_VERSION, "threads_llama_cpp": args.threads,
-                                   "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "parts": parts}
+                                   "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "parts": parts,
+                                   "complete": False}
         runs: list[dict[str, Any]] = []
         quiet = Quiet(args.quiet_wait_s, args.quiet_below)
         with tqdm(total=n_local + n_served, unit="step", dynamic_ncols=True) as bar:
@@ -644,10 +649,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f, r = bench_local(cfg, parts, args.repeats, args.threads, bar, quiet)
                 figures.update(f)
                 runs += r
+                if "served" in parts:           # keep what is done should the served part be cut short
+                    rec.write(figures, runs)
             if "served" in parts:
                 f, r = bench_served(cfg, args.repeats, args.threads, requests, bar, quiet)
                 figures["served"] = f
                 runs += r
+        figures["complete"] = True
         print(table(figures), flush=True)
         rec.write(figures, runs)
 
