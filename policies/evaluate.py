@@ -8,8 +8,9 @@ Order, each step explained in Decision.explanation:
   2. route: a rule's pin or router wins; else an engine the client named is honoured
      ("pinned"); else "auto" goes through the router: small when score >= threshold
      (score = P(small is enough)); no score -> router.without_score ("router_fallback");
-  3. budget: the tenant's spend so far (today, this month; UTC) against its budget; at or over
-     a limit: deny ("insufficient_quota") or downgrade to engines.small ("budget_downgrade");
+  3. budget: the spend so far (today, this month; UTC) of the tenant, the request's key and its
+     tag values against their budgets (policies/budgets.py); any at or over a limit: deny
+     ("insufficient_quota") if one of those says deny, else downgrade to engines.small ("budget_downgrade");
   4. overflow: the chosen engine is unhealthy or its predicted TTFT exceeds the deadline ->
      move to the other engine if allowed and it can make it ("overflow_degrade"), else shed.
 Budget is checked before overflow so an overloaded small engine is never escaped by moving a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .budgets import Scope, over_limit, scopes
 from .cost import estimate_cost
 from .matching import RequestFeatures, first_match
 from .schema import AUTO, Policy
@@ -34,10 +36,22 @@ DEFAULT_THRESHOLD = 0.5
 
 @dataclass(slots=True, frozen=True)
 class TenantSpend:
-    """Spend so far in micro-units: this UTC day and this UTC calendar month (from the spend ledger's rollups)."""
+    """Spend so far in micro-units: this UTC day and this UTC calendar month (from the spend ledger's
+    rollups), of the tenant (today, month) and of the request's key and tag values that have budgets
+    (scoped: (dim, value, today, month) with dim "key" or "tag:NAME", as policies.budgets.Scope)."""
 
     today: int = 0
     month: int = 0
+    scoped: tuple[tuple[str, str, int, int], ...] = ()
+
+    def of(self, dim: str, value: str) -> tuple[int, int]:
+        """(today, month) of one scope; "" is the tenant; a scope not given has spent nothing."""
+        if not dim:
+            return self.today, self.month
+        for d, v, today, month in self.scoped:
+            if d == dim and v == value:
+                return today, month
+        return 0, 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,32 +173,48 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
                        f"{d.threshold:.4f}: {d.engine}")
 
     # 3. budget
-    budget = tenant.budget
-    if budget is not None:
-        over = []
-        if budget.per_day is not None and spend.today >= budget.per_day:
-            over.append(f"today's spend {spend.today} >= per_day {budget.per_day}")
-        if budget.per_month is not None and spend.month >= budget.per_month:
-            over.append(f"this month's spend {spend.month} >= per_month {budget.per_month}")
-        if over:
-            why.append("budget reached: " + "; ".join(over) + " (micro-units)")
-            if budget.at_limit == "deny":
-                d.engine, d.action, d.reason, d.denied = None, "budget_deny", "budget_exceeded", True
-                d.error = Denial(429, "insufficient_quota", "insufficient_quota",
-                                 f"Tenant {request.tenant} has reached its spend budget ({over[0]}).")
-                why.append("budget at_limit is deny")
-                return d
-            if d.engine != policy.engines.small:
-                why.append(f"budget at_limit is downgrade: {d.engine} -> {policy.engines.small}")
-                d.engine, d.action, d.reason, d.downgraded = policy.engines.small, "downgrade", "budget_downgrade", True
-            else:
-                why.append("budget at_limit is downgrade; already on the small engine")
-        else:
-            why.append("within budget")
+    if _budget(policy, request, spend, d):
+        return d
 
     # 4. overflow
     _overflow(policy, request, engines, d, action.degrade if action is not None else None)
     return d
+
+
+def _budget(policy: Policy, request: RequestFeatures, spend: TenantSpend, d: Decision) -> bool:
+    """Step 3: every budget of the request (tenant, key, tag values); True when denied. Any reached
+    budget with at_limit deny denies; else any reached one downgrades."""
+    why = d.explanation
+    found = scopes(policy, request.tenant, request.key_id, request.key_name, request.tags)
+    if not found:
+        return False
+    reached: list[tuple[Scope, list[str]]] = []
+    for scope in found:
+        over = over_limit(scope.budget, *spend.of(scope.dim, scope.value))
+        if over:
+            reached.append((scope, over))
+    if not reached:
+        why.append("within budget" if len(found) == 1 else f"within budget ({len(found)} budgets checked)")
+        return False
+    for scope, over in reached:
+        head = "budget reached: " if not scope.dim else f"budget reached ({scope.label()}): "
+        why.append(head + "; ".join(over) + " (micro-units)")
+    denying = [(s, o) for s, o in reached if s.budget.at_limit == "deny"]
+    if denying:
+        scope, over = denying[0]
+        who = f"Tenant {request.tenant}" if not scope.dim else \
+            f"The {scope.label()} of tenant {request.tenant}"
+        d.engine, d.action, d.reason, d.denied = None, "budget_deny", "budget_exceeded", True
+        d.error = Denial(429, "insufficient_quota", "insufficient_quota",
+                         f"{who} has reached its spend budget ({over[0]}).")
+        why.append("budget at_limit is deny")
+        return True
+    if d.engine != policy.engines.small:
+        why.append(f"budget at_limit is downgrade: {d.engine} -> {policy.engines.small}")
+        d.engine, d.action, d.reason, d.downgraded = policy.engines.small, "downgrade", "budget_downgrade", True
+    else:
+        why.append("budget at_limit is downgrade; already on the small engine")
+    return False
 
 
 def _cannot_meet(engines: dict[str, EngineState], engine: str, deadline_ms: float | None) -> str | None:

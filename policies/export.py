@@ -20,7 +20,7 @@ import yaml
 
 from .cost import format_money
 from .line_diff import unified_diff
-from .schema import Action, Budget, Match, Policy, Rule, TimeRange
+from .schema import Action, Budget, Match, Policy, Rule, TenantPolicy, TimeRange
 
 
 class _Money(str):
@@ -58,8 +58,7 @@ def policy_to_dict(policy: Policy, money: str = "decimal") -> dict[str, Any]:
         "rules": [_rule(rule) for rule in policy.rules],
         "rate_classes": {name: {"requests_per_min": c.requests_per_min, "tokens_per_min": c.tokens_per_min,
                                 "burst": c.burst} for name, c in sorted(policy.rate_classes.items())},
-        "tenants": {name: {"rate_class": t.rate_class, "budget": _budget(t.budget, cash)}
-                    for name, t in sorted(policy.tenants.items())},
+        "tenants": {name: _tenant(t, cash) for name, t in sorted(policy.tenants.items())},
         "overflow": {"enabled": policy.overflow.enabled, "degrade": policy.overflow.degrade,
                      "upgrade": policy.overflow.upgrade, "degrade_pinned": policy.overflow.degrade_pinned,
                      "shed": policy.overflow.shed},
@@ -109,6 +108,17 @@ def _action(a: Action) -> dict[str, Any]:
         out["max_tokens"] = a.max_tokens
     if a.degrade is not None:
         out["degrade"] = a.degrade
+    return out
+
+
+def _tenant(t: TenantPolicy, cash: Callable[[int | None], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rate_class": t.rate_class, "budget": _budget(t.budget, cash)}
+    # Written only when present, so the canonical form (and hash) of a policy without them is as before.
+    if t.key_budgets:
+        out["key_budgets"] = {k: _budget(b, cash) for k, b in sorted(t.key_budgets.items())}
+    if t.tag_budgets:
+        out["tag_budgets"] = {tag: {v: _budget(b, cash) for v, b in sorted(values.items())}
+                              for tag, values in sorted(t.tag_budgets.items())}
     return out
 
 

@@ -146,8 +146,15 @@ class RateClass:
 
 @dataclass(slots=True, frozen=True)
 class TenantPolicy:
+    """A tenant's rate class and budgets. budget limits the tenant as a whole; key_budgets limit
+    each matching API key of the tenant on its own (by key id, else key name, else "*": every
+    key); tag_budgets limit, per metadata tag NAME, each matching value (the value, else "*":
+    every value of that tag) on its own. All count UTC days and calendar months (policies/budgets.py)."""
+
     rate_class: str | None = None
     budget: Budget | None = None
+    key_budgets: dict[str, Budget] = field(default_factory=dict)
+    tag_budgets: dict[str, dict[str, Budget]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,8 @@ Assumptions, stated because they bound the prediction's accuracy:
     a tokenizer; completion length is the recorded one, cut to a rule's max_tokens cap);
   - cached prompt tokens are as recorded (prefix-cache hits on another engine may differ);
   - budgets start at zero spend at the start of the replay and accumulate, in time order
-    (ties by request id), per tenant per UTC day and UTC calendar month, from the replay's own
+    (ties by request id), per tenant (and per key and tag value with a key or tag budget) per
+    UTC day and UTC calendar month, from the replay's own
     predicted costs; denied and shed requests cost nothing;
   - the router threshold: the policy's router.threshold, else router_threshold given here, else
     when the policy sets router.target_large_share, the empirical quantile of the replayed
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from .budgets import scopes
 from .cost import estimate_cost, format_money
 from .evaluate import Decision, EngineState, TenantSpend, decide
 from .matching import RequestFeatures
@@ -160,10 +162,15 @@ def simulate(policy: Policy, records: Iterable[UsageFeatures], router_threshold:
     reasons: Counter[str] = Counter()
     day: dict[tuple[str, Any], int] = defaultdict(int)
     month: dict[tuple[str, Any], int] = defaultdict(int)
+    sday: dict[tuple[str, str, str, Any], int] = defaultdict(int)       # key and tag budgets' spend
+    smonth: dict[tuple[str, str, str, Any], int] = defaultdict(int)
     for rec in ordered:
         utc, _ = _order(rec)
         dkey, mkey = (rec.tenant, utc.date()), (rec.tenant, (utc.year, utc.month))
-        spend = TenantSpend(today=day[dkey], month=month[mkey])
+        found = [sc for sc in scopes(policy, rec.tenant, rec.key_id, rec.key_name, rec.tags) if sc.dim]
+        skeys = [((rec.tenant, sc.dim, sc.value, dkey[1]), (rec.tenant, sc.dim, sc.value, mkey[1])) for sc in found]
+        spend = TenantSpend(today=day[dkey], month=month[mkey],
+                            scoped=tuple((sc.dim, sc.value, sday[a], smonth[b]) for sc, (a, b) in zip(found, skeys)))
         d = decide(policy, rec.features(), spend, dict(rec.engine_state or {}), rec.router_score, threshold)
         report.requests += 1
         reasons[d.reason] += 1
@@ -184,6 +191,9 @@ def simulate(policy: Policy, records: Iterable[UsageFeatures], router_threshold:
             by_tenant[rec.tenant] += cost
             day[dkey] += cost
             month[mkey] += cost
+            for a, b in skeys:
+                sday[a] += cost
+                smonth[b] += cost
         if report.outcomes is not None:
             report.outcomes.append(Outcome(rec.request_id, rec.tenant, d.engine, d.reason, completion, cost,
                                            d.denied, d.shed))

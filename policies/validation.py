@@ -45,7 +45,7 @@ TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_pr
 PRICE_KEYS = ("input", "cached_input", "output")
 ROUTER_KEYS = ("threshold", "target_large_share", "without_score")
 RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
-TENANT_KEYS = ("rate_class", "budget")
+TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets")
 BUDGET_KEYS = ("per_day", "per_month", "at_limit")
 OVERFLOW_KEYS = ("enabled", "degrade", "upgrade", "degrade_pinned", "shed")
 
@@ -236,8 +236,59 @@ def _tenants(r: Reader, node: Node, classes: tuple[str, ...]) -> dict[str, Tenan
         if "rate_class" in f and not r.is_null(f["rate_class"]):
             rate_class = r.string(f["rate_class"], f"{path}.rate_class", classes or ("(no rate_classes defined)",))
         budget = _budget(r, f["budget"], f"{path}.budget") if "budget" in f and not r.is_null(f["budget"]) else None
+        keys = _key_budgets(r, f["key_budgets"], f"{path}.key_budgets") \
+            if "key_budgets" in f and not r.is_null(f["key_budgets"]) else {}
+        tags = _tag_budgets(r, f["tag_budgets"], f"{path}.tag_budgets") \
+            if "tag_budgets" in f and not r.is_null(f["tag_budgets"]) else {}
         if len(r.problems) == n:
-            out[name] = TenantPolicy(rate_class=rate_class, budget=budget)
+            out[name] = TenantPolicy(rate_class=rate_class, budget=budget, key_budgets=keys or {},
+                                     tag_budgets=tags or {})
+    return out
+
+
+def _key_budgets(r: Reader, node: Node, path: str) -> dict[str, Budget] | None:
+    """{key id | key name | "*": budget}: each matching key of the tenant on its own."""
+    m = r.mapping(node, path)
+    if m is None:
+        return None
+    out: dict[str, Budget] = {}
+    for key, value in m.items():
+        if not key or len(key) > 128 or key != key.strip():
+            r.problem(value, f"{path}.{key}", "a key id, a key name (1-128 characters, no surrounding spaces) "
+                                              "or '*' for every key")
+            continue
+        budget = _budget(r, value, f"{path}.{key}")
+        if budget is not None:
+            out[key] = budget
+    return out
+
+
+def _tag_budgets(r: Reader, node: Node, path: str) -> dict[str, dict[str, Budget]] | None:
+    """{tag NAME: {value | "*": budget}}: each matching value of the request's metadata tag on its own."""
+    m = r.mapping(node, path)
+    if m is None:
+        return None
+    out: dict[str, dict[str, Budget]] = {}
+    for tag, values in m.items():
+        tpath = f"{path}.{tag}"
+        if not tag or len(tag) > 64 or "|" in tag:
+            r.problem(values, tpath, "tag names are 1-64 characters without '|'")
+            continue
+        vm = r.mapping(values, tpath)
+        if vm is None:
+            continue
+        if not vm:
+            r.problem(values, tpath, "must give at least one value (or '*' for every value) with its budget")
+            continue
+        budgets: dict[str, Budget] = {}
+        for value, bnode in vm.items():
+            if not value or len(value) > 256:
+                r.problem(bnode, f"{tpath}.{value}", "a tag value of 1-256 characters, or '*' for every value")
+                continue
+            budget = _budget(r, bnode, f"{tpath}.{value}")
+            if budget is not None:
+                budgets[value] = budget
+        out[tag] = budgets
     return out
 
 

@@ -15,8 +15,9 @@ the limits.
 5. With a policy: policies.decide(policy, features, tenant spend, engine states, score,
    threshold). Features: tenant, key name and id, requested model, prompt tokens, max_tokens,
    metadata tags, arrival time (UTC) and the time left before the request's start deadline.
-   Tenant spend (today, this month) comes from the spend rollups (gateway/spend/budget.py), read only
-   for tenants with a budget. Engine states: admission's predicted queue wait of each engine
+   Spend (today, this month) of the tenant and of the request's key and tag values that have a
+   budget comes from the spend rollups (gateway/spend/budget.py), read only when a budget applies.
+   Engine states: admission's predicted queue wait of each engine
    for this tenant and class (its predicted TTFT) and whether the engine is alive. The decision
    gives the engine, the priority class, a max_tokens cap, the route reason, or a refusal:
    policy deny 403 policy_denied, budget 429 insufficient_quota, overflow with nowhere to go 503
@@ -41,6 +42,8 @@ from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Un
 from gateway.http.tool_calls import template_messages
 from gateway.http.tool_request import ToolSetup
 from policies import EngineState, RequestFeatures, TenantSpend, decide
+from policies.budgets import over_limit
+from policies.budgets import scopes as budget_scopes
 from router_models.runtime.features import prompt_text
 
 if TYPE_CHECKING:
@@ -120,11 +123,10 @@ async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: K
                                prompt_tokens=len(ids), max_tokens=req.max_tokens, key_name=key.name or None,
                                key_id=key.key_id, tags=dict(req.metadata or {}), deadline_ms=left_ms)
     spend = TenantSpend()
-    budget = policy.tenant(key.tenant).budget
-    if budget is not None:
-        spend, known = await gw.budgets.spend(key.tenant)
-        reached = ((budget.per_day is not None and spend.today >= budget.per_day)
-                   or (budget.per_month is not None and spend.month >= budget.per_month))
+    found = budget_scopes(policy, key.tenant, key.key_id, key.name or None, features.tags)
+    if found:
+        spend, known = await gw.budgets.spend(key.tenant, [(s.dim, s.value) for s in found if s.dim])
+        reached = any(over_limit(s.budget, *spend.of(s.dim, s.value)) for s in found)
         gw.metrics.budget_checks.labels("unavailable" if not known else "reached" if reached else "within").inc()
     states = engine_states(gw, key.tenant, key.priority_class)
     d = decide(policy, features, spend, states, score, state.router_threshold)
