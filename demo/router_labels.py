@@ -2,6 +2,7 @@
 
     python -m demo.router_labels                       # the committed label set (router_models/data/)
     python -m demo.router_labels --pilot 200           # measure items/s first, write nothing
+    python -m demo.router_labels --reuse router_models/data   # run the engines only on new prompts
 
 A prompt is labelled 1 ("small is enough") when the small engine's answer is as good as the
 large one's by the suite's checker: the small one is correct, or both are wrong. Else 0.
@@ -9,8 +10,11 @@ large one's by the suite's checker: the small one is correct, or both are wrong.
 Splits (each uniform over tasks x levels: equal counts per (task, level) cell):
   train        suite split "validation", inputs in hash half A, phrasings 0-2 only
   calibration  suite split "validation", inputs in hash half B, phrasings 0-3
-  test         suite split "test",       phrasings 0-3
-Phrasing 3 (the suite's held-out wording) is never in the router's training data. The halves
+  test         suite split "test",       phrasings 0-2, and 4-5 in place of 3
+Phrasing 3 (the suite's held-out wording) is never in the router's train split; calibration has
+it (the router may learn from it what unfamiliar wording implies). The test split's items drawn
+in phrasing 3 are re-worded in phrasing 4 or 5 (task_suite.ROUTER_TEST_PHRASINGS, by a stable
+hash of the input), wording that no model, tokenizer or router ever trains or calibrates on. The halves
 are a stable hash of the input without its wording (`input_key`), so one input lies in one
 half only; the suite's splits are disjoint in their inputs, so no test input is trained on
 or calibrated on. The suite's own "train" split is not used: the demo models were trained on
@@ -61,6 +65,15 @@ def input_key(item: task_suite.TaskItem) -> str:
     return "|".join([item.task, " ".join(re.findall(r"\d+", text)), tail.strip(), " ".join(_NAME.findall(text))])
 
 
+def test_wording(item: task_suite.TaskItem) -> task_suite.TaskItem:
+    """A test item in the held-out phrasing 3 re-worded in phrasing 4 or 5 (a stable hash of its
+    input picks which); other items unchanged."""
+    if item.phrasing != task_suite.HELD_OUT_PHRASING:
+        return item
+    new = task_suite.ROUTER_TEST_PHRASINGS
+    return task_suite.rephrase(item, new[zlib.crc32(input_key(item).encode()) % len(new)])
+
+
 def half_of(item: task_suite.TaskItem) -> str:
     """"train" or "calibration": a stable hash of the item's input (never of its wording)."""
     return ("train", "calibration")[zlib.crc32(input_key(item).encode()) % 2]
@@ -75,7 +88,8 @@ def draw_items(sizes: dict[str, int], seed: int) -> dict[str, list[task_suite.Ta
         picked: dict[tuple[str, int], list[task_suite.TaskItem]] = {c: [] for c in cells}
         for cell in cells:
             if SPLITS[name] == "test":
-                picked[cell] = task_suite.generate_items("test", quota[cell], seed, [cell[0]], [cell[1]])
+                picked[cell] = [test_wording(it) for it in
+                                task_suite.generate_items("test", quota[cell], seed, [cell[0]], [cell[1]])]
                 continue
             stream = task_suite.generate_items(SPLITS[name], 6 * quota[cell] + 100, seed, [cell[0]], [cell[1]])
             for it in stream:
@@ -110,9 +124,24 @@ def detect_quantization() -> str:
         return "none"
 
 
+def reusable_replies(folder: Path) -> dict[str, dict]:
+    """Earlier label rows by their messages: the engines are deterministic (greedy), so a prompt
+    labelled before need not run again (`--reuse`)."""
+    out = {}
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    out[json.dumps(row["messages"])] = row
+    return out
+
+
 def run_model(model_dir: Path, items: list[task_suite.TaskItem], desc: str, **options) -> list[str]:
     from engines import LLM, SamplingParams
 
+    if not items:
+        return []
     llm = LLM(model_dir, progress=False, kv_cache_memory=256 << 20, **options)
     print(f"{desc}: {len(items)} items", flush=True)
     outs = llm.chat([list(it.messages) for it in items], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", choices=["auto", "none", "int8"], default="auto",
                     help="small engine weights (auto: int8 when the engine supports it)")
     ap.add_argument("--pilot", type=int, default=0, help="time N test items per model and exit")
+    ap.add_argument("--reuse", help="folder of earlier label files: prompts found there keep their replies "
+                                    "and token counts, only the others run through the engines")
     args = ap.parse_args(argv)
     quant = detect_quantization() if args.quantization == "auto" else args.quantization
     sizes = {"train": args.train, "calibration": args.calibration, "test": args.test}
@@ -159,14 +190,24 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {"test": args.pilot}
     items = draw_items(sizes, args.seed)
     flat = [it for name in sizes for it in items[name]]
+    known = reusable_replies(Path(args.reuse)) if args.reuse and not args.pilot else {}
+    old = [known.get(json.dumps([dict(m) for m in it.messages])) for it in flat]
+    todo = [it for it, row in zip(flat, old) if row is None]
     timings = {}
     t0 = time.perf_counter()
-    small = run_model(MODELS / "demo-small", flat, f"demo-small ({quant})", **small_engine_options(quant))
-    timings["small_items_per_s"] = len(flat) / (time.perf_counter() - t0)
+    new_small = run_model(MODELS / "demo-small", todo, f"demo-small ({quant})", **small_engine_options(quant))
+    timings["small_items_per_s"] = len(todo) / (time.perf_counter() - t0)
     t0 = time.perf_counter()
-    large = run_model(MODELS / "demo-large", flat, "demo-large")
-    timings["large_items_per_s"] = len(flat) / (time.perf_counter() - t0)
-    tokens = count_prompt_tokens(flat)
+    new_large = run_model(MODELS / "demo-large", todo, "demo-large")
+    timings["large_items_per_s"] = len(todo) / (time.perf_counter() - t0)
+    new_tokens = count_prompt_tokens(todo)
+    fresh = iter(zip(new_small, new_large, new_tokens))
+    small, large, tokens = [], [], []
+    for row in old:
+        s, l, n = (row["small_reply"], row["large_reply"], row["prompt_tokens"]) if row else next(fresh)
+        small.append(s)
+        large.append(l)
+        tokens.append(n)
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
     out = Path(args.out)
     summary = {}
@@ -191,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     "small": {"model": "models/demo-small", "quantization": quant},
                     "large": {"model": "models/demo-large", "quantization": "none"},
                     "max_tokens": MAX_TOKENS, "suite_splits": SPLITS, "summary": summary,
-                    "items_per_s": {k: round(v, 1) for k, v in timings.items()}}
+                    "items_per_s": {k: round(v, 1) for k, v in timings.items()},
+                    "engine_runs": len(todo), "reused_rows": len(flat) - len(todo)}
         (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return 0
 

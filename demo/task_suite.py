@@ -11,6 +11,11 @@ bucket that belongs to exactly one split, and draws from another split's bucket 
 an evaluated input was never trained on, in any wording. `lookup` answers are memorised facts
 (the model cannot compute them), so there every fact is trained with two of phrasings 0-2 and
 evaluated with the third and with the held-out phrasing. Phrasing 3 never appears in train.
+
+Phrasings 4 and 5 (ROUTER_TEST_PHRASINGS) are wording that no split of the suite ever draws: the
+demo models, their tokenizer and the router's training and calibration never see it. The router's
+test split alone uses it (demo/router_labels.py re-words its phrasing-3 items with `rephrase`), so
+the router is measured on wording that is new to everything.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ HELD_OUT_PHRASING = 3
 SPLITS = ("train", "validation", "test")
 TRAIN_PHRASINGS = (0, 1, 2)
 ALL_PHRASINGS = (0, 1, 2, 3)
+# Never drawn by generate_items: only the router's test split re-words items with these.
+ROUTER_TEST_PHRASINGS = (4, 5)
 # Out of 10 input buckets: 8 train, 1 validation, 1 test (computed tasks).
 _BUCKET_SPLIT = ("train",) * 8 + ("validation", "test")
 # A cell whose split owns no input at all is a bug in the level table; fail loudly, not slowly.
@@ -115,7 +122,8 @@ class Task:
     """One task: a generator of (fields, answer), phrasings per kind, and a checker.
 
     `templates` maps a kind ("" for single-kind tasks, else fields["kind"]) to its phrasings;
-    the phrasing index means the same thing for every kind, and HELD_OUT_PHRASING is last.
+    the phrasing index means the same thing for every kind: 0-2 train, HELD_OUT_PHRASING (3)
+    evaluation only, ROUTER_TEST_PHRASINGS (4, 5) the router's test split only.
     """
     name: str
     generate: Generator
@@ -125,6 +133,17 @@ class Task:
 
     def render(self, fields: Fields, phrasing: int) -> str:
         return self.templates[fields.get("kind", "")][phrasing].format(**fields)
+
+    def parse(self, text: str, phrasing: int) -> Fields:
+        """The fields (with "kind" for multi-kind tasks) that `render(fields, phrasing)` turns into
+        this text; ValueError when no template of that phrasing renders it."""
+        for kind, templates in self.templates.items():
+            parts = re.split(r"\{(\w+)\}", templates[phrasing])
+            pattern = "".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>.+?)" for i, p in enumerate(parts))
+            m = re.fullmatch(pattern, text)
+            if m:
+                return {**({"kind": kind} if kind else {}), **m.groupdict()}
+        raise ValueError(f"{self.name}: phrasing {phrasing} does not render {text!r}")
 
 
 @lru_cache(maxsize=1)
@@ -206,54 +225,73 @@ def _gen_combo(rng: random.Random, level: int) -> tuple[Fields, str]:
 
 
 # Inputs always end the message after a colon (or sit inline for add/lookup) so the wording
-# around them is the only thing phrasings change. Index 3 of each tuple is held out.
+# around them is the only thing phrasings change. Index 3 of each tuple is held out; 4 and 5 are
+# the router's test wording (never drawn by generate_items).
 _TASK_LIST = (
     Task("copy", _gen_copy, {"": (
         "Repeat these words: {words}",
         "Copy the list exactly: {words}",
         "Write these words again: {words}",
-        "Say back the words: {words}")}),
+        "Say back the words: {words}",
+        "Echo this list unchanged: {words}",
+        "Reproduce the following sequence exactly: {words}")}),
     Task("upper", _gen_upper, {"": (
         "Write in capital letters: {words}",
         "Convert to upper case: {words}",
         "Make these words upper case: {words}",
-        "Turn into capitals: {words}")}),
+        "Turn into capitals: {words}",
+        "Capitalise every letter of: {words}",
+        "Give this text in all caps: {words}")}),
     Task("count", _gen_count, {"": (
         "Count the letter {letter} in: {seq}",
         "How many times does the letter {letter} appear in: {seq}",
         "Give the number of times the letter {letter} occurs in: {seq}",
-        "How often is the letter {letter} in: {seq}")}),
+        "How often is the letter {letter} in: {seq}",
+        "Tally each {letter} in this sequence: {seq}",
+        "Report how frequently {letter} shows up in: {seq}")}),
     Task("reverse", _gen_reverse, {"": (
         "Reverse the order of these words: {words}",
         "Write these words in reverse order: {words}",
         "Put these words backwards: {words}",
-        "Give the words from last to first: {words}")}),
+        "Give the words from last to first: {words}",
+        "Flip the order of this list: {words}",
+        "List these from the end to the start: {words}")}),
     Task("sort", _gen_sort, {"": (
         "Sort these numbers from smallest to largest: {nums}",
         "Put these numbers in ascending order: {nums}",
         "Order from low to high: {nums}",
-        "Arrange in increasing order: {nums}")}),
+        "Arrange in increasing order: {nums}",
+        "Rank these values, lowest first: {nums}",
+        "Rearrange so that each value exceeds the previous one: {nums}")}),
     Task("lookup", _gen_lookup, {"": (
         "Where does {name} live?",
         "Which city is {name} from?",
         "In which city does {name} live?",
-        "Name the home city of {name}.")}, memorised=True),
+        "Name the home city of {name}.",
+        "Tell me the town {name} calls home.",
+        "{name} resides in what city?")}, memorised=True),
     Task("add", _gen_add, {"": (
         "What is {a} + {b}?",
         "Add {a} and {b}.",
         "Compute the sum of {a} and {b}.",
-        "What do you get if you add {a} to {b}?")}),
+        "What do you get if you add {a} to {b}?",
+        "Find the total of {a} plus {b}.",
+        "{a} and {b} added together make how much?")}),
     Task("combo", _gen_combo, {
         "reverse_upper": (
             "Reverse these words and write them in capitals: {words}",
             "Write these words in reverse order and in upper case: {words}",
             "Put these words backwards, then make them upper case: {words}",
-            "Give the words from last to first in capital letters: {words}"),
+            "Give the words from last to first in capital letters: {words}",
+            "Flip the order of this list and capitalise it: {words}",
+            "List these from the end to the start in all caps: {words}"),
         "add_twice": (
             "What is {a} + {b}? Write the answer two times.",
             "Add {a} and {b}, then write the result two times.",
             "Compute the sum of {a} and {b} and write it two times.",
-            "Add {a} to {b} and say the result two times.")}),
+            "Add {a} to {b} and say the result two times.",
+            "Find the total of {a} plus {b} and repeat it twice.",
+            "Sum {a} with {b}, then state that result twice.")}),
 )
 _TASKS = {task.name: task for task in _TASK_LIST}
 TASKS: tuple[str, ...] = tuple(_TASKS)
@@ -264,6 +302,14 @@ def get_task(name: str) -> Task:
         return _TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}") from None
+
+
+def rephrase(item: TaskItem, phrasing: int) -> TaskItem:
+    """The same input asked in another phrasing (system message, answer and split kept)."""
+    task = get_task(item.task)
+    fields = task.parse(item.user_text, item.phrasing)
+    messages = item.messages[:-1] + ({"role": "user", "content": task.render(fields, phrasing)},)
+    return TaskItem(item.task, item.level, phrasing, messages, item.answer, item.split)
 
 
 def _hash(text: str) -> int:

@@ -31,3 +31,26 @@ def test_label_is_one_when_small_is_as_good_as_large():
     rows = label_rows("test", [item] * 4, ["3", "3", "4", "4"], ["3", "5", "3", "5"], [9] * 4)
     assert [r["label"] for r in rows] == [1, 1, 0, 1]
     assert rows[0]["prompt"] == "What is 1 + 2?" and rows[0]["prompt_tokens"] == 9
+
+
+def test_test_split_rewords_phrasing_3_in_the_router_only_wording():
+    items = draw_items({"test": 256}, seed=3)["test"]
+    phrasings = {it.phrasing for it in items}
+    assert task_suite.HELD_OUT_PHRASING not in phrasings
+    assert set(task_suite.ROUTER_TEST_PHRASINGS) <= phrasings and {0, 1, 2} <= phrasings
+    for it in items:
+        if it.phrasing in task_suite.ROUTER_TEST_PHRASINGS:
+            back = task_suite.rephrase(it, task_suite.HELD_OUT_PHRASING)
+            assert back.messages[-1]["content"] != it.messages[-1]["content"] and it.check(it.answer)
+            assert input_key(back) == input_key(it)
+    drawn = task_suite.generate_items("test", 2_000, 5) + task_suite.generate_items("validation", 2_000, 5)
+    assert not {it.phrasing for it in drawn} & set(task_suite.ROUTER_TEST_PHRASINGS)
+
+
+def test_router_only_wording_never_reaches_the_tokenizer_corpus():
+    blob = "\n".join(task_suite.corpus_texts(640, seed=0))
+    for task in task_suite.TASKS:
+        for templates in task_suite.get_task(task).templates.values():
+            for phrasing in task_suite.ROUTER_TEST_PHRASINGS:
+                fixed = max(templates[phrasing].split("{"), key=len).split("}")[-1].strip(" :?.")
+                assert fixed and fixed not in blob, fixed
