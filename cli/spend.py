@@ -1,7 +1,9 @@
-"""`tokenyard spend report`: the spend ledger's rollups as a table (or CSV / JSON) in the terminal.
+"""`tokenyard spend report`: the spend ledger's rollups as a table (or CSV / JSON) in the terminal;
+`tokenyard spend alerts`: the budget alerts fired (the alerts stream) and the webhook outbox.
 
     tokenyard spend report --by model --since 7d
     tokenyard spend report --by day,model --since 2026-11-01 --until 2026-12-01 --tenant acme --format csv
+    tokenyard spend alerts --since 7d [--tenant acme] [--format table|json]
 
 Reads the deployment's Redis directly (like `tokenyard keys`: --redis-url, else REDIS_URL, else the
 deployment's redis_url, else the embedded redis-server under redis_dir) with every tenant visible:
@@ -20,6 +22,7 @@ from gateway.http.errors import BadRequest
 from gateway.spend import reports as reports
 from gateway.spend import store as store
 from gateway.spend.queries import read_report
+from policies import format_money
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -37,7 +40,36 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     # Also accepted after `report` (SUPPRESS: not given there keeps the value given before it).
     rep.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     rep.add_argument("--redis-url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    al = sub.add_parser("alerts", help="budget alerts fired (50/80/100 %% of a limit), oldest first")
+    al.add_argument("--since", default="7d", help="7d, 12h, 30m, 2w before now, or unix seconds / ISO 8601")
+    al.add_argument("--until", help="end (unix seconds / ISO 8601; default: now)")
+    al.add_argument("--tenant", help="only this tenant")
+    al.add_argument("--format", choices=("table", "json"), default="table")
+    al.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    al.add_argument("--redis-url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     ap.set_defaults(func=run)
+
+
+async def _alerts(url: str, prefix: str, start: float, end: float) -> tuple[list, dict]:
+    import redis.asyncio as aioredis
+
+    from gateway.spend.alerts import outbox_state, read_alerts
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        return await read_alerts(client, prefix, start, end), await outbox_state(client, prefix)
+    finally:
+        await client.aclose()
+
+
+def _alerts_table(alerts: list[dict], outbox: dict) -> str:
+    head = ("time (UTC)", "tenant", "budget", "period", "at", "spent", "limit", "at_limit", "id")
+    rows = [(reports.iso(a["time"]), a["tenant"], a["budget"], f"{a['period']} {a['period_start']}",
+             f"{a['threshold_pct']}%", format_money(a["spent_micros"]), format_money(a["limit_micros"]),
+             a["at_limit"], a["id"]) for a in alerts]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in (head, *rows)]
+    lines.append(f"{len(alerts)} alert(s); webhook outbox: {outbox['pending']} waiting, {outbox['dead']} given up")
+    return "\n".join(lines) + "\n"
 
 
 async def _report(url: str, prefix: str, tenant: str | None, start: float, end: float,
@@ -57,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
     from cli.deployment_arg import load_or_exit
     from gateway.store.embedded_redis import command_redis_url
+    if args.spend_command == "alerts":
+        return run_alerts(args)
     try:
         group_by = reports.parse_group_by(args.by)
         now = time.time()
@@ -87,4 +121,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"spend {reports.iso(start)} .. {reports.iso(end)} (whole hours, UTC); money in currency units; "
               f"savings vs {dep.baseline_engine}")
         sys.stdout.write(reports.table(data, group_by, total))
+    return 0
+
+
+def run_alerts(args: argparse.Namespace) -> int:
+    import redis
+
+    from cli.deployment_arg import load_or_exit
+    from gateway.store.embedded_redis import command_redis_url
+    try:
+        now = time.time()
+        end = reports.parse_time(args.until) if args.until else now
+        start = reports.parse_since(args.since, now)
+    except ValueError as e:
+        print(f"tokenyard: {e}", file=sys.stderr)
+        return 2
+    dep = load_or_exit(args.config)
+    try:
+        with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
+            alerts, outbox = asyncio.run(_alerts(url, dep.redis_prefix, start, end))
+    except (redis.RedisError, OSError) as e:
+        print(f"tokenyard: redis: {e}", file=sys.stderr)
+        return 1
+    if args.tenant:
+        alerts = [a for a in alerts if a.get("tenant") == args.tenant]
+    if args.format == "json":
+        print(json.dumps({"start": reports.iso(start), "end": reports.iso(end), "alerts": alerts,
+                          "outbox": outbox}, indent=2, ensure_ascii=False))
+    else:
+        sys.stdout.write(_alerts_table(alerts, outbox))
     return 0

@@ -31,6 +31,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.policy.state import PolicyState
 from gateway.routing.interim_rule import Router
 from gateway.routing.learned_router import ArtifactError, LearnedRouter, RouterSettings
+from gateway.spend.alert_runner import BudgetAlerts
 from gateway.spend.budget import BudgetReader
 from gateway.spend.ledger import SpendLedger
 from gateway.spend.usage import FanOut, RecentUsage, UsageRecord, UsageSink
@@ -89,6 +90,14 @@ class Gateway:
         # The routing policy in force (kept equal to Redis's current version) and tenant budgets.
         self.policy = PolicyState(deployment, self.metrics, self.learned_router)
         self.budgets = BudgetReader(self.redis, prefix, self.guard, self.metrics)
+        # Budget alerts (50/80/100 %) from the ledger, and their webhook: gateway/spend/alerts.py.
+        self.alerts: BudgetAlerts | None = None
+        if self.ledger is not None:
+            try:
+                self.alerts = BudgetAlerts.build(deployment, self.metrics,
+                                                 lambda: (self.policy.policy, self.policy.number))
+            except ValueError as e:
+                raise StartupError(str(e)) from e
         self._tasks: list[asyncio.Task] = []
         if dev_key:
             self.keys.preload(new_record(dev_key, DEV_TENANT, name="dev", role="admin"))
@@ -107,6 +116,8 @@ class Gateway:
         if self.ledger is not None:
             await self.ledger.start()      # replays what an earlier run left in the spool
         await self.policy.start_redis(self.redis, self._pubsub_redis)
+        if self.alerts is not None:
+            await self.alerts.start()
         if self.dev_key:
             try:   # the configured dev key becomes an admin key record (a revoked one stays revoked)
                 await asyncio.to_thread(_ensure_dev_key, dep.redis_url, dep.redis_prefix, self.dev_key)
@@ -117,6 +128,8 @@ class Gateway:
 
     async def stop_redis(self) -> None:
         await self.policy.stop()
+        if self.alerts is not None:
+            await self.alerts.stop()       # POSTs in flight finish and are settled first
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

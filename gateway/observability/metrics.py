@@ -94,6 +94,12 @@ class GatewayMetrics:
         self.budget_checks = Counter("tokenyard_budget_checks",
                                      "Tenant budget checks by outcome: within, reached, unavailable (fail-open)",
                                      ("outcome",), registry=r)
+        self.budget_alerts = Counter("tokenyard_budget_alerts",
+                                     "Budget alerts fired (once per budget, period and threshold), by threshold_pct",
+                                     ("threshold_pct",), registry=r)
+        self.alert_webhooks = Counter("tokenyard_alert_webhooks",
+                                      "Alert webhook POSTs by outcome: sent (2xx), failed (retried later), gave_up",
+                                      ("outcome",), registry=r)
         self.router_score = Histogram("tokenyard_router_score",
                                       "Learned router score P(small is enough) of each chat request",
                                       buckets=tuple(i / 10 for i in range(1, 11)), registry=r)

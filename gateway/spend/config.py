@@ -1,7 +1,9 @@
 """Deployment sections of the spend ledger, the dashboard and /metrics access.
 
     spend:      {enabled, baseline_engine, rollup_retention_days, stream_max_len, stream_retention_days,
-                 spool_dir, spool_fsync, replay_interval_s, max_values_per_dimension}
+                 spool_dir, spool_fsync, replay_interval_s, max_values_per_dimension,
+                 alerts: {enabled, interval_s, webhook_url, secret_env, timeout_s, lease_s, backoff_s,
+                          max_backoff_s, max_attempts, stream_max_len}}
     dashboard:  {enabled, session_ttl_s, cookie_secure}
     metrics:    {access, slo_ttft_s, slo_itl_s}
 
@@ -25,6 +27,22 @@ METRICS_ACCESS = ("loopback", "open", "admin")
 
 
 @dataclass(slots=True)
+class AlertsConfig:
+    """Budget alerts (gateway/spend/alerts.py, alert_webhook.py): where they go and how hard to try."""
+
+    enabled: bool = True                    # check new usage records against the policy's budgets, fire alerts
+    interval_s: float = 5.0                 # how often new usage records are checked
+    webhook_url: str | None = None          # POST every alert here (http or https); None: the alerts stream only
+    secret_env: str = "TOKENYARD_ALERT_SECRET"   # environment variable holding the HMAC-SHA256 signing secret
+    timeout_s: float = 10.0                 # one webhook POST, connect to last byte
+    lease_s: float = 30.0                   # a claimed outbox item is nobody else's for this long (> timeout_s)
+    backoff_s: float = 1.0                  # first retry after this, doubling (with jitter) ...
+    max_backoff_s: float = 300.0            # ... up to this
+    max_attempts: int = 20                  # then the alert moves to the dead-letter list
+    stream_max_len: int = 10_000            # alerts kept on the alerts stream (XADD MAXLEN ~)
+
+
+@dataclass(slots=True)
 class SpendConfig:
     enabled: bool = True                    # write usage records to Redis (needs redis_url or the embedded Redis)
     baseline_engine: str | None = None      # savings are measured against this engine; None: routing.large, else
@@ -38,6 +56,7 @@ class SpendConfig:
     replay_interval_s: float = 2.0          # how often a non-empty spool is retried against Redis
     max_values_per_dimension: int = 1000    # distinct keys / users / route reasons / values of one tag kept per
                                             # tenant and hour in the rollups; beyond, counted under "(other)"
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
 
 @dataclass(slots=True)
@@ -59,6 +78,32 @@ class WebSettings:
     spend: SpendConfig = field(default_factory=SpendConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def _alerts(section: dict[str, Any], error: type[Exception]) -> AlertsConfig:
+    out, where = AlertsConfig(), "spend.alerts."
+    _only(section, where, set(AlertsConfig.__slots__), error)
+    out.enabled = _typed(section, where, "enabled", bool, out.enabled, error)
+    out.webhook_url = _typed(section, where, "webhook_url", str, None, error, nullable=True)
+    if out.webhook_url is not None and not out.webhook_url.startswith(("http://", "https://")):
+        raise error(f"spend.alerts.webhook_url must be an http:// or https:// URL, got {out.webhook_url!r}")
+    out.secret_env = _typed(section, where, "secret_env", str, out.secret_env, error)
+    if not out.secret_env:
+        raise error("spend.alerts.secret_env must name an environment variable")
+    for key in ("interval_s", "timeout_s", "lease_s", "backoff_s", "max_backoff_s"):
+        value = section.get(key, getattr(out, key))
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise error(f"spend.alerts.{key} must be a number > 0, got {value!r}")
+        setattr(out, key, float(value))
+    if out.lease_s <= out.timeout_s:
+        raise error(f"spend.alerts.lease_s ({out.lease_s:g}) must be longer than spend.alerts.timeout_s "
+                    f"({out.timeout_s:g}): a POST still running when its lease ends may be sent twice")
+    for key in ("max_attempts", "stream_max_len"):
+        value = _typed(section, where, key, int, getattr(out, key), error)
+        if value <= 0:
+            raise error(f"spend.alerts.{key} must be a positive integer, got {value}")
+        setattr(out, key, value)
+    return out
 
 
 def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], error: type[Exception]) -> WebSettings:
@@ -84,6 +129,7 @@ def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], erro
     if not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0:
         raise error(f"spend.replay_interval_s must be a number > 0, got {interval!r}")
     sp.replay_interval_s = float(interval)
+    sp.alerts = _alerts(_mapping(spend.get("alerts", {}), "spend.alerts", error), error)
 
     dash = _mapping(top.get("dashboard", {}), "dashboard", error)
     _only(dash, "dashboard.", set(DashboardConfig.__slots__), error)
