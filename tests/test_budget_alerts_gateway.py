@@ -179,3 +179,30 @@ def test_alerts_fire_once_when_records_spooled_in_a_redis_outage_are_replayed(tm
     finally:
         receiver.close()
         private.stop()
+
+
+def test_key_budget_by_name_denies_that_key_only(tmp_path):
+    """A key budget counts the key's own spend (the dimension rollup the ledger wrote): the dev key
+    (named "dev") is refused at its limit while another key of the same tenant is served."""
+    from gateway.auth.api_keys import KeyStore
+    prefix = unique_prefix("keybudget")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(BASE_POLICY + "tenants:\n  dev:\n    key_budgets: {dev: {per_day: '0.00001', at_limit: deny},"
+                      " '*': {per_day: 1000, at_limit: downgrade}}\n")
+    doc = two_engine_deployment(prefix, router={}, policy=str(policy), spend={"alerts": {"enabled": False}})
+    client = redis.Redis.from_url(SHARED_REDIS)
+    try:
+        other = KeyStore(client, prefix).create("dev", name="other")[0]
+        with running_gateway(doc) as srv:
+            assert chat(srv)[0] == 200
+            wait_ledger(srv)
+            srv.gateway.budgets.forget()
+            status, _, body = chat(srv)
+            assert status == 429 and "key dev (" in body["error"]["message"], body
+            status, headers, _ = srv.chat({"model": "large", "messages": [{"role": "user", "content": "hi"}]},
+                                          {"Authorization": f"Bearer {other}"})
+            assert status == 200 and headers["x-tokenyard-engine"] == "large"
+            assert srv.gateway.alerts is None                 # spend.alerts.enabled: false
+    finally:
+        client.close()
+        delete_prefix(SHARED_REDIS, prefix)
