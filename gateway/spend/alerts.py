@@ -147,22 +147,30 @@ class AlertWatcher:
             return 0
         cursors = {_s(k): _s(v) for k, v in (await self.redis.hgetall(cursor_key(self.prefix))).items()}
         month_start = period_bounds("month", period_instance("month", now))[0]
+        starts = {t: cursors.get(t) or f"{int(month_start * 1000)}-0" for t in tenants}
+        pipe = self.redis.pipeline(transaction=False)       # one round trip for every tenant's first page
+        for t in tenants:
+            pipe.xrange(stream_key(self.prefix, t), min="(" + starts[t], max="+", count=PAGE)
         fired = 0
-        for tenant in tenants:
-            start = cursors.get(tenant) or f"{int(month_start * 1000)}-0"
-            touched, last = await self._read(policy, tenant, start, now)
+        for tenant, first in zip(tenants, await pipe.execute()):
+            if not first:
+                continue
+            touched, last = await self._read(policy, tenant, starts[tenant], first, now)
             if touched:
                 fired += await self._evaluate(tenant, touched, version, now)
-            if last != start:
-                await self.redis.hset(cursor_key(self.prefix), tenant, last)
+            await self.redis.hset(cursor_key(self.prefix), tenant, last)
         return fired
 
-    async def _read(self, policy: Policy, tenant: str, start: str, now: float) -> tuple[set[Touched], str]:
-        """The (budget, period) pairs the tenant's records after `start` count against; the last id read."""
+    async def _read(self, policy: Policy, tenant: str, start: str, entries: list,
+                    now: float) -> tuple[set[Touched], str]:
+        """The (budget, period) pairs the tenant's records after `start` count against (the first page
+        given); the last id read."""
         touched: set[Touched] = set()
         last = start
-        for _ in range(MAX_PAGES):
-            entries = await self.redis.xrange(stream_key(self.prefix, tenant), min="(" + last, max="+", count=PAGE)
+        for page in range(MAX_PAGES):
+            if page:
+                entries = await self.redis.xrange(stream_key(self.prefix, tenant), min="(" + last, max="+",
+                                                  count=PAGE)
             for sid, fields in entries:
                 last = _s(sid)
                 raw = fields.get(b"r", fields.get("r"))
