@@ -7,7 +7,7 @@ import pytest
 
 from router_models.runtime import artifact as art_mod
 from router_models.runtime.artifact import ArtifactError, load, save
-from router_models.runtime.features import FeatureSpec, extract, matrix, prompt_text
+from router_models.runtime.features import DENSE_NAMES, FEATURE_VERSION, FeatureSpec, extract, matrix, prompt_text
 from router_models.runtime.scorer import Scorer
 from router_models.training.train import load_labels, predict, train_router
 
@@ -99,7 +99,7 @@ def test_feature_spec_this_code_cannot_compute_fails(tmp_path):
         load(path)
 
     def other_dense(b):
-        b["feature_spec"]["version"] = 1
+        b["feature_spec"]["version"] = FEATURE_VERSION
         b["feature_spec"]["dense"] = b["feature_spec"]["dense"][:-1]
         b["checksum"] = art_mod.checksum(b)
     _rewrite(path, other_dense)
@@ -126,7 +126,7 @@ def test_shipped_artifact_loads_and_matches_its_training_data():
 
 
 def test_features_are_stable_and_need_no_engine():
-    spec = FeatureSpec(dense_mean=(0.0,) * 12, dense_scale=(1.0,) * 12)
+    spec = FeatureSpec(dense_mean=(0.0,) * len(DENSE_NAMES), dense_scale=(1.0,) * len(DENSE_NAMES))
     row = extract("Add 12 and 30.", 9, spec)
     assert row == extract("Add 12 and 30.", 9, spec)
     assert row[0] == pytest.approx(np.log1p(9)) and row[3] == pytest.approx(np.log1p(4))  # tokens, digits

@@ -96,3 +96,28 @@ def test_router_settings_are_validated(tmp_path):
         parse_router_settings({"small": "nope"}, tmp_path, engines)
     with pytest.raises(ValueError, match="unknown keys"):
         parse_router_settings({"artefact": "x"}, tmp_path, engines)
+
+
+def test_bootstrap_intervals_cover_the_estimate_and_shrink_with_more_prompts():
+    from router_models.training.routing_metrics import bootstrap
+
+    rng = np.random.default_rng(1)
+
+    def draw(n):
+        small = rng.random(n) < 0.4
+        large = small | (rng.random(n) < 0.3)
+        scores = np.where(large & ~small, 0.2, 0.8) + rng.normal(0, 0.3, n)   # an informative, noisy router
+        return scores, small, large
+    s, sm, lg = draw(400)
+    ci = bootstrap(s, sm, lg, resamples=300, seed=0)
+    point = apgr(routing_curve(s, sm, lg))
+    assert ci["apgr"][0] < point < ci["apgr"][1] and ci["apgr"][0] > 0.5
+    assert ci["cpt_95"][0] < cpt(routing_curve(s, sm, lg), 0.95) < ci["cpt_95"][1]
+    big = bootstrap(*draw(4000), resamples=300, seed=0)
+    assert big["apgr"][1] - big["apgr"][0] < (ci["apgr"][1] - ci["apgr"][0]) / 2
+    # paired difference: a router against itself is exactly 0; against random clearly positive
+    same = bootstrap(s, sm, lg, resamples=100, baseline=s)["difference_vs_baseline"]
+    assert same["apgr"] == [0.0, 0.0]
+    vs_random = bootstrap(s, sm, lg, resamples=300, baseline=rng.random(400))["difference_vs_baseline"]
+    assert vs_random["apgr"][0] > 0.1
+    assert bootstrap(s, sm, lg, resamples=50, seed=3) == bootstrap(s, sm, lg, resamples=50, seed=3)

@@ -1,50 +1,79 @@
 """Cheap prompt features for the router: a pure function of (prompt text, token count, spec).
 
+Only the last `spec.window` characters of the prompt are read (the instruction and its payload
+sit at the end of a chat prompt), plus the full length as numbers: the token count (passed in),
+the character count and the number of lines. So a decision costs the same for an 8k-token prompt
+as for a 300-character one. Hashing is vectorised in numpy over the window's code points and
+keeps no cache, so there is no cold/warm difference either.
+
 Four blocks, laid out in one vector of `spec.dim` columns:
-  dense   [0, n_dense)                  counts (token count, characters, words, digits, numbers,
-                                        longest number, operators, capitals, ...) as log1p,
-                                        then standardised with the train mean/scale in the spec
-  words   [n_dense, n_dense + word_dim) hashed word n-grams (lower case), L2-normalised
-  chars   [.., + char_dim)              hashed character n-grams of " word " (lower case),
+  dense   [0, n_dense)                  counts over the window (words, digits, numbers, longest
+                                        number, operators, capitals, ...), token/char/line counts
+                                        of the whole prompt, and the instruction's novelty; as
+                                        log1p, standardised with the train mean/scale in the spec
+  words   [n_dense, n_dense + word_dim) hashed word 1-2-grams (tokens: [a-z]+, \\d+, or one other
+                                        character, lower case), L2-normalised
+  chars   [.., + char_dim)              hashed character 2-4-grams of " word " (lower case),
                                         L2-normalised
-  cross   [.., dim)                     hashed crosses of the instruction's words with the size
-                                        of the request, L2-normalised, times `cross_weight`
+  cross   [.., dim)                     hashed crosses, L2-normalised, times `cross_weight`
 
 The cross block is what lets a linear model say "for *this* kind of instruction, *this* size is
 hard": the last line is split at its last colon into an instruction and a payload (no colon: all
-of it is the instruction), and every instruction word is crossed with each size signature
-(payload words, count of numbers, digits in the longest number, token count // 4), plus the
-signatures alone. Measured on the calibration split: APGR 0.79 without it, 0.86 with it.
+of it is the instruction); every instruction word is crossed with each size signature (payload
+words, count of numbers, digits in the longest number, token count // 4), plus the signatures
+alone. Version 2 adds what generalises to wording the router never saw:
+  payload kind  what the last line carries, from its tokens, never its wording: the payload's
+                token class (numbers, single letters, lower-case words, capitals, mixed, none),
+                how many numbers and names (capitalised words not first on the line) the
+                last line holds; crossed with each size signature;
+  novelty       the share of the instruction's word 1-2-grams (numbers and names masked) absent
+                from `spec.vocabulary` (the hashed 1-2-grams of the router's training prompts), a
+                dense feature and, bucketed, crossed with the payload kind and the sizes.
+An instruction in unfamiliar wording has no trained weights on its own words; the kind and
+novelty crosses still place it.
 
-Hashing is crc32 of the UTF-8 n-gram (with a block prefix) modulo the block size: stable across
-processes and machines, no PYTHONHASHSEED. The token count is passed in (the gateway counts it
-once with the serving tokenizer); nothing here imports engines.
+Hashes: word and character n-grams are polynomial hashes (mod 2^64) of code points, mixed by a
+multiply-shift, modulo the block size; the few instruction words and signatures are crc32 of
+their UTF-8. All stable across processes and machines (no PYTHONHASHSEED). The token count is
+passed in (the gateway counts it once with the serving tokenizer); nothing here imports engines.
 
-`blocks(text, tokens, spec)` gives the dense values and each hashed block's column list;
-`extract` turns that into a sparse row {column: value}; `matrix(...)` stacks rows into a scipy
-CSR matrix for training. The trainer (through `extract`) and the scorer (through `blocks`) share
-one feature function, so what is trained is exactly what is served. Per-word character n-gram
-columns and n-gram columns are memoised (bounded LRU caches; pure functions, so caching changes
-no value). `cross_weight` 2.0 and the classifier's C = 1 were chosen on calibration APGR.
+`blocks(text, tokens, spec)` gives the dense values and each hashed block's column array (one
+entry per n-gram occurrence) with its L2 norm; `extract` turns that into a sparse row
+{column: value}; `matrix(...)` stacks rows into a scipy CSR matrix for training. The trainer
+(through `extract`) and the scorer (through `blocks`) share one feature function, so what is
+trained is exactly what is served.
 """
 from __future__ import annotations
 
 import math
 import re
 import zlib
-from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
 
-FEATURE_VERSION = 1
+import numpy as np
+
+FEATURE_VERSION = 2
 DENSE_NAMES = ("tokens", "chars", "words", "digits", "numbers", "longest_number", "operators",
-               "capitals", "punctuation", "distinct_words", "lines", "question")
-_WORD = re.compile(r"[a-z]+|\d+|[^\sa-z\d]")
+               "capitals", "punctuation", "distinct_words", "lines", "question", "novelty", "novel_grams")
+MAX_WINDOW = 1 << 14
+DEFAULT_WINDOW = 512
+MAX_INSTRUCTION_WORDS = 24       # the last words of a long instruction; bounds the cross block
+MAX_PAYLOAD_TOKENS = 64          # payload tokens whose class is read (the last ones)
+_SCAN = 8 * MAX_INSTRUCTION_WORDS
+_TOKEN = re.compile(r"[A-Za-z]+|\d+|[^\sA-Za-z\d]")
 _NUMBER = re.compile(r"\d+")
-_OPERATORS = frozenset("+-*/=<>^%")
-_ALPHA = re.compile(r"[a-z]+")
-_PUNCT = frozenset(".,;:!?'\"()")
+_SPACE = re.compile(r"\s")
+_OPERATORS = b"+-*/=<>^%"
+_PUNCT = b".,;:!?'\"()"
+_CAPITALS = bytes(range(65, 91))              # ASCII capitals
+
+_P = 0x100000001B3                       # polynomial base (odd: invertible mod 2^64)
+_Q = pow(_P, -1, 1 << 64)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_SHIFT = np.uint64(29)
+_SALT_WORD, _SALT_BIGRAM, _SALT_CHAR, _SALT_CROSS = (np.uint64(x) for x in (
+    0x51ED27, 0xB16A3, 0xC4A25, 0xC2055))
 
 
 @dataclass(slots=True)
@@ -58,6 +87,8 @@ class FeatureSpec:
     word_ngrams: tuple[int, int] = (1, 2)
     char_ngrams: tuple[int, int] = (2, 4)
     lowercase: bool = True
+    window: int = DEFAULT_WINDOW                        # characters read from the end of the prompt
+    vocabulary: tuple[int, ...] = ()                    # set by `with_vocabulary`
     dense: tuple[str, ...] = DENSE_NAMES
     dense_mean: tuple[float, ...] = field(default_factory=tuple)   # set by `fit_normalisation`
     dense_scale: tuple[float, ...] = field(default_factory=tuple)
@@ -73,13 +104,16 @@ class FeatureSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["word_ngrams"], d["char_ngrams"] = list(self.word_ngrams), list(self.char_ngrams)
-        d["dense"], d["dense_mean"], d["dense_scale"] = list(self.dense), list(self.dense_mean), list(self.dense_scale)
+        for key in ("word_ngrams", "char_ngrams", "vocabulary", "dense", "dense_mean", "dense_scale"):
+            d[key] = list(getattr(self, key))
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "FeatureSpec":
         known = set(cls.__dataclass_fields__)
+        if int(d.get("version", -1)) != FEATURE_VERSION:
+            raise ValueError(f"feature spec version {d.get('version')!r} is not supported (this code: "
+                             f"{FEATURE_VERSION}); retrain the router with `tokenyard router train`")
         extra = set(d) - known
         if extra:
             raise ValueError(f"feature spec has unknown keys: {', '.join(sorted(extra))}")
@@ -90,7 +124,9 @@ class FeatureSpec:
                    cross_weight=float(d["cross_weight"]),
                    word_ngrams=tuple(int(x) for x in d["word_ngrams"]),
                    char_ngrams=tuple(int(x) for x in d["char_ngrams"]),
-                   lowercase=bool(d["lowercase"]), dense=tuple(str(x) for x in d["dense"]),
+                   lowercase=bool(d["lowercase"]), window=int(d["window"]),
+                   vocabulary=tuple(int(x) for x in d["vocabulary"]),
+                   dense=tuple(str(x) for x in d["dense"]),
                    dense_mean=tuple(float(x) for x in d["dense_mean"]),
                    dense_scale=tuple(float(x) for x in d["dense_scale"]), version=int(d["version"]))
 
@@ -105,6 +141,12 @@ class FeatureSpec:
         for name, (lo, hi) in (("word_ngrams", self.word_ngrams), ("char_ngrams", self.char_ngrams)):
             if not 1 <= lo <= hi <= 8:
                 raise ValueError(f"feature spec {name} must be 1 <= lo <= hi <= 8, got {[lo, hi]}")
+        if self.word_ngrams[1] > 2:
+            raise ValueError("feature spec word_ngrams: at most 2 (unigrams and bigrams)")
+        if not 16 <= self.window <= MAX_WINDOW:
+            raise ValueError(f"feature spec window must lie in [16, {MAX_WINDOW}] characters, got {self.window}")
+        if any(not 0 <= v < 1 << 32 for v in self.vocabulary):
+            raise ValueError("feature spec vocabulary entries must be 32-bit hashes")
         if len(self.dense_mean) != self.n_dense or len(self.dense_scale) != self.n_dense:
             raise ValueError("feature spec normalisation must have one mean and one scale per dense feature")
         if not math.isfinite(self.cross_weight) or self.cross_weight < 0:
@@ -118,109 +160,304 @@ def prompt_text(messages: Iterable[Mapping[str, str]]) -> str:
     return "\n".join(str(m.get("content") or "") for m in messages)
 
 
-def raw_dense(text: str, tokens: int) -> list[float]:
+def window_of(text: str, size: int) -> str:
+    """The last `size` characters, without a word cut in two at the start."""
+    if len(text) <= size:
+        return text
+    tail = text[-size:]
+    if text[-size - 1].isspace():
+        return tail
+    m = _SPACE.search(tail)
+    return tail[m.start():] if m else tail
+
+
+# --- the instruction: last line, names and numbers masked --------------------------------------
+
+def _crc(gram: str) -> int:
+    return zlib.crc32(gram.encode("utf-8"))
+
+
+@dataclass(slots=True)
+class Instruction:
+    words: list[str]        # lower-case alphabetic words of the instruction (crossed with sizes)
+    grams: list[int]        # crc32 of its masked word 1-2-grams (novelty)
+    tail: str               # the payload after the last colon ("" without one)
+    numbers: list[str]      # numbers on the last line
+    names: int              # capitalised words not first on the last line
+
+
+def instruction(window: str) -> Instruction:
+    """The last line split at its last colon; the instruction's tokens masked: numbers as "#",
+    names (capitalised words, but the line's first) as "@", the rest in lower case."""
+    last = window.rsplit("\n", 1)[-1]
+    head, tail = last.rsplit(":", 1) if ":" in last else (last, "")
+    tokens = _TOKEN.findall(head[-_SCAN:])[-MAX_INSTRUCTION_WORDS:]
+    masked: list[str] = []
+    names = 0
+    for i, tok in enumerate(tokens):
+        if tok.isdigit():
+            masked.append("#")
+            continue
+        low = tok.lower()
+        if tok[0].isupper() and i > 0:
+            masked.append("@")
+            names += 1
+        else:
+            masked.append(low)
+    grams = [_crc("u " + g) for g in masked] + [_crc(f"b {a} {b}") for a, b in zip(masked, masked[1:])]
+    names += sum(1 for tok in tail.split()[-MAX_PAYLOAD_TOKENS:] if tok[:1].isupper() and tok[1:].islower()
+                 and len(tok) > 1)
+    words = sorted({t for t in masked if t.isalpha()})
+    return Instruction(words, grams, tail, _NUMBER.findall(last), names)
+
+
+def vocabulary_of(texts: Iterable[str], window: int = DEFAULT_WINDOW) -> tuple[int, ...]:
+    """Hashed masked instruction 1-2-grams of these (training) prompts, sorted."""
+    seen: set[int] = set()
+    for text in texts:
+        seen.update(instruction(window_of(text, window)).grams)
+    return tuple(sorted(seen))
+
+
+def _payload_kind(ins: Instruction) -> str:
+    toks = ins.tail.split()[-MAX_PAYLOAD_TOKENS:]
+    if not toks:
+        cls = "none"
+    else:
+        kinds = {"num" if t.isdigit() else "letter" if len(t) == 1 and t.isalpha() else
+                 "lower" if t.isalpha() and t.islower() else "upper" if t.isalpha() and t.isupper() else
+                 "cap" if t.isalpha() else "other" for t in toks}
+        cls = kinds.pop() if len(kinds) == 1 else "mixed"
+    head_numbers = len(ins.numbers) - len(_NUMBER.findall(ins.tail))
+    return f"{cls}|n{min(head_numbers, 3)}|a{min(ins.names, 2)}"
+
+
+def _novelty(ins: Instruction, vocabulary: frozenset[int]) -> tuple[float, int]:
+    if not ins.grams:
+        return 0.0, 0
+    unseen = sum(1 for g in ins.grams if g not in vocabulary)
+    return unseen / len(ins.grams), unseen
+
+
+# --- vectorised hashing ---------------------------------------------------------------------------
+
+_POW: dict[str, np.ndarray] = {}
+_U = np.uint64
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """P^k and Q^k (mod 2^64) for k < n (grown on demand; pure)."""
+    have = _POW.get("p")
+    if have is None or have.size < n:
+        size = max(n, 2 * (0 if have is None else have.size), 2 * DEFAULT_WINDOW + 8)
+        for key, base in (("p", _P), ("q", _Q)):
+            steps = np.full(size, base, dtype=np.uint64)
+            steps[0] = 1
+            _POW[key] = np.cumprod(steps, dtype=np.uint64)
+    return _POW["p"], _POW["q"]
+
+
+def _codepoints(s: str) -> np.ndarray:
+    return np.frombuffer(s.encode("utf-32-le"), dtype="<u4").astype(np.uint64)
+
+
+def _char_hashes(cp: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Hashes of the n-grams (lo <= n <= hi) of the padded, single-spaced text that have no space
+    inside them (only at their ends): exactly the n-grams of each " word "."""
+    space = cp == 32
+    h = cp
+    inner = np.zeros(cp.size, dtype=bool)
+    out = []
+    for n in range(1, hi + 1):
+        if n > 1:
+            h = h[:-1] * _U(_P) + cp[n - 1:]
+            inner = inner[:-1] | space[n - 2:-1] if n > 2 else inner[:-1]
+        if n >= lo and h.size:
+            out.append(h[~(space if n == 1 else inner)] + _U(n))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
+
+
+@dataclass(slots=True)
+class _Tokens:
+    hashes: np.ndarray      # polynomial hash of each token (plus its length)
+    lengths: np.ndarray
+    numeric: np.ndarray     # bool: the token is a run of digits
+    digits: int             # digit characters in the text
+
+
+def _tokens(cp: np.ndarray) -> _Tokens:
+    r"""The tokens of the lower-case, single-spaced text: a run of a-z, a run of digits, or any
+    other single non-space character (the regex [a-z]+|\d+|[^\sa-z\d])."""
+    alpha = (cp - _U(97)) < _U(26)
+    digit = (cp - _U(48)) < _U(10)
+    other = ~(alpha | digit) & (cp != 32)
+    cls = alpha.view(np.uint8) + 2 * digit.view(np.uint8) + 3 * other.view(np.uint8)
+    change = np.empty(cp.size + 1, dtype=bool)
+    change[0] = change[-1] = True
+    np.not_equal(cls[1:], cls[:-1], out=change[1:-1])
+    word = cls != 0
+    starts = np.flatnonzero(word & (change[:-1] | other))
+    ends = np.flatnonzero(word & (change[1:] | other)) + 1
+    ppow, qpow = _powers(cp.size + 1)
+    g = np.zeros(cp.size + 1, dtype=np.uint64)
+    np.cumsum(cp * qpow[: cp.size], dtype=np.uint64, out=g[1:])
+    lengths = ends - starts
+    hashes = ppow[ends - 1] * (g[ends] - g[starts]) + lengths.astype(np.uint64) * _U(0x2545F491)
+    return _Tokens(hashes, lengths, digit[starts], int(np.count_nonzero(digit)))
+
+
+@dataclass(slots=True)
+class Row:
+    """One prompt's features before the hashed blocks are scaled: standardised dense values
+    (columns 0..n_dense-1); the columns of every hashed n-gram occurrence, block after block
+    (words, chars, cross; `ends` marks where each block's entries end in `cols`); and per block
+    the factor its counts are scaled by (weight / the L2 norm of its count vector; 0 if empty)."""
+    dense: np.ndarray
+    cols: np.ndarray
+    ends: tuple[int, int, int]
+    factors: np.ndarray
+
+
+@dataclass(slots=True)
+class _Compiled:
+    spec: FeatureSpec
+    vocabulary: frozenset[int]
+    mean: np.ndarray
+    scale: np.ndarray
+    bounds: np.ndarray      # first column of the char and of the cross block
+    dims: np.ndarray        # size of the word, char and cross block (uint64)
+    starts: np.ndarray      # first column of each of the three blocks
+
+
+_COMPILED: dict[int, _Compiled] = {}
+
+
+def compiled(spec: FeatureSpec) -> _Compiled:
+    """The spec's lookup set and arrays, built once per spec object (specs are not mutated)."""
+    hit = _COMPILED.get(id(spec))
+    if hit is None or hit.spec is not spec:
+        if len(_COMPILED) > 64:
+            _COMPILED.clear()
+        base = spec.n_dense + spec.word_dim
+        hit = _Compiled(spec, frozenset(spec.vocabulary), np.asarray(spec.dense_mean, dtype=np.float64),
+                        np.asarray(spec.dense_scale, dtype=np.float64),
+                        np.array([base, base + spec.char_dim], dtype=np.int64),
+                        np.array([spec.word_dim, spec.char_dim, spec.cross_dim], dtype=np.uint64),
+                        np.array([spec.n_dense, base, base + spec.char_dim], dtype=np.int64))
+        _COMPILED[id(spec)] = hit
+    return hit
+
+
+def _raw_dense(text: str, window: str, words: list[str], toks: _Tokens, tokens: int,
+               novelty: tuple[float, int]) -> list[float]:
+    b = window.encode("utf-8")
+    n = len(b)
+    numbers = toks.lengths[toks.numeric]
+    return [float(tokens), float(len(text)), float(len(words)), float(toks.digits),
+            float(numbers.size), float(numbers.max()) if numbers.size else 0.0,
+            float(n - len(b.translate(None, _OPERATORS))), float(n - len(b.translate(None, _CAPITALS))),
+            float(n - len(b.translate(None, _PUNCT))), float(len(set(words))),
+            float(text.count("\n") + 1), float(b.count(b"?")), novelty[0], float(novelty[1])]
+
+
+def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> np.ndarray:
+    sizes = [f"p{len(ins.tail.split())}", f"n{len(ins.numbers)}",
+             f"d{max((len(n) for n in ins.numbers), default=0)}", f"k{tokens // 4}"]
+    nov = 0 if novelty <= 0 else 1 if novelty <= 1 / 3 else 2 if novelty <= 2 / 3 else 3
+    hs = np.array([_crc("s " + z) for z in sizes], dtype=np.uint64)
+    left = np.array([_crc("w " + w) for w in ins.words]
+                    + [_crc("k " + kind), _crc(f"v {nov} {kind}"), _crc(f"v {nov}")], dtype=np.uint64)
+    # every instruction word, the kind and the novelty alone and crossed with each size; sizes alone
+    return np.concatenate([(left[:, None] * _U(0x100000001) + hs[None, :]).ravel(), left[-3:], hs])
+
+
+def _parts(text: str, tokens: int, spec: FeatureSpec):
+    c = compiled(spec)
+    window = window_of(text, spec.window)
+    words = (window.lower() if spec.lowercase else window).split()
+    cp = _codepoints(" " + " ".join(words) + " ")
+    toks = _tokens(cp)
+    ins = instruction(window)
+    novelty = _novelty(ins, c.vocabulary)
+    return c, window, words, cp, toks, ins, novelty
+
+
+def row(text: str, tokens: int, spec: FeatureSpec) -> Row:
+    """The features of one prompt (see `Row`); `extract` and the scorer both read this."""
+    c, window, words, cp, toks, ins, novelty = _parts(text, tokens, spec)
+    raw = np.array(_raw_dense(text, window, words, toks, tokens, novelty), dtype=np.float64)
+    dense = (np.log1p(raw) - c.mean) / c.scale
+    lo, hi = spec.word_ngrams
+    h = toks.hashes
+    word_h = [h] if lo <= 1 else []
+    if hi >= 2 and h.size > 1:
+        word_h.append(h[:-1] * _U(_P) + h[1:] + _SALT_BIGRAM)
+    word_h = (np.concatenate(word_h) if len(word_h) > 1 else word_h[0] if word_h else h[:0]) ^ _SALT_WORD
+    char_h = (_char_hashes(cp, *spec.char_ngrams) if words else cp[:0]) ^ _SALT_CHAR
+    cross_h = _cross_hashes(ins, _payload_kind(ins), novelty[0], tokens) ^ _SALT_CROSS
+    ends = (word_h.size, word_h.size + char_h.size, word_h.size + char_h.size + cross_h.size)
+    # one multiply-shift for the three blocks, then each block's size and first column
+    mixed = (np.concatenate([word_h, char_h, cross_h]) * _MIX) >> _SHIFT
+    sizes = (ends[0], ends[1] - ends[0], ends[2] - ends[1])
+    cols = (mixed % np.repeat(c.dims, sizes)).astype(np.int64) + np.repeat(c.starts, sizes)
+    # L2 norm of each block's count vector, from one sort: runs of equal columns are counts.
+    s = np.sort(cols)
+    first = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
+    counts = np.diff(np.append(first, s.size))
+    block = np.searchsorted(c.bounds, s[first], side="right")
+    sq = np.bincount(block, weights=(counts * counts).astype(np.float64), minlength=3)
+    weights = np.array([1.0, 1.0, spec.cross_weight])
+    factors = np.divide(weights, np.sqrt(sq), out=np.zeros(3), where=sq > 0)
+    return Row(dense, cols, ends, factors)
+
+
+def raw_dense(text: str, tokens: int, spec: FeatureSpec) -> list[float]:
     """Dense counts in DENSE_NAMES order, before log1p and standardisation."""
-    low = text.lower()
-    words = low.split()
-    numbers = _NUMBER.findall(text)
-    return [float(tokens), float(len(text)), float(len(words)), float(sum(map(str.isdigit, text))),
-            float(len(numbers)), float(max(map(len, numbers), default=0)),
-            float(sum(map(text.count, _OPERATORS))), float(sum(map(str.isupper, text))),
-            float(sum(map(text.count, _PUNCT))), float(len(set(words))), float(text.count("\n") + 1),
-            float(text.count("?"))]
+    c, window, words, cp, toks, ins, novelty = _parts(text, tokens, spec)
+    return _raw_dense(text, window, words, toks, tokens, novelty)
+
+
+def with_vocabulary(spec: FeatureSpec, texts: Sequence[str]) -> FeatureSpec:
+    """A copy of spec whose novelty is measured against these (training) prompts' instructions."""
+    from dataclasses import replace
+
+    return replace(spec, vocabulary=vocabulary_of(texts, spec.window))
 
 
 def fit_normalisation(spec: FeatureSpec, texts: Sequence[str], tokens: Sequence[int]) -> FeatureSpec:
     """A copy of spec with the dense mean/scale of log1p counts over these (training) prompts."""
-    import numpy as np
+    from dataclasses import replace
 
-    rows = np.log1p(np.array([raw_dense(t, n) for t, n in zip(texts, tokens)], dtype=np.float64))
+    rows = np.log1p(np.array([raw_dense(t, n, spec) for t, n in zip(texts, tokens)], dtype=np.float64))
     mean = rows.mean(axis=0)
     scale = rows.std(axis=0)
     scale[scale < 1e-12] = 1.0
-    return FeatureSpec(spec.word_dim, spec.char_dim, spec.cross_dim, spec.cross_weight, spec.word_ngrams,
-                       spec.char_ngrams, spec.lowercase, spec.dense, tuple(float(x) for x in mean),
-                       tuple(float(x) for x in scale))
-
-
-@lru_cache(maxsize=1 << 16)
-def _bucket(prefix: bytes, gram: str, dim: int, offset: int) -> int:
-    """The column of one hashed n-gram (cached: the same n-grams recur across requests)."""
-    return offset + zlib.crc32(prefix + gram.encode("utf-8")) % dim
-
-
-@lru_cache(maxsize=1 << 16)
-def _char_buckets(word: str, lo: int, hi: int, dim: int, offset: int) -> tuple[int, ...]:
-    """Columns of every character n-gram of " word " (cached per word)."""
-    padded = f" {word} "
-    return tuple(offset + zlib.crc32(b"c" + padded[i:i + n].encode("utf-8")) % dim
-                 for n in range(lo, hi + 1) for i in range(len(padded) - n + 1))
-
-
-def _normalised(columns: list[int], weight: float = 1.0) -> dict[int, float]:
-    """Counts of each column, scaled to L2 norm `weight` (empty stays empty)."""
-    counts = Counter(columns)
-    if not counts:
-        return {}
-    f = weight / math.hypot(*counts.values())
-    return {c: v * f for c, v in counts.items()}
-
-
-def _crosses(low: str, tokens: int) -> list[str]:
-    last = low.rsplit("\n", 1)[-1]
-    if ":" in last:
-        head, tail = last.rsplit(":", 1)
-    else:
-        head, tail = last, ""
-    numbers = _NUMBER.findall(last)
-    sizes = [f"p{len(tail.split())}", f"n{len(numbers)}", f"d{max((len(n) for n in numbers), default=0)}",
-             f"k{tokens // 4}"]
-    words = sorted(set(_ALPHA.findall(head)))
-    return [f"{w}|{z}" for w in words for z in sizes] + [f"|{z}" for z in sizes]
-
-
-def blocks(text: str, tokens: int, spec: FeatureSpec) -> tuple[list[float], list[tuple[list[int], float]]]:
-    """The row before normalising the hashed blocks: standardised dense values (columns
-    0..n_dense-1), and per hashed block its column list (one entry per n-gram occurrence)
-    with the L2 norm the block is scaled to. `extract` builds the row from this; the scorer
-    dots the weights with it directly."""
-    dense = [(math.log1p(v) - m) / s for v, m, s in zip(raw_dense(text, tokens), spec.dense_mean, spec.dense_scale)]
-    low = text.lower() if spec.lowercase else text
-    words = _WORD.findall(low)
-    base = spec.n_dense
-    lo, hi = spec.word_ngrams
-    word_cols = [_bucket(b"w", " ".join(words[i:i + n]), spec.word_dim, base)
-                 for n in range(lo, hi + 1) for i in range(len(words) - n + 1)]
-    base += spec.word_dim
-    lo, hi = spec.char_ngrams
-    char_cols: list[int] = []
-    for word in low.split():
-        char_cols.extend(_char_buckets(word, lo, hi, spec.char_dim, base))
-    base += spec.char_dim
-    cross_cols = [_bucket(b"x", g, spec.cross_dim, base) for g in _crosses(text.lower(), tokens)]
-    return dense, [(word_cols, 1.0), (char_cols, 1.0), (cross_cols, spec.cross_weight)]
+    return replace(spec, dense_mean=tuple(float(x) for x in mean), dense_scale=tuple(float(x) for x in scale))
 
 
 def extract(text: str, tokens: int, spec: FeatureSpec) -> dict[int, float]:
     """One prompt's sparse feature row {column: value}."""
-    dense, hashed = blocks(text, tokens, spec)
-    row = dict(enumerate(dense))
-    for cols, weight in hashed:
-        row.update(_normalised(cols, weight))
-    return row
+    r = row(text, tokens, spec)
+    out = dict(enumerate(r.dense.tolist()))
+    start = 0
+    for end, factor in zip(r.ends, r.factors.tolist()):
+        if end > start:
+            uniq, counts = np.unique(r.cols[start:end], return_counts=True)
+            out.update(zip(uniq.tolist(), (counts * factor).tolist()))
+        start = end
+    return out
 
 
 def matrix(texts: Sequence[str], tokens: Sequence[int], spec: FeatureSpec):
     """Rows of `extract` as a scipy CSR matrix (training and batch evaluation)."""
-    import numpy as np
     from scipy.sparse import csr_matrix
 
     indptr, indices, data = [0], [], []
     for text, n in zip(texts, tokens):
-        row = extract(text, n, spec)
-        cols = sorted(row)
+        r = extract(text, n, spec)
+        cols = sorted(r)
         indices.extend(cols)
-        data.extend(row[c] for c in cols)
+        data.extend(r[c] for c in cols)
         indptr.append(len(indices))
     return csr_matrix((np.array(data, dtype=np.float64), np.array(indices, dtype=np.int64),
                        np.array(indptr, dtype=np.int64)), shape=(len(indptr) - 1, spec.dim))

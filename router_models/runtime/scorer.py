@@ -7,18 +7,17 @@
 The same number scikit-learn's `LogisticRegression.predict_proba(X)[:, 1]` gives for the row
 `features.extract(text, tokens, spec)` (to 1e-9; tests/test_router_artifact.py), computed from
 a dense float64 weight vector without building the row: per hashed block, the weights of its
-n-gram occurrences summed and scaled once by the block's L2 factor (`features.blocks`).
+n-gram occurrences summed and scaled once by the block's L2 factor (`features.row`).
 """
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import numpy as np
 
 from router_models.runtime.artifact import Artifact
 from router_models.runtime.calibration import threshold_from_quantiles
-from router_models.runtime.features import blocks
+from router_models.runtime.features import row
 
 
 class Scorer:
@@ -47,14 +46,17 @@ class Scorer:
         return self.threshold
 
     def logit(self, text: str, tokens: int) -> float:
-        dense, hashed = blocks(text, tokens, self.spec)
-        z = self.intercept + float(self._dense_w @ np.asarray(dense))
-        w = self.weights
-        for cols, scale in hashed:
-            if cols:
-                # sum over occurrences of w[col] == sum over columns of count * w[col]; the block's
-                # L2 scaling is one factor, as in features._normalised.
-                z += float(w.take(cols).sum()) * (scale / math.hypot(*Counter(cols).values()))
+        r = row(text, tokens, self.spec)
+        # sum over occurrences of w[col] == sum over columns of count * w[col]; each block's L2
+        # scaling is one factor (features.Row.factors).
+        w = self.weights.take(r.cols)
+        e0, e1, _ = r.ends
+        f0, f1, f2 = r.factors.tolist()
+        z = self.intercept + float(self._dense_w @ r.dense) + float(w[e1:].sum()) * f2
+        if e0:
+            z += float(w[:e0].sum()) * f0
+        if e1 > e0:
+            z += float(w[e0:e1].sum()) * f1
         return z
 
     def score(self, text: str, tokens: int) -> float:

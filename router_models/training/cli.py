@@ -1,12 +1,15 @@
 """`tokenyard router train | eval`: train the learned router and measure it.
 
     tokenyard router train                                   # from the suite label files
+    tokenyard router train --labels judged.jsonl --small a --large b   # operator judgements: prompt,
+                                                             # engine, good/score per line (judgments.py)
     tokenyard router train --traffic labelled.jsonl          # operator traffic: {"prompt", "label"} per line
     tokenyard router train --target-large-share 0.25         # or --target-quality 0.95 (PGR on calibration)
     tokenyard router eval                                    # test split -> bench/router_eval.{json,png}
 
 Operator files without `prompt_tokens` are counted with --tokenizer's tokenizer (the serving
-model's folder); that import happens here, never in the scoring path.
+model's folder); that import happens here, never in the scoring path. Operator files have no
+calibration split: a stable hash of each prompt holds out 25% of the prompts for it.
 """
 from __future__ import annotations
 
@@ -25,13 +28,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     tr = sub.add_parser("train", help="train the router and calibrate its threshold")
     src = tr.add_mutually_exclusive_group()
     src.add_argument("--labels", default=str(DATA),
-                     help="folder with train.jsonl and calibration.jsonl (demo/router_labels.py); default: %(default)s")
+                     help="a folder with train.jsonl and calibration.jsonl (demo/router_labels.py), or a JSONL "
+                          "file of judged answers: prompt (or messages), engine, good (true/false) or score "
+                          "(0..1), optional prompt_tokens; default: %(default)s")
     src.add_argument("--traffic", help="JSONL of operator-labelled prompts: prompt, label (1: small is enough), "
                                        "optional prompt_tokens; a stable hash holds out 25%% for calibration")
     tr.add_argument("--tokenizer", default=str(ROOT / "models" / "demo-small"),
                     help="checkpoint folder whose tokenizer counts prompts that lack prompt_tokens")
     tr.add_argument("--out", default=str(ARTIFACT))
+    tr.add_argument("--small", default="demo-small", help="the small engine's name in a judgement file")
+    tr.add_argument("--large", default="demo-large", help="the large engine's name in a judgement file")
     tr.add_argument("--C", type=float, default=None, help="inverse L2 strength (default: train.DEFAULT_C)")
+    tr.add_argument("--objective", choices=["expected_gain", "small_enough"], default=None,
+                    help="what the score estimates (default: train.DEFAULT_LABELS; --traffic files: small_enough)")
+    tr.add_argument("--folds", type=int, default=None,
+                    help="0: fit on the train part, calibrate on the calibration part; k >= 2: fit on both, "
+                         "calibrate on k-fold out-of-fold scores (default: train.DEFAULT_FOLDS)")
     target = tr.add_mutually_exclusive_group()
     target.add_argument("--target-large-share", type=float, help="share of calls to send to the large model")
     target.add_argument("--target-quality", type=float,
@@ -45,28 +57,53 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ev.set_defaults(func=run_eval)
 
 
+def _counter(tokenizer_dir: str):
+    from engines.text.tokenizer import Tokenizer  # offline only: training may use the engine's tokenizer
+
+    return Tokenizer.from_dir(tokenizer_dir).count_tokens
+
+
 def _count_missing(rows: list[dict], tokenizer_dir: str) -> None:
     missing = [r for r in rows if "prompt_tokens" not in r]
     if not missing:
         return
-    from engines.text.tokenizer import Tokenizer  # offline only: training may use the engine's tokenizer
-
-    tok = Tokenizer.from_dir(tokenizer_dir)
+    count = _counter(tokenizer_dir)
     for r in missing:
-        r["prompt_tokens"] = tok.count_tokens(str(r.get("prompt", "")))
+        r["prompt_tokens"] = count(str(r.get("prompt", "")))
 
 
 def run_train(args: argparse.Namespace) -> int:
     from router_models.runtime.artifact import save
-    from router_models.training.train import DEFAULT_C, from_rows, hash_split, load_labels, read_jsonl, train_router
+    from router_models.training.train import (
+        DEFAULT_C,
+        DEFAULT_LABELS,
+        from_rows,
+        hash_split,
+        load_labels,
+        read_jsonl,
+        train_router,
+    )
 
     C = DEFAULT_C if args.C is None else args.C
+    objective = args.objective or DEFAULT_LABELS
     try:
         if args.traffic:
             rows = read_jsonl(args.traffic)
             _count_missing(rows, args.tokenizer)
             train, cal = hash_split(from_rows(rows, args.traffic))
             source = {"source": "traffic", "file": args.traffic}
+            objective = args.objective or "small_enough"     # a 0/1 label has no small-only outcome
+        elif Path(args.labels).is_file():
+            from router_models.training.judgments import read_judgements, summary_dict, to_labelled
+
+            judged, summary = to_labelled(read_judgements(args.labels), args.small, args.large, args.labels,
+                                          count_tokens=lambda text: _counter(args.tokenizer)(text))
+            train, cal = hash_split(judged)
+            source = {"source": "judgements", "file": args.labels, "small": args.small, "large": args.large,
+                      **summary_dict(summary)}
+            print(f"{args.labels}: {summary.prompts} prompts ({summary.both_engines} judged on both engines, "
+                  f"{summary.small_only} on the small one only); left out: {summary.large_only_skipped} judged on "
+                  f"the large one only, {summary.other_engine_lines} lines for other engines")
         else:
             folder = Path(args.labels)
             train, cal = load_labels(folder / "train.jsonl"), load_labels(folder / "calibration.jsonl")
@@ -75,13 +112,16 @@ def run_train(args: argparse.Namespace) -> int:
             if manifest.is_file():
                 m = json.loads(manifest.read_text())
                 source.update(small=m.get("small"), large=m.get("large"), command=m.get("command"))
+        if len(cal) < 2:
+            raise ValueError(f"only {len(cal)} prompts held out for calibration; the file needs more prompts")
         art, _ = train_router(train, cal, C=C, target_large_share=args.target_large_share,
-                              target_quality=args.target_quality, training=source)
+                              target_quality=args.target_quality, training=source, labels=objective,
+                              **({} if args.folds is None else {"folds": args.folds}))
     except (OSError, ValueError) as e:
         print(f"tokenyard router train: {e}", file=sys.stderr)
         return 2
     save(art, args.out)
-    print(f"wrote {args.out}: {len(train)} train / {len(cal)} calibration prompts, threshold "
+    print(f"wrote {args.out}: {len(train)} train / {len(cal)} calibration prompts ({objective}), threshold "
           f"{art.threshold:.4f} ({art.threshold_method} {art.threshold_target}), {len(art.indices)} weights")
     return 0
 
@@ -117,6 +157,11 @@ def format_summary(report: dict) -> str:
         s = report[name]
         lines.append(f"| {name} | {s['apgr']:.3f} | {s['cpt_50'] * 100:.1f}% | {s['cpt_80'] * 100:.1f}% | "
                      f"{s['cpt_95'] * 100:.1f}% | {s['max_quality']:.3f} |")
+    ci = report.get("router_ci95")
+    if ci:
+        lines.append(f"router 95% bootstrap intervals ({ci['resamples']} resamples): APGR [{ci['apgr'][0]:.3f}, "
+                     f"{ci['apgr'][1]:.3f}], CPT(80%) [{ci['cpt_80'][0] * 100:.1f}%, {ci['cpt_80'][1] * 100:.1f}%], "
+                     f"CPT(95%) [{ci['cpt_95'][0] * 100:.1f}%, {ci['cpt_95'][1] * 100:.1f}%]")
     c = report["calibrated"]
     lines.append(f"calibrated threshold {c['threshold']:.4f} ({c['method']} target {c['target']}): "
                  f"{c['large_share'] * 100:.1f}% large calls on test, accuracy {c['quality']:.3f}")

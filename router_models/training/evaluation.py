@@ -1,5 +1,6 @@
 """`tokenyard router eval`: the router against random routing, the oracle and each single model
-on a labelled test split; a JSON report and a PNG plot of quality against share of large calls."""
+on a labelled test split; a JSON report and a PNG plot of quality against share of large calls.
+The router's APGR and CPT come with percentile-bootstrap 95% intervals (prompts resampled)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,15 @@ import numpy as np
 
 from router_models.runtime.artifact import Artifact
 from router_models.runtime.scorer import Scorer
-from router_models.training.routing_metrics import Curve, at_threshold, oracle_scores, random_curve, routing_curve, summary
+from router_models.training.routing_metrics import (
+    Curve,
+    at_threshold,
+    bootstrap,
+    oracle_scores,
+    random_curve,
+    routing_curve,
+    summary,
+)
 from router_models.training.train import Labelled
 
 TARGETS = (0.5, 0.8, 0.95)
@@ -19,7 +28,9 @@ def score_all(scorer: Scorer, data: Labelled) -> np.ndarray:
     return np.array([scorer.score(t, n) for t, n in zip(data.texts, data.tokens)])
 
 
-def evaluate(artifact: Artifact, test: Labelled, random_seed: int = 0) -> tuple[dict[str, Any], dict[str, Curve]]:
+def evaluate(artifact: Artifact, test: Labelled, random_seed: int = 0,
+             resamples: int = 1000) -> tuple[dict[str, Any], dict[str, Curve]]:
+    """The report (resamples=0: no bootstrap intervals) and the curves."""
     if test.small_correct is None or test.large_correct is None:
         raise ValueError("evaluation needs small_correct and large_correct for every test prompt")
     scorer = Scorer(artifact)
@@ -36,6 +47,7 @@ def evaluate(artifact: Artifact, test: Labelled, random_seed: int = 0) -> tuple[
         "quality_small": router.quality_small, "quality_large": router.quality_large,
         "label_1_share": float(test.labels.mean()),
         "router": summary(router, TARGETS), "random": summary(rand, TARGETS),
+        "router_ci95": bootstrap(scores, small, large, resamples=resamples) if resamples else None,
         "random_draw": summary(drawn, TARGETS), "oracle": summary(oracle, TARGETS),
         "calibrated": {**at_threshold(scores, small, large, artifact.threshold),
                        "method": artifact.threshold_method, "target": artifact.threshold_target},

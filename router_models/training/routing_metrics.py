@@ -14,7 +14,7 @@ between points). Definitions follow RouteLLM (Ong et al., 2024), section 4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -101,7 +101,7 @@ def threshold_for_quality(scores: Sequence[float], small_correct: Sequence[bool]
     """The threshold with the fewest large calls whose calibration quality recovers at least
     `target_pgr` of the gap between the small and the large model (1.0: all of it)."""
     scores = np.asarray(scores, dtype=np.float64)
-    curve = routing_curve(scores, np.asarray(small_correct, bool), np.asarray(large_correct, bool))
+    curve = routing_curve(scores, np.asarray(small_correct, float), np.asarray(large_correct, float))
     gap = curve.quality_large - curve.quality_small
     if gap <= 0:
         return threshold_for_large_share(scores, 0.0)
@@ -109,3 +109,46 @@ def threshold_for_quality(scores: Sequence[float], small_correct: Sequence[bool]
     hit = np.nonzero(pgr >= target_pgr - 1e-12)[0]
     share = float(curve.share[hit[0]]) if hit.size else 1.0
     return threshold_for_large_share(scores, share)
+
+
+def bootstrap(scores: np.ndarray, small_correct: np.ndarray, large_correct: np.ndarray, resamples: int = 1000,
+              seed: int = 0, targets: tuple[float, ...] = (0.8, 0.95), level: float = 0.95,
+              baseline: np.ndarray | None = None) -> dict[str, Any]:
+    """Percentile bootstrap confidence intervals for APGR and CPT(target): prompts resampled with
+    replacement, the curve (and the single-model qualities in it) recomputed on each resample.
+    With `baseline` (another router's scores on the same prompts), also the interval of the paired
+    difference APGR(scores) - APGR(baseline) and CPT differences, on the same resamples.
+    A CPT a resample never reaches counts as 1.0 (all calls large)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    small = np.asarray(small_correct, dtype=np.float64)
+    large = np.asarray(large_correct, dtype=np.float64)
+    n = scores.size
+    rng = np.random.default_rng(seed)
+    names = ["apgr", *(f"cpt_{int(round(t * 100))}" for t in targets)]
+    draws: dict[str, list[float]] = {k: [] for k in names}
+    diffs: dict[str, list[float]] = {k: [] for k in names}
+
+    def stats(s: np.ndarray, idx: np.ndarray) -> list[float]:
+        curve = routing_curve(s[idx], small[idx], large[idx])
+        out = [apgr(curve)]
+        for t in targets:
+            c = cpt(curve, t)
+            out.append(1.0 if np.isnan(c) else c)
+        return out
+
+    for _ in range(resamples):
+        idx = rng.integers(0, n, size=n)
+        mine = stats(scores, idx)
+        for k, v in zip(names, mine):
+            draws[k].append(v)
+        if baseline is not None:
+            for k, v, b in zip(names, mine, stats(np.asarray(baseline, dtype=np.float64), idx)):
+                diffs[k].append(v - b)
+    lo, hi = (1 - level) / 2 * 100, (1 + level) / 2 * 100
+    out: dict[str, Any] = {"resamples": resamples, "level": level, "seed": seed}
+    for k in names:
+        out[k] = [float(np.percentile(draws[k], lo)), float(np.percentile(draws[k], hi))]
+    if baseline is not None:
+        out["difference_vs_baseline"] = {k: [float(np.percentile(diffs[k], lo)), float(np.percentile(diffs[k], hi))]
+                                         for k in names}
+    return out
