@@ -12,9 +12,10 @@ on its own with perf_counter_ns (wall) and thread_time_ns (CPU of this thread):
 - long prompts of about N tokens for each N in --long: a document made of other test prompts
   (fresh text per request) followed by one test prompt's question; the token count is the sum of
   the pieces' counts.
-The features keep no cache between requests (version 2: vectorised hashing over a bounded window
-of the prompt's last characters), so every request is as cold as the first; `cache_free` in the
-output records that the feature module holds no per-text cache to clear. Wall-clock percentiles
+Every request is timed cold: any per-text cache of the feature module is emptied before it
+(version 2 keeps none: vectorised hashing over a bounded window of the prompt's last characters;
+`cache_free` in the output records that; the same harness on version 1's code empties its n-gram
+LRU caches). Wall-clock percentiles
 include being descheduled when the machine is busy (`load_avg` is recorded); CPU-time
 percentiles are the cost of the decision itself.
 Tokenisation is not included: the gateway tokenises every request once anyway (limits, bill).
@@ -38,10 +39,18 @@ from router_models.training.train import read_jsonl
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _caches() -> list:
+    """Per-text caches of the feature module (version 1 had n-gram LRU caches; version 2 none)."""
+    return [v for v in vars(features).values() if callable(getattr(v, "cache_clear", None))]
+
+
 def _time(router: LearnedRouter, requests: list[tuple[list[dict], int]]) -> tuple[np.ndarray, np.ndarray]:
     wall, cpu = time.perf_counter_ns, time.thread_time_ns
     w_ns, c_ns = [], []
+    caches = _caches()
     for messages, tokens in requests:
+        for cache in caches:          # every request cold, outside the timed part
+            cache.cache_clear()
         w, c = wall(), cpu()
         router.decide(prompt_text(messages), tokens)
         c_ns.append(cpu() - c)
@@ -74,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-requests", type=int, default=300, help="requests per long size")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here too")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/router_latency.json")
+    ap.add_argument("--results-name", default="router_latency",
+                    help="raw output bench/results/<name>.json (another name for another code version)")
     args = ap.parse_args(argv)
     from bench.results_io import RunRecorder
-    rec = RunRecorder("router_latency")
+    rec = RunRecorder(args.results_name)
     t0 = time.perf_counter()
     router = LearnedRouter.from_settings(RouterSettings(artifact=Path(args.artifact)), "small", "large")
     load_ms = (time.perf_counter() - t0) * 1e3
     rows = read_jsonl(args.prompts)
     requests = [(r["messages"], int(r["prompt_tokens"])) for r in rows]
     router.decide("warm up numpy", 3)
-    cache_free = not any(hasattr(v, "cache_clear") for v in vars(features).values())
+    cache_free = not _caches()
     runs = []
     demo = [_time(router, requests) for _ in range(args.rounds)]
     for i, (w, c) in enumerate(demo):
@@ -99,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                               "mean_chars": round(float(np.mean(chars)), 1), "wall_us": _pct(w), "cpu_us": _pct(c)}
         runs.append({"prompts": f"long, ~{size} tokens", **by_size[str(size)]})
     result = {"prompts": len(requests), "decisions": len(demo_w), "artifact_load_ms": round(load_ms, 2),
-              "window_chars": router.scorer.spec.window, "cache_free": cache_free,
+              "window_chars": getattr(router.scorer.spec, "window", None), "cache_free": cache_free,
               "wall_us": _pct(demo_w), "cpu_us": _pct(demo_c), "long": by_size,
               "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
               "python": platform.python_version(), "machine": platform.machine()}
