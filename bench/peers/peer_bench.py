@@ -200,6 +200,7 @@ class Config:
     kv_cache_memory: int
     describe: str
     vocab_size: int = 8192
+    local_modes: list[str] | None = None   # the modes decode/prefill measure (None: all)
     notes: list[str] = field(default_factory=list)
 
 
@@ -310,7 +311,7 @@ def llama_server(gguf: Path, slots: int, threads: int, log_dir: Path) -> Iterato
 
 
 @contextlib.contextmanager
-def tokenyard_gateway(cfg: Config, log_dir: Path) -> Iterator[Server]:
+def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Server]:
     import yaml
 
     from engines.text.tokenizer import Tokenizer
@@ -330,7 +331,7 @@ def tokenyard_gateway(cfg: Config, log_dir: Path) -> Iterator[Server]:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "peers.yaml"
         path.write_text(yaml.safe_dump(src, sort_keys=False))
-        env = {**os.environ, "TOKENYARD_DEV_KEY": key}
+        env = {**os.environ, "TOKENYARD_DEV_KEY": key, "OMP_NUM_THREADS": str(threads)}   # torch's intra-op threads
         cmd = [sys.executable, "-m", "cli.main", "serve", "--config", str(path), "--port", str(port)]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, cwd=pm.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -446,7 +447,7 @@ class TokenyardLocal:
 def bench_local(cfg: Config, parts: Sequence[str], repeats: int, threads: int, bar, quiet: Quiet) -> tuple[dict, list]:
     figures: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
-    engines = {mode: TokenyardLocal(cfg, mode) for mode in cfg.modes}
+    engines = {mode: TokenyardLocal(cfg, mode) for mode in (cfg.local_modes or cfg.modes)}
     figures["tokenyard_load_s"] = {m: e.load_s for m, e in engines.items()}
     decode_prompt = random_ids(DECODE_PROMPT_TOKENS, cfg.vocab_size, seed=1)
     prefill_prompt = random_ids(PREFILL_TOKENS, cfg.vocab_size, seed=2)
@@ -493,7 +494,7 @@ def bench_served(cfg: Config, repeats: int, threads: int, requests: int, bar, qu
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         bar.set_description(f"{cfg.name} served: starting servers")
-        servers = [stack.enter_context(tokenyard_gateway(cfg, log_dir))]
+        servers = [stack.enter_context(tokenyard_gateway(cfg, log_dir, threads))]
         servers += [stack.enter_context(llama_server(cfg.gguf, s, threads, log_dir)) for s in cfg.slots]
         figures["servers"] = {s.name: s.info for s in servers}
         for s in servers:                                       # warm-up: 4 requests each
@@ -598,10 +599,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--model", default="all", choices=["w2", "smollm2", "all"])
     ap.add_argument("--only", default=",".join(PARTS), help="comma-separated parts: decode,prefill,served")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (Tokenyard uses torch's default)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of both engines (llama.cpp -t/-tb, torch "
+                                                       "intra-op threads); results names get _t<N> unless 2")
     ap.add_argument("--requests", type=int, default=None, help="served requests (default: w2 96, smollm2 32)")
     ap.add_argument("--slots", default=None, help="llama-server slot counts, comma-separated (default: w2 32,96; "
                                                   "smollm2 32)")
+    ap.add_argument("--modes", default=None, help="Tokenyard modes for decode/prefill, comma-separated "
+                                                  "(default all: w2 fp32; smollm2 int4,fp32,bf16)")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
@@ -624,22 +628,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     from bench.results_io import RunRecorder
     for name in (["w2", "smollm2"] if args.model == "all" else [args.model]):
         suffix = "" if set(parts) == set(PARTS) else "_" + "_".join(p for p in PARTS if p in parts)
+        suffix += f"_t{args.threads}" if args.threads != 2 else ""
         result_name = f"peers_{name}{suffix}"
         if args.results_name:
             result_name = args.results_name + (f"_{name}" if args.model == "all" else "")
         rec = RunRecorder(result_name)
         cfg = CONFIGS[name]()
+        if args.modes:
+            keep = [m.strip() for m in args.modes.split(",") if m.strip()]
+            unknown = [m for m in keep if m not in cfg.modes]
+            if unknown:
+                ap.error(f"{name} has no mode(s) {unknown}; it has {list(cfg.modes)}")
+            cfg.local_modes = keep
         if args.slots:
             cfg.slots = [int(x) for x in args.slots.split(",") if x.strip()]
         import torch
+        torch.set_num_threads(args.threads)
         requests = args.requests or cfg.requests
-        n_local = sum(p in parts for p in ("decode", "prefill")) * args.repeats * (1 + len(cfg.modes))
+        n_local = sum(p in parts for p in ("decode", "prefill")) * args.repeats * (1 + len(cfg.local_modes or cfg.modes))
         n_served = ("served" in parts) * args.repeats * sum(
             len(concurrencies_for(s, requests)) for s in [None, *cfg.slots])
         figures: dict[str, Any] = {"config": name, "model": cfg.describe, "llama_gguf": cfg.gguf.name,
                                    "tokenyard_model": str(cfg.tokenyard_model.relative_to(pm.ROOT))
                                    if cfg.tokenyard_model.is_relative_to(pm.ROOT) else cfg.tokenyard_model.name,
-                                   "llama_cpp_python_sdist": LLAMA_CPP_PY_VERSION, "threads_llama_cpp": args.threads,
+                                   "llama_cpp_python_sdist": LLAMA_CPP_PY_VERSION, "threads": args.threads,
                                    "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "parts": parts,
                                    "complete": False}
         runs: list[dict[str, Any]] = []
