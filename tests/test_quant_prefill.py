@@ -189,16 +189,46 @@ def test_int4pack_dense_tiles():
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_both_paths_trace_without_graph_breaks(path, mode):
-    """torch.compile's frontend (dynamo, fullgraph: a graph break is an error) over either path;
-    the eager backend runs the captured graph, so this costs no compiler."""
+def test_compiled_graphs_take_the_packed_op_without_guarding_the_row_count(path, mode):
+    """The CPU decode graph is compiled with the batch dynamic over 2..max_num_seqs
+    (engines/model/compiled_decoder.py, mark_dynamic): a branch on the row count would guard that
+    range at the threshold, which dynamo refuses (ConstraintViolationError). Under torch.compile
+    QuantLinear takes the packed op at every size, eager calls switch at the threshold. dynamo with
+    fullgraph (a graph break is an error) and the eager backend: no compiler needed."""
     torch._dynamo.reset()
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     lin = QuantLinear(quantize_int4(w, 32) if mode == "int4" else quantize_int8(w))
-    compiled = torch.compile(lin, backend="eager", fullgraph=True)
-    for m in (4, 80):
-        x = torch.randn(m, 128)
-        torch.testing.assert_close(compiled(x), lin(x), rtol=0, atol=0)
+    compiled = torch.compile(lin, backend="eager", fullgraph=True, dynamic=False)
+    big = max(ql.INT4_DENSE_MIN_ROWS, ql.INT8_DENSE_MIN_ROWS) + 10
+    xs = [torch.randn(m, 128, generator=torch.Generator().manual_seed(m)) for m in (4, big)]
+    for x in xs:
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=2 * big)
+    ys = [compiled(x) for x in xs]
+    path("packed")
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y, lin(x), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_the_dense_kernels_trace_without_graph_breaks():
+    """For a compiled prefill (static shapes) one day: both dense kernels trace in one graph."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(176, 128, generator=g)
+    l4, l8 = QuantLinear(quantize_int4(w, 32)), QuantLinear(quantize_int8(w))
+    xb = torch.randn(80, 128, generator=g).bfloat16()
+    layout = qm.int4pack_cpu_layout()   # probed once, outside any graph (as QuantLinear does)
+    if layout is None:
+        pytest.skip("this torch packs int4 in a layout the dense path does not read")
+    tiles = qm.int4pack_dense_tiles(l4._n_padded, layout, 64)
+
+    def both(xb):
+        y4 = qm.int4pack_dense_mm(xb, l4.packed, l4.scale_zero, l4._n_padded, 128, 32, layout, tiles)
+        return y4, qm.int8_dense_mm(xb, l8.w_q, l8.scales, 64)
+
+    got = torch.compile(both, backend="eager", fullgraph=True)(xb)
+    for a, b in zip(got, both(xb)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch._dynamo.reset()
 
 

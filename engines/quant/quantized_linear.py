@@ -72,9 +72,9 @@ def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: i
 # quantisation"): int8's dense path wins from 32-48 rows on every shape; int4's, whose dequantisation
 # costs about twice int8's per weight (unpacking the nibbles), from 96-192 (at 128 rows it is ahead
 # on 5 of 8 shapes, level within 2% on 2, 24% behind on one). One threshold per mode: the crossovers
-# do not order by shape beyond the noise of a shared machine. The branch is a plain comparison of a static shape with
-# a module constant, so torch.compile traces either path without a graph break (decode, M = batch
-# size, stays on the packed op below the thresholds).
+# do not order by shape beyond the noise of a shared machine. Eager calls only: a compiled graph
+# (the CPU decode step) takes the packed op at every size, with no guard on its row count
+# (see _forward_cpu).
 INT8_DENSE_MIN_ROWS = 48
 INT4_DENSE_MIN_ROWS = 128
 # The dequantised weight is transient and made per column tile of at most this many weights (2 MiB
@@ -176,11 +176,18 @@ class QuantLinear(nn.Module):
         if x2.shape[0] == 0:  # e.g. a prefill-only step samples no row
             return x2.new_empty(0, self.out_features, dtype=torch.bfloat16)
         xb = x2.to(torch.bfloat16).contiguous()
+        # Eager calls pick the path by the row count. Under torch.compile the packed op, the decode
+        # path, runs at every size: the compiled CPU decode graph for batch 2..max_num_seqs has a
+        # dynamic row count, and a branch on it would guard the range at the threshold (dynamo's
+        # ConstraintViolationError under mark_dynamic; tests/test_quant_prefill.py). Prefill, where
+        # the dense path pays, runs eagerly (engines/model/compiled_decoder.py).
+        m = xb.shape[0]
+        eager = not torch.compiler.is_compiling()
         if not self.int4:
-            if xb.shape[0] >= INT8_DENSE_MIN_ROWS:
+            if eager and m >= INT8_DENSE_MIN_ROWS:
                 return int8_dense_mm(xb, self.w_q, self.scales, max(1, DENSE_TILE_WEIGHTS // self.in_features))
             return _INT8_MM(xb, self.w_q, self.scales)
-        if xb.shape[0] >= INT4_DENSE_MIN_ROWS and self._dense_tiles is not None:
+        if eager and m >= INT4_DENSE_MIN_ROWS and self._dense_tiles is not None:
             y = int4pack_dense_mm(xb, self.packed, self.scale_zero, self._n_padded, self.in_features,
                                   self.group_size, self._layout, self._dense_tiles)
         else:
