@@ -34,7 +34,7 @@ from router_models.runtime.artifact import Artifact, load
 from router_models.runtime.features import FeatureSpec
 from router_models.runtime.scorer import Scorer
 from router_models.training.evaluation import TARGETS, evaluate, score_all
-from router_models.training.routing_metrics import bootstrap, oracle_scores, routing_curve, summary
+from router_models.training.routing_metrics import at_threshold, bootstrap, oracle_scores, routing_curve, summary
 from router_models.training.train import Labelled, load_labels, train_router
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             other = score_all(Scorer(other_art), test)
             curve = routing_curve(other, small, large)
             designs[name] = {**hyper, **summary(curve, TARGETS),
+                             "calibrated": at_threshold(other, small, large, other_art.threshold),
                              "by_wording": {w: summary(routing_curve(other[m], small[m], large[m]), TARGETS)
                                             for w, m in wordings.items()},
                              "shipped_minus_this_ci95": bootstrap(scores, small, large, resamples=args.resamples,
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if d["shipped_minus_this_ci95"]:
             diff = d["shipped_minus_this_ci95"]
             print(f"shipped - [{name}]: APGR [{diff['apgr'][0]:+.3f}, {diff['apgr'][1]:+.3f}], "
-                  f"CPT(95%) [{diff['cpt_95'][0]:+.3f}, {diff['cpt_95'][1]:+.3f}]")
+                  f"CPT(95%) [{diff['cpt_95'][0]:+.3f}, {diff['cpt_95'][1]:+.3f}]; its 30% target gives "
+                  f"{d['calibrated']['large_share']:.3f} large calls on test")
     c = report["calibrated"]
     print(f"calibrated: target {c['target']} -> large share {c['large_share']:.3f}, quality {c['quality']:.3f} "
           f"(random at that share {figures['random_quality_at_calibrated_share']:.3f})")
