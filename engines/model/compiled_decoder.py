@@ -7,22 +7,30 @@ graph removes that: inductor fuses the pointwise and reduction ops into generate
 calls oneDNN/MKL for the matmuls. Prefill chunks, mixed and speculative verify steps stay eager:
 their shapes vary every step and their big matmuls hide the per-op cost anyway.
 
-Shapes. A step of n sequences is compiled with n and the block-table width W as dynamic sizes,
-so two graphs cover every decode step (the CPU analogue of the CUDA-graph ladder in
-cuda_graph_runner.py, without padding): one for n = 1 (torch specialises size 1; the matmuls are
-then matrix-vector products) and one for 2 <= n <= max_batch. W is at least 2 (a table of one
-block is padded with block 0, masked) so that it never specialises either. Both graphs are
-compiled at start-up (`warm_up`), never in the middle of serving: a step that would need another
-graph (a guard the warm-up did not see) runs eagerly instead of compiling (stance
-"eager_on_recompile"), and is counted.
+Shapes. One graph serves every decode step of 1..max_batch sequences: the batch size n and the
+block-table width W are dynamic sizes (the CPU analogue of the CUDA-graph ladder in
+cuda_graph_runner.py, with no padding rows and no ladder of captures). torch would specialise a
+size of 1, which would cost a second compile, so a batch of one runs as two identical rows (same
+token, position and slot: both write the same K/V to the same slot), and a one-block table is
+padded with block 0 (masked). The graph is compiled at start-up (`warm_up`), never in the middle
+of serving: a step whose guards the warm-up did not cover runs eagerly instead of compiling
+(stance "eager_on_recompile").
+
+Weights. The graph is compiled with inductor's freezing: the weights become constants, which lets
+it repack every linear layer's weight once for oneDNN. Measured on this VM's CPU (AMD EPYC,
+bench/RESULTS.md), oneDNN's packed fp32 matrix-vector product reads the weights ~1.7x faster than
+the MKL call that eager linear layers make, and weight reads are most of a small-batch decode step.
+The repacked copy costs memory: the linear layers' weights are held twice (the eager path keeps
+the originals). Quantised layers (engines/quant) keep their packed int4/int8 ops.
 
 Attention reads the paged cache through `kernels.paged_attention_torch.decode_attention` (see its
 docstring for what was measured and why that form).
 
-Cache. Inductor keeps its generated code and compiled libraries on disk: here under
+Cache. Inductor keeps generated code and compiled libraries on disk: here under
 $TORCHINDUCTOR_CACHE_DIR when set, else $XDG_CACHE_HOME/tokenyard/inductor (~/.cache/...), so a
-restart finds them and skips the C++ compilation (`cache_dir`). Tracing the model again is what
-remains of a warm start.
+restart skips the C++ compiler. Its whole-graph caches (FX graph, AOT autograd) refuse frozen
+graphs (oneDNN-packed weights cannot be pickled), so a warm start still traces and lowers the
+model: bench/RESULTS.md has cold and warm start times.
 
 Fallback: `compiler_error()` says why inductor cannot run (no C++ compiler); the runner then
 decodes eagerly with a warning, or raises when the knob says "on".
@@ -35,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._inductor import config as inductor_config
 
 from engines.model.model import CausalLM
 from kernels import paged_attention_torch as torch_path
@@ -77,7 +86,7 @@ class CompiledDecoder:
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_blocks_per_seq: int, max_batch: int) -> None:
-        if model.lm_head.weight.device.type != "cpu":
+        if model.embed_tokens.weight.device.type != "cpu":
             raise ValueError("CompiledDecoder is the CPU decode path")
         self.model = model
         self.kv_caches = kv_caches
@@ -86,6 +95,9 @@ class CompiledDecoder:
         self.max_batch = max(1, max_batch)
         self.sliding_window = model.cfg.sliding_window
         self.compile_seconds = 0.0
+        # A step the warm-up's guards do not cover runs eagerly rather than compiling mid-serving
+        # (tests set "fail_on_recompile" to prove their steps never need that).
+        self.stance = "eager_on_recompile"
         self.cache_dir = cache_dir()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)   # read by inductor at each lookup
         self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
@@ -107,28 +119,31 @@ class CompiledDecoder:
         return 0 < n <= self.max_batch and max_blocks <= self.width
 
     def warm_up(self) -> float:
-        """Compile both graphs (batch 1; batch 2..max_batch) now; returns the seconds it took.
+        """Compile the graph now (never in the middle of serving); returns the seconds it took.
 
-        The dummy steps write K/V into the first slots of block 0, before any request has run:
-        every slot is written by its own sequence before anything reads it."""
+        The dummy step writes K/V into the first slot of block 0 before any request has run: every
+        slot is written by its own sequence before anything reads it."""
         t0 = time.perf_counter()
-        for n in sorted({1, min(2, self.max_batch), self.max_batch}):
-            width = _MIN_WIDTH
-            args = self._tensors([3] * n, [0] * n, [0] * n, [1] * n, [[0] * width] * n, width)
-            self._mark_dynamic(args, n)
-            with torch.inference_mode():
-                self._compiled(*args)
+        args = self._tensors([3], [0], [0], [1], [[0] * _MIN_WIDTH], _MIN_WIDTH)
+        for t in args:
+            torch._dynamo.mark_dynamic(t, 0, min=2, max=max(2, self.max_batch))
+        torch._dynamo.mark_dynamic(args[3], 1, min=_MIN_WIDTH, max=self.width)
+        # Freezing makes the weights constants of the graph, which lets inductor repack the linear
+        # layers' weights once for oneDNN (at batch 1 its fp32 matrix-vector product reads them
+        # about 1.7x faster than the MKL call eager linear layers make; bench/RESULTS.md).
+        with torch.inference_mode(), inductor_config.patch(freezing=True):
+            self._compiled(*args)
         self.compile_seconds = time.perf_counter() - t0
         return self.compile_seconds
 
-    def _mark_dynamic(self, args: tuple[torch.Tensor, ...], n: int) -> None:
-        if n > 1:
-            for t in args:
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=max(2, self.max_batch))
-        torch._dynamo.mark_dynamic(args[3], 1, min=_MIN_WIDTH, max=self.width)
-
-    def _tensors(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+    @staticmethod
+    def _tensors(ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
                  tables: list[list[int]], width: int) -> tuple[torch.Tensor, ...]:
+        if len(ids) == 1:
+            # Batch 1 runs as two identical rows: one graph then serves every batch size (torch
+            # specialises size 1, which would need a second compile). Both rows compute the same
+            # K/V and write it to the same slot; the matmuls read each weight once either way.
+            ids, positions, slots, seq_lens, tables = ids * 2, positions * 2, slots * 2, seq_lens * 2, tables * 2
         long = torch.long
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=long)
         return (torch.tensor(ids, dtype=long), torch.tensor(positions, dtype=long), torch.tensor(slots, dtype=long),
@@ -139,5 +154,5 @@ class CompiledDecoder:
         """One decode token per sequence; returns fp32 logits [n, vocab]."""
         width = max(_MIN_WIDTH, max(len(t) for t in tables))
         args = self._tensors(ids, positions, slots, seq_lens, tables, width)
-        with torch.inference_mode(), torch.compiler.set_stance("eager_on_recompile"):
-            return self._compiled(*args)
+        with torch.inference_mode(), torch.compiler.set_stance(self.stance):
+            return self._compiled(*args)[:len(ids)]
