@@ -32,13 +32,13 @@ class EngineConfig:
       cuda_graph_max_batch sequences replay captured CUDA graphs; prefill always runs eagerly.
       "padded" runs the graphs' static, padded path eagerly (tests on CPU, needs triton attention).
     cpu_compile: "auto", "on" or "off": on a CPU (torch attention, no tensor parallelism), decode
-      steps of up to max_num_seqs sequences run through torch.compile (inductor's C++ backend),
-      compiled at start-up for batch 1 and batch 2..max_num_seqs and cached on disk across
-      restarts (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tokenyard/inductor); prefill, mixed and
-      verify steps stay eager. "auto" compiles models of at least 20M parameters and decodes
-      eagerly, with a warning, when there is no C++ compiler or compiling fails; "on" compiles any
-      model and makes those an error. The environment variable TOKENYARD_CPU_COMPILE (auto, on,
-      off) replaces "auto" when set.
+      steps of up to max_num_seqs sequences run through torch.compile (inductor's C++ backend): one
+      graph for every batch size, compiled at start-up (logged with its time), its C++ build cached
+      on disk (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tokenyard/inductor); float linear weights are
+      repacked for oneDNN, a second copy in memory. Prefill, mixed and verify steps stay eager.
+      "auto" compiles models of at least 20M parameters and decodes eagerly, with a warning, when
+      there is no C++ compiler or compiling fails; "on" compiles any model and makes those errors.
+      The environment variable TOKENYARD_CPU_COMPILE (auto, on, off) replaces "auto" when set.
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
     speculative_method: "none", "ngram" (prompt lookup) or "draft" (draft_model proposes).
