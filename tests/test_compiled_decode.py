@@ -157,3 +157,27 @@ def test_auto_leaves_small_models_eager_and_the_environment_overrides(checkpoint
     assert Engine(path, cpu_compile="on", **OPTIONS).runner.compiled is not None   # the knob wins
     with pytest.raises(ValueError, match="cpu_compile"):
         Engine(path, cpu_compile="yes", **OPTIONS)
+
+
+def test_a_failing_compiled_step_falls_back_to_eager_under_auto(checkpoint_dir, monkeypatch):
+    monkeypatch.setattr(compiled_decoder.CompiledDecoder, "warm_up", lambda self: 0.0)
+    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
+    calls = []
+
+    def broken(self, *args):
+        calls.append(1)
+        raise RuntimeError("compiled step broke (test)")
+
+    monkeypatch.setattr(compiled_decoder.CompiledDecoder, "run", broken)
+    path = checkpoint_dir("llama")
+    prompt = random_prompts(1, 6, 6, 100, seed=3)[0]
+    eager = Engine(path, cpu_compile="off", **OPTIONS)
+    eager.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    engine = Engine(path, cpu_compile="auto", **OPTIONS)
+    engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert run_to_completion(engine)["x"] == run_to_completion(eager)["x"]
+    assert len(calls) == 1 and engine.runner.compiled is None and engine.dead is None
+    strict = Engine(path, cpu_compile="on", **OPTIONS)
+    strict.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    run_to_completion(strict)
+    assert strict.dead is not None and "compiled step broke" in strict.dead

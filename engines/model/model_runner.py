@@ -65,6 +65,7 @@ class ModelRunner:
                             exc_info=True)
                 self.graphs = None
         self.compiled: CompiledDecoder | None = None
+        self.cpu_compile_mode = "off"
         if self.graphs is None:
             self.compiled = self._compiled_decoder(cpu_compile, max_model_len, max_num_seqs)
         self.num_graph_steps = 0
@@ -80,6 +81,7 @@ class ModelRunner:
                 mode = env
             elif env != "auto":
                 log.warning("ignoring TOKENYARD_CPU_COMPILE=%r (expected auto, on or off)", env)
+        self.cpu_compile_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
         if self.device.type != "cpu" or self.attention_backend != "torch" or self.model.layers[0].tp_enabled:
@@ -124,7 +126,15 @@ class ModelRunner:
             return self._sample(logits, sampled)
         if self.compiled is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
                 and self.compiled.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
-            logits = self.compiled.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
+            try:
+                logits = self.compiled.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
+            except Exception:  # noqa: BLE001 - under "auto", a compiled step that fails falls back for good
+                if self.cpu_compile_mode == "on":
+                    raise
+                # Rerunning the step eagerly is safe: it writes the same K/V slots again.
+                log.error("compiled decode step failed; decoding eagerly from now on", exc_info=True)
+                self.compiled = None
+                return self._sample(self.forward(inputs), sampled)
             self.num_compiled_steps += 1
             return self._sample(logits, sampled)
         logits = self.forward(inputs)
