@@ -69,14 +69,13 @@ def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: i
 # excess pays for one dequantisation of the weight. Measured per projection shape of SmolLM2-135M
 # and of the 200M Llama, 8 to 512 rows (`python -m bench.quant_prefill --thresholds --threads 1
 # --cpu-time`, bench/results/quant_prefill_thresholds_t1_cpu.json, bench/RESULTS.md "Weight-only
-# quantisation"): int8's dense path wins from 32-48 rows on every shape; int4's, whose dequantisation
-# costs about twice int8's per weight (unpacking the nibbles), from 96-192 (at 128 rows it is ahead
-# on 5 of 8 shapes, level within 2% on 2, 24% behind on one). One threshold per mode: the crossovers
-# do not order by shape beyond the noise of a shared machine. Eager calls only: a compiled graph
+# quantisation"): int8's dense path wins from 48 rows on (32 on two shapes) and int4's, whose
+# dequantisation costs about twice int8's per weight (unpacking the nibbles), from 96 on every
+# shape. One threshold per mode: the crossovers do not depend on the shape here. Eager calls only: a compiled graph
 # (the CPU decode step) takes the packed op at every size, with no guard on its row count
 # (see _forward_cpu).
 INT8_DENSE_MIN_ROWS = 48
-INT4_DENSE_MIN_ROWS = 128
+INT4_DENSE_MIN_ROWS = 96
 # The dequantised weight is transient and made per column tile of at most this many weights (2 MiB
 # of bf16, after 4 MiB fp32 intermediates): a layer's whole dense copy never exists when it is
 # larger (an LM head: 28 tiles for SmolLM2's). Tiles of 4M weights dequantised up to 1.4x slower
