@@ -397,7 +397,10 @@ async def _load(server: Server, reqs: Sequence[tuple[list[int], int]], concurren
     import aiohttp
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # A fresh connection per request: with keep-alive, a closed-loop client reuses connections that
+    # llama-server's HTTP library may already have closed (seen as ServerDisconnectedError).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
 
         async def guarded(ids: list[int], n: int) -> RequestRecord:
