@@ -121,7 +121,7 @@ def test_decode_attention_matches_the_paged_reference(sliding_window, kv_heads):
 def test_no_compiler_auto_decodes_eagerly_with_a_warning_and_on_raises(checkpoint_dir, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "compiler_error", lambda: "no C++ compiler (test)")
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
-    monkeypatch.delenv("PYTEST_CURRENT_TEST")   # auto stays eager under pytest
+    monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")   # the suite's conftest sets off
     with caplog.at_level(logging.WARNING, logger="engines.model.model_runner"):
         engine = Engine(checkpoint_dir("llama"), cpu_compile="auto", **OPTIONS)
     assert engine.runner.compiled is None
@@ -136,7 +136,7 @@ def test_failed_compile_falls_back_under_auto_and_raises_under_on(checkpoint_dir
 
     monkeypatch.setattr(compiled_decoder.CompiledDecoder, "warm_up", boom)
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
-    monkeypatch.delenv("PYTEST_CURRENT_TEST")   # auto stays eager under pytest
+    monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")   # the suite's conftest sets off
     with caplog.at_level(logging.WARNING, logger="engines.model.model_runner"):
         engine = Engine(checkpoint_dir("llama"), cpu_compile="auto", **OPTIONS)
     assert engine.runner.compiled is None and "decoding eagerly" in caplog.text
@@ -151,7 +151,7 @@ def test_auto_leaves_small_models_and_test_runs_eager_and_the_environment_overri
     monkeypatch.setattr(compiled_decoder.CompiledDecoder, "warm_up", lambda self: 0.0)
     path = checkpoint_dir("llama")
     assert Engine(path, **OPTIONS).runner.compiled is None            # auto under pytest
-    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")
     assert Engine(path, **OPTIONS).runner.compiled is None            # auto: a test-sized model
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
     assert Engine(path, **OPTIONS).runner.compiled is not None        # auto: big enough
@@ -174,7 +174,7 @@ def test_a_failing_compiled_step_falls_back_to_eager_under_auto(checkpoint_dir, 
         raise RuntimeError("compiled step broke (test)")
 
     monkeypatch.setattr(compiled_decoder.CompiledDecoder, "run", broken)
-    monkeypatch.delenv("PYTEST_CURRENT_TEST")   # auto stays eager under pytest
+    monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")   # the suite's conftest sets off
     path = checkpoint_dir("llama")
     prompt = random_prompts(1, 6, 6, 100, seed=3)[0]
     eager = Engine(path, cpu_compile="off", **OPTIONS)

@@ -38,8 +38,8 @@ class EngineConfig:
       repacked for oneDNN, a second copy in memory. Prefill, mixed and verify steps stay eager.
       "auto" compiles models of at least 20M parameters and decodes eagerly, with a warning, when
       there is no C++ compiler or compiling fails; "on" compiles any model and makes those errors.
-      The environment variable TOKENYARD_CPU_COMPILE (auto, on, off) replaces "auto" when set;
-      under pytest (PYTEST_CURRENT_TEST set) "auto" stays eager.
+      The environment variable TOKENYARD_CPU_COMPILE (auto, on, off) replaces "auto" when set (the
+      test suite sets it to off in tests/conftest.py: it builds dozens of short-lived engines).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
     speculative_method: "none", "ngram" (prompt lookup) or "draft" (draft_model proposes).

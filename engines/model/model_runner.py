@@ -81,10 +81,6 @@ class ModelRunner:
                 mode = env
             elif env != "auto":
                 log.warning("ignoring TOKENYARD_CPU_COMPILE=%r (expected auto, on or off)", env)
-            elif "PYTEST_CURRENT_TEST" in os.environ:
-                # A test suite builds dozens of short-lived engines: compiling each would cost far
-                # more than its few decode steps save. Tests of the compiled path ask for "on".
-                mode = "off"
         self.cpu_compile_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
