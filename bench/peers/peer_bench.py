@@ -1,8 +1,14 @@
-"""Tokenyard against llama.cpp on the same weights, the same requests and the same 2 CPU threads.
+"""Tokenyard against llama.cpp on the same weights, the same requests and the same CPU threads.
 
     bench/peers/build_llama_cpp.sh                  # once: llama-server + llama-bench (~15 min, 2 cores)
     .venv/bin/python -m bench.peers.peer_bench [--model w2|smollm2|all] [--only decode,prefill,served]
-                                               [--repeats 3] [--threads 2]
+                                               [--repeats 3] [--threads 2] [--modes int4] [--slots 32,96]
+    .venv/bin/python -m bench.peers.peer_bench --report          # Markdown tables of bench/results/peers_*.json
+
+`--threads` is both engines' CPU threads (llama.cpp -t/-tb, torch's intra-op threads in this
+process and OMP_NUM_THREADS for the gateway). On a machine shared with other work 2 threads
+collapse for both engines (each op ends at a barrier that waits for a descheduled thread); a
+1-thread run (`--threads 1`, results named ..._t1) stays comparable there.
 
 Two model configurations:
 - w2: the random 30.9M Llama of bench/w2_throughput.py in fp32; llama.cpp gets it converted by its
