@@ -150,15 +150,19 @@ def test_failed_compile_falls_back_under_auto_and_raises_under_on(checkpoint_dir
 def test_auto_leaves_small_models_and_test_runs_eager_and_the_environment_overrides(checkpoint_dir, monkeypatch):
     monkeypatch.setattr(compiled_decoder.CompiledDecoder, "warm_up", lambda self: 0.0)
     path = checkpoint_dir("llama")
-    assert Engine(path, **OPTIONS).runner.compiled is None            # auto under pytest
+    auto = dict(OPTIONS, cpu_compile="auto")
+    assert Engine(path, **OPTIONS).runner.compiled is None            # the default: off
+    assert Engine(path, **auto).runner.compiled is None               # the suite's conftest: off
     monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")
-    assert Engine(path, **OPTIONS).runner.compiled is None            # auto: a test-sized model
+    assert Engine(path, **auto).runner.compiled is None               # auto: a test-sized model
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
-    assert Engine(path, **OPTIONS).runner.compiled is not None        # auto: big enough
+    assert Engine(path, **auto).runner.compiled is not None           # auto: big enough
     monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "on")
-    assert Engine(path, **OPTIONS).runner.compiled is not None
+    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 10**12)
+    assert Engine(path, **auto).runner.compiled is not None
     monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "off")
-    assert Engine(path, **OPTIONS).runner.compiled is None
+    monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
+    assert Engine(path, **auto).runner.compiled is None
     assert Engine(path, cpu_compile="on", **OPTIONS).runner.compiled is not None   # the knob wins
     with pytest.raises(ValueError, match="cpu_compile"):
         Engine(path, cpu_compile="yes", **OPTIONS)

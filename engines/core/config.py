@@ -31,15 +31,17 @@ class EngineConfig:
     cuda_graphs: "auto" (on with CUDA and the triton backend), "on" or "off": decode steps of up to
       cuda_graph_max_batch sequences replay captured CUDA graphs; prefill always runs eagerly.
       "padded" runs the graphs' static, padded path eagerly (tests on CPU, needs triton attention).
-    cpu_compile: "auto", "on" or "off": on a CPU (torch attention, no tensor parallelism), decode
-      steps of up to max_num_seqs sequences run through torch.compile (inductor's C++ backend): one
-      graph for every batch size, compiled at start-up (logged with its time), its C++ build cached
-      on disk (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tokenyard/inductor); float linear weights are
-      repacked for oneDNN, a second copy in memory. Prefill, mixed and verify steps stay eager.
-      "auto" compiles models of at least 20M parameters and decodes eagerly, with a warning, when
-      there is no C++ compiler or compiling fails; "on" compiles any model and makes those errors.
-      The environment variable TOKENYARD_CPU_COMPILE (auto, on, off) replaces "auto" when set (the
-      test suite sets it to off in tests/conftest.py: it builds dozens of short-lived engines).
+    cpu_compile: "off" (default), "auto" or "on": on a CPU (torch attention, no tensor parallelism),
+      decode steps of up to max_num_seqs sequences run through torch.compile (inductor's C++
+      backend): one graph for every batch size, compiled at start-up (logged with its time), its
+      C++ build cached on disk (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/tokenyard/inductor); float
+      linear weights are repacked for oneDNN, a second copy in memory. Prefill, mixed and verify
+      steps stay eager. "auto" compiles models of at least 20M parameters and decodes eagerly, with
+      a warning, when there is no C++ compiler or compiling fails; "on" compiles any model and makes
+      those errors. Off by default until it is measured on a quiet machine at 2 threads
+      (bench/RESULTS.md). The environment variable TOKENYARD_CPU_COMPILE (auto, on, off) replaces
+      "auto" when set (the test suite sets it to off in tests/conftest.py: it builds dozens of
+      short-lived engines).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
     speculative_method: "none", "ngram" (prompt lookup) or "draft" (draft_model proposes).
@@ -70,7 +72,7 @@ class EngineConfig:
     quant_group_size: int = 128
     cuda_graphs: str = "auto"
     cuda_graph_max_batch: int = 128
-    cpu_compile: str = "auto"
+    cpu_compile: str = "off"
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
     speculative_method: str = "none"
