@@ -93,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return run_alerts(args)
     try:
         group_by = reports.parse_group_by(args.by)
-        now = time.time()
-        end = reports.parse_time(args.until) if args.until else now
-        start = reports.parse_since(args.since, now)
+        start, end = _window(args)
     except ValueError as e:
         print(f"tokenyard: {e}", file=sys.stderr)
         return 2
@@ -124,15 +122,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window(args: argparse.Namespace) -> tuple[float, float]:
+    """(start, end) from --since and --until (ValueError names what is wrong)."""
+    now = time.time()
+    end = reports.parse_time(args.until) if args.until else now
+    return reports.parse_since(args.since, now), end
+
+
 def run_alerts(args: argparse.Namespace) -> int:
     import redis
 
     from cli.deployment_arg import load_or_exit
     from gateway.store.embedded_redis import command_redis_url
     try:
-        now = time.time()
-        end = reports.parse_time(args.until) if args.until else now
-        start = reports.parse_since(args.since, now)
+        start, end = _window(args)
     except ValueError as e:
         print(f"tokenyard: {e}", file=sys.stderr)
         return 2
