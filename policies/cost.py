@@ -93,9 +93,15 @@ def estimate_cost(prices: Mapping[str, PriceTable], engine: str, prompt_tokens: 
     return request_cost(p, prompt_tokens, cached_tokens, completion_tokens)
 
 
-def request_cost(p: PriceTable, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+def request_cost(p: PriceTable, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                 percent: int = 100) -> int:
     """The cost rule: the exact total over a million tokens, rounded half up once, per request.
-    Every bill (the spend ledger's records, budgets, what-if simulation) goes through here."""
+    Every bill (the spend ledger's records, budgets, what-if simulation) goes through here.
+
+    percent scales the prices (the Batch API's discounted price, e.g. 50) inside the one rounding,
+    so a discounted bill is not the rounding of an already rounded cost."""
+    if not isinstance(percent, int) or isinstance(percent, bool) or not 0 <= percent <= 100:
+        raise ValueError(f"percent must be an int in [0, 100], got {percent!r}")
     exact = ((prompt_tokens - cached_tokens) * p.input + cached_tokens * p.cached_input
              + completion_tokens * p.output)
-    return round_half_up(exact, TOKENS_PER_PRICE)
+    return round_half_up(exact * percent, TOKENS_PER_PRICE * 100)

@@ -20,7 +20,7 @@ import yaml
 
 from .cost import format_money
 from .line_diff import unified_diff
-from .schema import Action, Budget, Match, Policy, Rule, TenantPolicy, TimeRange
+from .schema import DEFAULT_BATCH_PRICE_PERCENT, Action, Budget, ContextLimit, Match, Policy, Rule, TenantPolicy, TimeRange
 
 
 class _Money(str):
@@ -46,7 +46,7 @@ def policy_to_dict(policy: Policy, money: str = "decimal") -> dict[str, Any]:
         raise ValueError("money must be 'decimal' or 'micros'")
     cash: Callable[[int | None], Any] = (lambda m: None if m is None else _Money(format_money(m))) \
         if money == "decimal" else (lambda m: m)
-    return {
+    out = {
         "version": policy.version,
         "description": policy.description,
         "engines": {"small": policy.engines.small, "large": policy.engines.large},
@@ -63,6 +63,10 @@ def policy_to_dict(policy: Policy, money: str = "decimal") -> dict[str, Any]:
                      "upgrade": policy.overflow.upgrade, "degrade_pinned": policy.overflow.degrade_pinned,
                      "shed": policy.overflow.shed},
     }
+    # Written only when not the default, so the canonical form (and hash) of older policies stays.
+    if policy.batch_price_percent != DEFAULT_BATCH_PRICE_PERCENT:
+        out["batch_price_percent"] = policy.batch_price_percent
+    return out
 
 
 def _rule(rule: Rule) -> dict[str, Any]:
@@ -108,7 +112,13 @@ def _action(a: Action) -> dict[str, Any]:
         out["max_tokens"] = a.max_tokens
     if a.degrade is not None:
         out["degrade"] = a.degrade
+    if a.context is not None:
+        out["context"] = _context(a.context)
     return out
+
+
+def _context(c: ContextLimit) -> dict[str, Any]:
+    return {"max_prompt_tokens": c.max_prompt_tokens, "trim": c.trim}
 
 
 def _tenant(t: TenantPolicy, cash: Callable[[int | None], Any]) -> dict[str, Any]:
@@ -119,6 +129,10 @@ def _tenant(t: TenantPolicy, cash: Callable[[int | None], Any]) -> dict[str, Any
     if t.tag_budgets:
         out["tag_budgets"] = {tag: {v: _budget(b, cash) for v, b in sorted(values.items())}
                               for tag, values in sorted(t.tag_budgets.items())}
+    if t.weight != 1:
+        out["weight"] = t.weight
+    if t.context is not None:
+        out["context"] = _context(t.context)
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from yaml.nodes import Node, SequenceNode
 
-from .schema import AUTO, PRIORITIES, Action, Match, Rule, TimeRange, TokenRange
+from .schema import AUTO, PRIORITIES, TRIM_MODES, Action, ContextLimit, Match, Rule, TimeRange, TokenRange
 from .yaml_nodes import Reader
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")           # engines, rules, classes (as deployment.py)
@@ -20,7 +20,8 @@ MAX_TOKENS_LIMIT = 10_000_000
 
 RULE_KEYS = ("name", "match", "action")
 MATCH_KEYS = ("tenants", "keys", "models", "prompt_tokens", "tags", "time_utc")
-ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade")
+ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade", "context")
+CONTEXT_KEYS = ("max_prompt_tokens", "trim")
 RANGE_KEYS = ("min", "max")
 
 
@@ -149,10 +150,25 @@ def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action
     priority = r.string(m["priority"], f"{path}.priority", PRIORITIES) if "priority" in m else None
     cap = r.integer(m["max_tokens"], f"{path}.max_tokens", 1, MAX_TOKENS_LIMIT) if "max_tokens" in m else None
     degrade = r.boolean(m["degrade"], f"{path}.degrade") if "degrade" in m else None
+    context = read_context_limit(r, m["context"], f"{path}.context") if "context" in m else None
     routes = [k for k in ("pin", "router", "deny") if k in m]
     if len(routes) > 1:
         r.problem(m[routes[1]], f"{path}.{routes[1]}",
                   f"a rule routes one way: set only one of pin, router, deny (found {', '.join(routes)})")
     if len(r.problems) != n:
         return None
-    return Action(pin=pin, router=router, deny=deny, priority=priority, max_tokens=cap, degrade=degrade)
+    return Action(pin=pin, router=router, deny=deny, priority=priority, max_tokens=cap, degrade=degrade,
+                  context=context)
+
+
+def read_context_limit(r: Reader, node: Node, path: str) -> ContextLimit | None:
+    """{max_prompt_tokens: N, trim: keep_system_and_latest | none} (a tenant's or a rule's)."""
+    m = r.mapping(node, path, CONTEXT_KEYS, required=("max_prompt_tokens",))
+    if m is None or "max_prompt_tokens" not in m:
+        return None
+    n = len(r.problems)
+    limit = r.integer(m["max_prompt_tokens"], f"{path}.max_prompt_tokens", 1, MAX_TOKENS_LIMIT)
+    trim = r.string(m["trim"], f"{path}.trim", TRIM_MODES) if "trim" in m else TRIM_MODES[1]
+    if len(r.problems) != n or limit is None or trim is None:
+        return None
+    return ContextLimit(max_prompt_tokens=limit, trim=trim)

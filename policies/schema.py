@@ -17,6 +17,8 @@ SCHEMA_VERSION = 1
 PRIORITIES = ("interactive", "batch")
 AT_LIMIT = ("deny", "downgrade")
 ROLES = ("small", "large")
+TRIM_MODES = ("none", "keep_system_and_latest")
+DEFAULT_BATCH_PRICE_PERCENT = 50   # Batch API work is charged this percent of the engine's prices
 DEFAULT_TENANT = "*"             # the tenants entry used for tenants not listed by name
 AUTO = "auto"                    # the requested model that asks for the router
 
@@ -30,9 +32,10 @@ class Prices:
     cached_input: int = 0
     output: int = 0
 
-    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
-        """Cost of one request in integer micro-units, by the one rule in policies/cost.py."""
-        return request_cost(self, prompt_tokens, cached_tokens, completion_tokens)
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, percent: int = 100) -> int:
+        """Cost of one request in integer micro-units, by the one rule in policies/cost.py;
+        percent: share of these prices charged (the batch price), applied inside its rounding."""
+        return request_cost(self, prompt_tokens, cached_tokens, completion_tokens, percent)
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +107,16 @@ class Match:
 
 
 @dataclass(slots=True, frozen=True)
+class ContextLimit:
+    """How long a prompt may be. A chat prompt over max_prompt_tokens is trimmed when trim is
+    "keep_system_and_latest" (the oldest turns go first; system messages and the last user turn
+    always stay) and refused with a 400 when trim is "none" or trimming cannot fit it."""
+
+    max_prompt_tokens: int
+    trim: str = "keep_system_and_latest"
+
+
+@dataclass(slots=True, frozen=True)
 class Action:
     """What a matching rule does. At most one of pin / router / deny (the route); priority,
     max_tokens and degrade combine with any route. No route keeps the default routing (the
@@ -115,6 +128,7 @@ class Action:
     priority: str | None = None      # "interactive" | "batch"
     max_tokens: int | None = None    # cap on the request's max_tokens
     degrade: bool | None = None      # overflow may move this request to the other engine; None: overflow's default
+    context: ContextLimit | None = None  # replaces the tenant's context limit for matching requests
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,8 +160,11 @@ class RateClass:
 
 @dataclass(slots=True, frozen=True)
 class TenantPolicy:
-    """A tenant's rate class and budgets. budget limits the tenant as a whole; key_budgets limit
-    each matching API key of the tenant on its own (by key id, else key name, else "*": every
+    """A tenant's rate class, fair-share weight, context limit and budgets.
+
+    weight: under saturation the admission queues give each waiting tenant tokens in proportion
+    to it. context: the longest prompt (trimmed or refused past it). budget limits the tenant as
+    a whole; key_budgets limit each matching API key of the tenant on its own (by key id, else key name, else "*": every
     key); tag_budgets limit, per metadata tag NAME, each matching value (the value, else "*":
     every value of that tag) on its own. All count UTC days and calendar months (policies/budgets.py)."""
 
@@ -155,6 +172,8 @@ class TenantPolicy:
     budget: Budget | None = None
     key_budgets: dict[str, Budget] = field(default_factory=dict)
     tag_budgets: dict[str, dict[str, Budget]] = field(default_factory=dict)
+    weight: int = 1
+    context: ContextLimit | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -181,6 +200,7 @@ class Policy:
     rate_classes: dict[str, RateClass] = field(default_factory=dict)
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     overflow: Overflow = field(default_factory=Overflow)
+    batch_price_percent: int = DEFAULT_BATCH_PRICE_PERCENT
 
     def tenant(self, name: str) -> TenantPolicy:
         """The tenant's entry, else the "*" entry, else an empty one (no budget, deployment limits)."""
@@ -188,6 +208,15 @@ class Policy:
         if found is None:
             found = self.tenants.get(DEFAULT_TENANT)
         return found if found is not None else TenantPolicy()
+
+    def context_for(self, tenant: str, rule_index: int | None) -> ContextLimit | None:
+        """The context limit in force: the matching rule's, else the tenant's, else none."""
+        if rule_index is not None and self.rules[rule_index].action.context is not None:
+            return self.rules[rule_index].action.context
+        return self.tenant(tenant).context
+
+    def weight_of(self, tenant: str) -> int:
+        return self.tenant(tenant).weight
 
     def rate_class_for(self, tenant: str) -> RateClass | None:
         name = self.tenant(tenant).rate_class

@@ -22,9 +22,10 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .errors import PolicyError, Problem
-from .rule_validation import NAME, TENANT, read_rules
+from .rule_validation import NAME, TENANT, read_context_limit, read_rules
 from .schema import (
     AT_LIMIT,
+    DEFAULT_BATCH_PRICE_PERCENT,
     DEFAULT_TENANT,
     PRIORITIES,
     ROLES,
@@ -41,11 +42,12 @@ from .schema import (
 from .yaml_nodes import Reader, check_text, compose
 
 TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",
-            "rate_classes", "tenants", "overflow")
+            "rate_classes", "tenants", "overflow", "batch_price_percent")
 PRICE_KEYS = ("input", "cached_input", "output")
 ROUTER_KEYS = ("threshold", "target_large_share", "without_score")
 RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
-TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets")
+TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context")
+MAX_WEIGHT = 1000
 BUDGET_KEYS = ("per_day", "per_month", "at_limit")
 OVERFLOW_KEYS = ("enabled", "degrade", "upgrade", "degrade_pinned", "shed")
 
@@ -127,12 +129,15 @@ def _policy(r: Reader, root: Node) -> Policy | None:
     tenants = (_tenants(r, top["tenants"], tuple(classes or {}))
                if "tenants" in top and not r.is_null(top["tenants"]) else {})
     overflow = _overflow(r, top["overflow"]) if "overflow" in top else Overflow()
+    batch_percent = DEFAULT_BATCH_PRICE_PERCENT
+    if "batch_price_percent" in top:
+        batch_percent = r.integer(top["batch_price_percent"], "batch_price_percent", 0, 100)
     if r.problems or roles is None or prices is None or router is None or rules is None \
             or classes is None or tenants is None or overflow is None:
         return None
     return Policy(engines=roles, prices=prices, version=SCHEMA_VERSION, description=description,
                   default_priority=default_priority, router=router, rules=rules, rate_classes=classes,
-                  tenants=tenants, overflow=overflow)
+                  tenants=tenants, overflow=overflow, batch_price_percent=batch_percent)
 
 
 def _declared(node: Node) -> tuple[str, ...]:
@@ -240,9 +245,12 @@ def _tenants(r: Reader, node: Node, classes: tuple[str, ...]) -> dict[str, Tenan
             if "key_budgets" in f and not r.is_null(f["key_budgets"]) else {}
         tags = _tag_budgets(r, f["tag_budgets"], f"{path}.tag_budgets") \
             if "tag_budgets" in f and not r.is_null(f["tag_budgets"]) else {}
-        if len(r.problems) == n:
+        weight = r.integer(f["weight"], f"{path}.weight", 1, MAX_WEIGHT) if "weight" in f else 1
+        context = read_context_limit(r, f["context"], f"{path}.context") \
+            if "context" in f and not r.is_null(f["context"]) else None
+        if len(r.problems) == n and weight is not None:
             out[name] = TenantPolicy(rate_class=rate_class, budget=budget, key_budgets=keys or {},
-                                     tag_budgets=tags or {})
+                                     tag_budgets=tags or {}, weight=weight, context=context)
     return out
 
 
