@@ -89,6 +89,7 @@ class Gateway:
         self.learned_router = load_learned_router(deployment)
         # The routing policy in force (kept equal to Redis's current version) and tenant budgets.
         self.policy = PolicyState(deployment, self.metrics, self.learned_router)
+        self.admission.weight_of = self.policy.weight_of
         self.budgets = BudgetReader(self.redis, prefix, self.guard, self.metrics)
         # Budget alerts (50/80/100 %) from the ledger, and their webhook: gateway/spend/alerts.py.
         self.alerts: BudgetAlerts | None = None

@@ -4,7 +4,8 @@
     ...                                   # hand the request to the engine, run it
     slot.release()                        # when it ends, however it ends
 
-Each engine has a bounded `FairQueue` (interactive before batch, round robin between tenants).
+Each engine has a bounded `FairQueue` (interactive before batch, weighted fair share of tokens
+between tenants: the policy's tenant `weight`).
 A request goes straight to the engine when nothing is queued and the engine has room; else it
 is shed at once if the queue is full or its predicted wait exceeds its deadline (shedding.py),
 or queued. The engine "has room" while fewer than `admission.max_running` requests (default:
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from gateway.admission.fair_queue import FairQueue, Waiter
 from gateway.admission.shedding import ArrivalRate, ServiceRate, predicted_wait, shed
@@ -73,8 +74,10 @@ class EngineQueue:
         self.running += 1
         self._pending_blocks += blocks
 
-    async def acquire(self, tenant: str, priority: int, deadline: float, blocks: int) -> None:
-        """Return when the engine has room for this request; raise the shed error otherwise."""
+    async def acquire(self, tenant: str, priority: int, deadline: float, blocks: int, cost: int = 1,
+                      weight: int = 1) -> None:
+        """Return when the engine has room for this request; raise the shed error otherwise.
+        cost: the tokens it reserves (its share of the fair queue); weight: its tenant's."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         if not self.queue and self._room_for(blocks):
@@ -90,7 +93,7 @@ class EngineQueue:
             raise self._shed("predicted_wait", retry,
                              f" ({wait * 1000:.0f} ms predicted, {(deadline - now) * 1000:.0f} ms left)")
         self.arrivals[priority].add()
-        w = Waiter(tenant, priority, deadline, blocks, loop.create_future(), now)
+        w = Waiter(tenant, priority, deadline, blocks, loop.create_future(), now, cost=cost, weight=weight)
         w.timer = loop.call_at(deadline, self._expire, w)
         self.queue.push(w)
         self._kick()
@@ -184,6 +187,8 @@ class Admission:
         self.metrics = metrics
         self.queues: dict[str, EngineQueue] = {}
         self.tenants: dict[str, int] = {}   # requests queued or running per tenant
+        # The tenant's fair-share weight; the policy state installs its lookup (policies: tenants.NAME.weight).
+        self.weight_of: Callable[[str], int] = lambda tenant: 1
         self.add_engines(engines)
 
     def add_engines(self, engines: dict[str, EngineBackend]) -> None:
@@ -201,8 +206,9 @@ class Admission:
         return asyncio.get_running_loop().time() + ms / 1000 - elapsed_s
 
     async def admit(self, rec: KeyRecord, engine: str, prompt_tokens: int, deadline: float,
-                    priority: int | None = None) -> Slot:
-        """priority: the admission class index (a policy rule may set it); None: the key's class."""
+                    priority: int | None = None, max_tokens: int = 0) -> Slot:
+        """priority: the admission class index (a policy rule or the request may set it); None: the
+        key's class. prompt_tokens + max_tokens is what the request costs in the fair queue."""
         priority = rec.priority_class if priority is None else priority
         q = self.queues[engine]
         cap = self.cfg.max_concurrent_per_tenant if rec.max_concurrent is None else rec.max_concurrent
@@ -214,7 +220,8 @@ class Admission:
         blocks = math.ceil((prompt_tokens + 1) / block_size)
         self.tenants[rec.tenant] = held + 1
         try:
-            await q.acquire(rec.tenant, priority, deadline, blocks)
+            await q.acquire(rec.tenant, priority, deadline, blocks, prompt_tokens + max_tokens,
+                            self.weight_of(rec.tenant))
         except BaseException:
             self._leave(rec.tenant)
             raise

@@ -1,15 +1,22 @@
-"""The waiting line in front of one engine: priority classes, round robin between tenants.
+"""The waiting line in front of one engine: priority classes, weighted fair share between tenants.
 
-Class 0 (interactive) is always served before class 1 (batch). Within a class each tenant has
-its own FIFO and tenants take turns, one request each (round robin by request count): a tenant
-with a hundred requests queued delays another tenant's next request by at most one of its own
-per turn, however early it queued them. Removal is eager (the queue is bounded and small), so
-the counts that wait prediction reads are exact.
+Class 0 (interactive) is always served before class 1 (batch). Within a class, tenants share by
+start-time fair queueing over tokens: each request costs the tokens it reserves (prompt +
+max_tokens) divided by its tenant's weight (the policy's `tenants.NAME.weight`, default 1), and
+gets a virtual start tag = max(the class's virtual time, the finish tag of its tenant's previous
+request). The queue serves the smallest start tag first and advances the virtual time to it.
+
+What that gives: while tenants are backlogged, each is served tokens in proportion to its weight
+(weight 2 gets twice the tokens of weight 1, whatever the request sizes), and a tenant that was
+idle re-enters at the current virtual time, so it cannot bank credit while away nor be punished
+for a burst others did not see. With equal weights and equal request sizes this is round robin,
+one request each. Removal is eager (the queue is bounded and small), so the counts that wait
+prediction reads are exact.
 """
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from policies.schema import PRIORITIES
@@ -28,51 +35,83 @@ class Waiter:
     future: asyncio.Future
     enqueued: float = 0.0
     timer: asyncio.TimerHandle | None = field(default=None)
+    cost: int = 1                 # tokens it reserves: prompt + max_tokens
+    weight: int = 1               # its tenant's share
+    start: float = 0.0            # virtual start tag (set by push)
+    finish: float = 0.0           # virtual finish tag = start + cost / weight
+
+
+class _Class:
+    """One priority class: per-tenant FIFOs and the virtual clock."""
+
+    __slots__ = ("tenants", "finish", "vtime", "depth")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, deque[Waiter]] = {}
+        self.finish: dict[str, float] = {}   # finish tag of each tenant's last queued (or served) request
+        self.vtime = 0.0
+        self.depth = 0
+
+    def head(self) -> tuple[str, Waiter] | None:
+        best: tuple[str, Waiter] | None = None
+        for tenant, q in self.tenants.items():   # few tenants queue at once; a scan beats a heap's upkeep
+            if best is None or q[0].start < best[1].start:
+                best = (tenant, q[0])
+        return best
+
+    def forget_idle(self) -> None:
+        # A tenant with nothing queued re-enters at the virtual time, so its old tag can go once the
+        # clock has passed it (keeps the map as small as the set of recently active tenants).
+        for t in [t for t, f in self.finish.items() if f <= self.vtime and t not in self.tenants]:
+            del self.finish[t]
 
 
 class FairQueue:
     def __init__(self, num_classes: int = NUM_CLASSES) -> None:
-        # Per class: tenant -> its FIFO, in turn order (the first tenant goes next).
-        self._classes: list[OrderedDict[str, deque[Waiter]]] = [OrderedDict() for _ in range(num_classes)]
-        self._depth = [0] * num_classes
+        self._classes = [_Class() for _ in range(num_classes)]
 
     def __len__(self) -> int:
-        return sum(self._depth)
+        return sum(c.depth for c in self._classes)
 
     def depth(self, priority: int) -> int:
-        return self._depth[priority]
+        return self._classes[priority].depth
 
     def push(self, w: Waiter) -> None:
-        turns = self._classes[w.priority]
-        q = turns.get(w.tenant)
-        if q is None:
-            q = turns[w.tenant] = deque()    # a new tenant joins at the end of the turn order
-        q.append(w)
-        self._depth[w.priority] += 1
+        c = self._classes[w.priority]
+        w.start = max(c.vtime, c.finish.get(w.tenant, 0.0))
+        w.finish = w.start + max(1, w.cost) / max(1, w.weight)
+        c.finish[w.tenant] = w.finish
+        c.tenants.setdefault(w.tenant, deque()).append(w)
+        c.depth += 1
 
     def peek(self) -> Waiter | None:
-        for turns in self._classes:
-            if turns:
-                return turns[next(iter(turns))][0]
+        for c in self._classes:
+            found = c.head()
+            if found is not None:
+                return found[1]
         return None
 
     def pop(self) -> Waiter:
-        for cls, turns in enumerate(self._classes):
-            if turns:
-                tenant = next(iter(turns))
-                q = turns[tenant]
-                w = q.popleft()
-                if q:
-                    turns.move_to_end(tenant)   # its next request waits for everyone else's turn
-                else:
-                    del turns[tenant]
-                self._depth[cls] -= 1
-                return w
+        for c in self._classes:
+            found = c.head()
+            if found is None:
+                continue
+            tenant, w = found
+            q = c.tenants[tenant]
+            q.popleft()
+            if not q:
+                del c.tenants[tenant]
+            c.vtime = max(c.vtime, w.start)
+            c.depth -= 1
+            c.forget_idle()
+            return w
         raise IndexError("pop from an empty FairQueue")
 
     def remove(self, w: Waiter) -> bool:
-        turns = self._classes[w.priority]
-        q = turns.get(w.tenant)
+        """Take a waiter out (deadline, client gone). Later requests of its tenant keep their tags:
+        moving them up would let a tenant jump the line by queueing and cancelling."""
+        c = self._classes[w.priority]
+        q = c.tenants.get(w.tenant)
         if q is None:
             return False
         try:
@@ -80,18 +119,23 @@ class FairQueue:
         except ValueError:
             return False
         if not q:
-            del turns[w.tenant]
-        self._depth[w.priority] -= 1
+            del c.tenants[w.tenant]
+            if c.finish.get(w.tenant) == w.finish:
+                c.finish[w.tenant] = w.start    # its last request left: give back the share it held
+        c.depth -= 1
         return True
 
     def ahead(self, tenant: str, priority: int) -> int:
-        """How many queued requests a new request of `tenant` in class `priority` would wait behind.
-
-        Every request of a more urgent class, and under round robin, from each tenant of its own
-        class, at most one more than the tenant itself has queued."""
-        n = sum(self._depth[:priority])
-        turns = self._classes[priority]
-        own = len(turns.get(tenant, ()))
-        for t, q in turns.items():
-            n += own if t == tenant else min(len(q), own + 1)
+        """How many queued requests a new request of `tenant` in class
+        `priority` would wait behind: every request of a more urgent class, and in its own class
+        those whose start tag is not later than the tag it would get (each FIFO's tags rise, so
+        each count stops at the first later tag)."""
+        n = sum(c.depth for c in self._classes[:priority])
+        c = self._classes[priority]
+        start = max(c.vtime, c.finish.get(tenant, 0.0))
+        for q in c.tenants.values():
+            for w in q:
+                if w.start > start:
+                    break
+                n += 1
         return n

@@ -55,7 +55,7 @@ class Gatekeeper:
         """priority (admission class index) and rate (limits) come from the policy when it sets them."""
         res = await self.limiter.reserve(rec, prompt_tokens + max_tokens, engine, rate)
         try:
-            slot = await self.admission.admit(rec, engine, prompt_tokens, deadline, priority)
+            slot = await self.admission.admit(rec, engine, prompt_tokens, deadline, priority, max_tokens)
         except BaseException as e:
             self.limiter.refund(res, requests=1, tokens=res.tokens)
             if hasattr(e, "headers"):

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from gateway.http.errors import BadRequest
 from gateway.http.tool_request import ToolSetup, parse_tools
+from policies.schema import PRIORITIES
 
 MAX_STOP = 4
 MAX_N = 16            # choices per request; each is an engine sequence
@@ -39,7 +40,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "service_tier": _is_neutral("auto", "default"),
     "store": _is_neutral(False),
     "verbosity": lambda v: v is None,
     "prompt_cache_key": lambda v: v is None,
@@ -47,9 +47,14 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 SUPPORTED = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
              "seed", "stream", "stream_options", "user", "metadata", "response_format", "presence_penalty",
-             "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+             "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+             "service_tier", "priority")
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries; bounds the work one request adds to every decode step
+# The request's admission class: OpenAI's service_tier ("flex" is the cheaper, slower lane) or our
+# own `priority`. A request may always lower its class; it never rises above its key's class or a
+# policy rule's (gateway/routing/plan.py clamps). None keeps the key's / the policy's class.
+SERVICE_TIERS = {"auto": None, "default": None, "flex": "batch", "priority": "interactive"}
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -76,6 +81,7 @@ class SamplingRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)   # ids checked against the vocabulary by the engine
     logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
     n: int = 1                               # choices; one prefill, shared through the prefix cache
+    priority: int | None = None              # requested admission class index (service_tier / priority)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -167,6 +173,7 @@ def parse_common(body: dict[str, Any], req: SamplingRequest) -> None:
     req.presence_penalty = _number(body, "presence_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
     req.frequency_penalty = _number(body, "frequency_penalty", 0.0, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
     req.logit_bias = _logit_bias(body.get("logit_bias"))
+    req.priority = _priority(body)
 
 
 def _logprobs(logprobs: Any, top: Any) -> int | None:
@@ -349,6 +356,22 @@ def _stop(stop: Any) -> list[str]:
     if len(stops) > MAX_STOP:
         raise BadRequest(f"'stop' has {len(stops)} strings; at most {MAX_STOP}", param="stop")
     return stops
+
+
+def _priority(body: dict[str, Any]) -> int | None:
+    """The admission class the request asks for (an index into PRIORITIES), or None."""
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise BadRequest(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}",
+                         param="service_tier")
+    named = body.get("priority")
+    if named is not None and named not in PRIORITIES:
+        raise BadRequest(f"'priority' must be one of {', '.join(PRIORITIES)}, got {named!r}", param="priority")
+    from_tier = SERVICE_TIERS.get(tier) if tier is not None else None
+    if named is not None and from_tier is not None and named != from_tier:
+        raise BadRequest(f"'priority' {named!r} and 'service_tier' {tier!r} disagree; send one", param="priority")
+    chosen = named or from_tier
+    return PRIORITIES.index(chosen) if chosen is not None else None
 
 
 def _metadata(meta: Any) -> dict[str, str]:

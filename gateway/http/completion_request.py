@@ -26,7 +26,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or (is_int(v) and v == 1),
 }
 SUPPORTED = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-             "stream_options", "user", "metadata", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+             "stream_options", "user", "metadata", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+             "service_tier", "priority")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -86,6 +86,11 @@ class PolicyState:
         self.metrics.policy_updates.labels(source).inc()
         log.info("policy version %d in force (%s, hash %s, by %s)", v.version, source, v.hash[:12], v.author)
 
+    def weight_of(self, tenant: str) -> int:
+        """The tenant's fair-share weight in the admission queues (1 without a policy)."""
+        policy = self.policy
+        return policy.weight_of(tenant) if policy is not None else 1
+
     def rate_for(self, tenant: str) -> tuple[int, int, int] | None:
         """(request_limit, token_limit, window_us) of the tenant's rate class, or None (no class).
 

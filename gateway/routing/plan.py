@@ -38,12 +38,14 @@ from engines.text.tokenizer import Tokenizer
 from gateway.auth.api_keys import PRIORITIES, KeyRecord
 from gateway.http.chat_request import ChatRequest
 from gateway.http.completion_request import CompletionRequest
+from gateway.http.context_trim import ContextTooLong, trim_to_fit
 from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 from gateway.http.tool_calls import template_messages
 from gateway.http.tool_request import ToolSetup
 from policies import EngineState, RequestFeatures, TenantSpend, decide
 from policies.budgets import over_limit
 from policies.budgets import scopes as budget_scopes
+from policies.schema import ContextLimit
 from router_models.runtime.features import prompt_text
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ class Plan:
     policy_version: int = 0
     engine_state: dict[str, dict[str, Any]] | None = None
     explanation: list[str] = field(default_factory=list)
+    context_dropped_tokens: int = 0             # prompt tokens the policy's context limit trimmed away
 
 
 def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> tuple[Any, list[int]]:
@@ -93,6 +96,16 @@ def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, Engine
 
 
 async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
+    plan = await _route(gw, req, key, deadline)
+    if req.priority is not None:
+        # The request's service_tier / priority may lower its class, never raise it above its
+        # key's or a policy rule's.
+        base = key.priority_class if plan.priority is None else plan.priority
+        plan.priority = max(base, req.priority)
+    return plan
+
+
+async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
     pinned = gw.router.pinned(req.model)          # NotFound for unknown names
     state = gw.policy
     policy = state.policy
@@ -133,6 +146,10 @@ async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: K
     gw.metrics.policy_decisions.labels(d.action).inc()
     if d.error is not None:
         raise _refusal(d.error, states)
+    dropped = 0
+    limit = policy.context_for(key.tenant, d.rule_index)
+    if limit is not None and len(ids) > limit.max_prompt_tokens:
+        ids, dropped = _fit_context(req, tok, ids, limit)
     rule_priority = d.rule_index is not None and policy.rules[d.rule_index].action.priority is not None
     priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
                                                                         PRIORITIES.index(d.priority))
@@ -141,8 +158,25 @@ async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: K
                 baseline_prices=state.prices.get(gw.baseline_engine), policy_version=state.number,
                 engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
                               for n, s in states.items()},
-                explanation=d.explanation)
+                explanation=d.explanation, context_dropped_tokens=dropped)
     return _finish(gw, req, tok, plan)
+
+
+def _fit_context(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int],
+                 limit: ContextLimit) -> tuple[list[int], int]:
+    """The policy's context limit: a chat's oldest turns dropped to fit (req.messages replaced), or
+    400 context_length_exceeded. Returns the new prompt ids and the tokens dropped."""
+    if not isinstance(req, ChatRequest):
+        raise BadRequest(f"The prompt has {len(ids)} tokens; the policy allows at most {limit.max_prompt_tokens} "
+                         "prompt tokens for this request (a text prompt is never trimmed)", param="prompt",
+                         code="context_length_exceeded")
+    try:
+        kept, dropped = trim_to_fit(req.messages, lambda m: len(tokenize(tok, m, req.tools)),
+                                    limit.max_prompt_tokens, trim=limit.trim != "none", tokens=len(ids))
+    except ContextTooLong as e:
+        raise BadRequest(str(e), param="messages", code="context_length_exceeded") from e
+    req.messages = kept
+    return tokenize(tok, kept, req.tools), dropped
 
 
 def _finish(gw: "Gateway", req: ChatRequest | CompletionRequest, counted_with: Any, plan: Plan) -> Plan:
