@@ -37,6 +37,7 @@ class RecordContext:
     engine_state: dict[str, dict[str, Any]] | None = None   # {engine: {predicted_ttft_ms, healthy}} at decision
     prices: Any = None                 # deployment.Prices from the policy in force (None: the engine's own)
     policy_version: int = 0            # the policy version that routed and priced it (0: built-in, no policy)
+    context_dropped_tokens: int = 0    # prompt tokens the policy's context limit trimmed away (oldest turns)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class UsageRecord:
     requested_max_tokens: int | None = None
     engine_state: dict[str, dict[str, Any]] | None = None
     policy_version: int = 0
+    context_dropped_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
