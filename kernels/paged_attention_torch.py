@@ -13,12 +13,21 @@ further transpose copies.
 
 The gather indices depend only on the batch, not on the layer, so they are built once per step
 (`TorchAttentionPlan.build`) and reused by every layer.
+
+Quantised caches (kernels/kv_quant.py, EngineConfig.kv_cache_dtype int8 / fp8_e4m3): a cache is
+then a `QuantizedCache` (codes plus one scale per kv head and slot). Writes quantise the new
+tokens; reads gather the codes and their scales with the same indices and dequantise the gathered
+tiles in the query's dtype, so only the keys a step attends to are ever widened.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kernels.kv_quant import QuantizedCache, dequantize, quantize
+
+Cache = torch.Tensor | QuantizedCache   # one layer's K (or V) cache
 
 # Gathers and scatters go through a 2-D view [kv_heads * rows, row_width] with per-head row
 # indices: torch's dim-0 index_select/index_copy are several times faster on CPU than the same
@@ -30,13 +39,29 @@ def _head_rows(rows: torch.Tensor, num_kv_heads: int, rows_per_head: int) -> tor
     return (heads + rows.reshape(1, -1)).reshape(-1)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: Cache, v_cache: Cache, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values [T, kv_heads, head_dim] into their slots."""
+    """Store new keys/values [T, kv_heads, head_dim] into their slots (quantised when the cache is)."""
     kvh, num_slots, hd = k_cache.shape
     idx = _head_rows(slot_mapping, kvh, num_slots)
-    k_cache.view(-1, hd).index_copy_(0, idx, k.transpose(0, 1).reshape(-1, hd))
-    v_cache.view(-1, hd).index_copy_(0, idx, v.transpose(0, 1).reshape(-1, hd))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = x.transpose(0, 1)                                    # [kv_heads, T, head_dim]
+        if isinstance(cache, QuantizedCache):
+            codes, scale = quantize(rows, cache.data.dtype)
+            cache.bytes_view.view(-1, hd).index_copy_(0, idx, codes.view(torch.uint8).reshape(-1, hd))
+            cache.scale.view(-1).index_copy_(0, idx, scale.reshape(-1))
+        else:
+            cache.view(-1, hd).index_copy_(0, idx, rows.reshape(-1, hd))
+
+
+def _gather(cache: Cache, idx: torch.Tensor, row: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `idx` of the cache viewed as [-1, row * head_dim] (row = tokens per gathered row: a
+    block, or one token), as [len(idx), row, head_dim] in dtype (dequantised when quantised)."""
+    hd = cache.shape[2]
+    if not isinstance(cache, QuantizedCache):
+        return cache.view(-1, row * hd).index_select(0, idx).view(-1, row, hd)
+    codes = cache.bytes_view.view(-1, row * hd).index_select(0, idx).view(cache.data.dtype).view(-1, row, hd)
+    return dequantize(codes, cache.scale.view(-1, row).index_select(0, idx), dtype)
 
 
 @dataclass(slots=True)
@@ -164,7 +189,7 @@ def _decode_group(idx: list[int], n: int, starts: list[int], seq_lens: list[int]
     return _DecodeGroup(rows, table, mask[:, None])
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache,
                     plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]. K/V of the new tokens must be written first."""
     num_tokens, num_heads, head_dim = q.shape
@@ -181,8 +206,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             heads = torch.arange(num_kv_heads, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
             g.gather = (heads + g.blocks[:, None, :]).reshape(-1)
         idx = g.gather
-        k = k_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
-        v = v_cache.view(-1, block_size * head_dim).index_select(0, idx).view(batch, num_kv_heads, -1, head_dim)
+        k = _gather(k_cache, idx, block_size, q.dtype).view(batch, num_kv_heads, -1, head_dim)
+        v = _gather(v_cache, idx, block_size, q.dtype).view(batch, num_kv_heads, -1, head_dim)
         qd = q.index_select(0, g.rows).view(batch, n, num_heads, head_dim).transpose(1, 2)  # [B, H, n, hd]
         od = torch.nn.functional.scaled_dot_product_attention(
             qd, k, v, attn_mask=g.mask.to(q.dtype), scale=scale, enable_gqa=group > 1)
@@ -192,8 +217,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if c.gather is None:  # same for every layer: computed once per step
             c.gather = _head_rows(c.slots, num_kv_heads, k_cache.shape[1])
         idx = c.gather
-        kc = k_cache.view(-1, head_dim).index_select(0, idx).view(num_kv_heads, -1, head_dim)  # [kvh, L, hd]
-        vc = v_cache.view(-1, head_dim).index_select(0, idx).view(num_kv_heads, -1, head_dim)
+        kc = _gather(k_cache, idx, 1, q.dtype).view(num_kv_heads, -1, head_dim)  # [kvh, L, hd]
+        vc = _gather(v_cache, idx, 1, q.dtype).view(num_kv_heads, -1, head_dim)
         # [kvh, n, group, hd]: a tile of queries is then one contiguous [kvh, t * group, hd] slab.
         qc = q[c.q_start:c.q_end].view(n, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
         oc = out[c.q_start:c.q_end].view(n, num_kv_heads, group, head_dim)
@@ -210,15 +235,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 # -- decode steps under torch.compile ---------------------------------------------------------
 
-def write_kv_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv_slots(k_cache: Cache, v_cache: Cache, k: torch.Tensor, v: torch.Tensor,
                    slots: torch.Tensor) -> None:
     """write_kv as one indexed assignment per cache: the form torch.compile turns into an in-place
     scatter into the cache (no copy of the cache, whatever its size)."""
-    k_cache[:, slots] = k.transpose(0, 1).to(k_cache.dtype)
-    v_cache[:, slots] = v.transpose(0, 1).to(v_cache.dtype)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if isinstance(cache, QuantizedCache):
+            codes, scale = quantize(x.transpose(0, 1), cache.data.dtype)
+            cache.data[:, slots] = codes
+            cache.scale[:, slots] = scale
+        else:
+            cache[:, slots] = x.transpose(0, 1).to(cache.dtype)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def _read_slots(cache: Cache, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(cache, QuantizedCache):
+        return dequantize(cache.data[:, slots], cache.scale[:, slots], dtype)
+    return cache[:, slots]
+
+
+def decode_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float,
                      sliding_window: int | None = None) -> torch.Tensor:
     """One query per sequence over its paged context; written for torch.compile (fixed op sequence,
@@ -250,8 +286,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     length = width * block_size
     offsets = torch.arange(block_size, device=q.device)
     slots = (block_tables[:, :, None] * block_size + offsets).reshape(batch, length)      # [B, L]
-    k = k_cache[:, slots]                                                                   # [kvh, B, L, hd]
-    v = v_cache[:, slots]
+    k = _read_slots(k_cache, slots, q.dtype)                                                # [kvh, B, L, hd]
+    v = _read_slots(v_cache, slots, q.dtype)
     qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)                      # [kvh, B, g, hd]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale                         # [kvh, B, g, L]
     pos = torch.arange(length, device=q.device)

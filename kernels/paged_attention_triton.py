@@ -20,6 +20,13 @@ works and a tile may span blocks. Split-KV: when there are too few (sequence, he
 fill the GPU, each program's key range is cut into `num_splits` pieces whose partial
 (max, sum, unnormalised output) are combined by a second, small kernel.
 
+Quantised caches (kernels/kv_quant.py: int8 or fp8 e4m3 codes, one fp32 scale per kv head and
+slot): the write kernel computes each (token, kv head)'s scale from its max |x| and stores codes
+and scale; the attention kernel loads codes and scales of a key tile and dequantises them in
+registers (codes are widened to fp32, then to the query's dtype for tl.dot). K's scale multiplies
+the scores column (q . (c * s) = (q . c) * s), V's the probabilities' column (p . (c * s) =
+(p * s) . c), so neither is applied to a whole [BLOCK_N, head_dim] tile.
+
 Uses only Triton APIs present in 3.6 (the GPU machine) and 3.9 (this machine's interpreter).
 """
 # No `from __future__ import annotations` here: @triton.jit reads the tl.constexpr
@@ -29,16 +36,18 @@ import triton
 import triton.language as tl
 
 from .device_info import sm_count
+from .kv_quant import QMAX, QuantizedCache
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kch, stride_kcs, stride_vch, stride_vcs,
+                     stride_kch, stride_kcs, stride_vch, stride_vcs, stride_sh,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEADS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HEADS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                     QUANT: tl.constexpr, QMAX: tl.constexpr, INT_CODES: tl.constexpr):
     # One program per new token, all its kv heads at once: [HEADS_PAD, BLOCK_D] tiles.
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -51,39 +60,61 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     src_v = v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
     dst_k = kc_ptr + h[:, None].to(tl.int64) * stride_kch + slot * stride_kcs + d[None, :]
     dst_v = vc_ptr + h[:, None].to(tl.int64) * stride_vch + slot * stride_vcs + d[None, :]
-    k = tl.load(src_k, mask=ok)
-    v = tl.load(src_v, mask=ok)
-    tl.store(dst_k, k.to(kc_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst_v, v.to(vc_ptr.dtype.element_ty), mask=ok)
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values [T, kv_heads, head_dim] into their slots; a slot < 0 is skipped."""
-    num_tokens, kvh, hd = k.shape
-    if num_tokens == 0:
-        return
-    assert k_cache.shape[0] == kvh and k_cache.shape[2] == hd and v.shape == k.shape
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
-    _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_KV_HEADS=kvh, HEAD_DIM=hd,
-        HEADS_PAD=max(2, triton.next_power_of_2(kvh)), BLOCK_D=triton.next_power_of_2(hd))
+    k = tl.load(src_k, mask=ok, other=0.0)
+    v = tl.load(src_v, mask=ok, other=0.0)
+    if QUANT:
+        s_ok = h < NUM_KV_HEADS
+        s_off = h.to(tl.int64) * stride_sh + slot
+        _store_quantized(k.to(tl.float32), dst_k, ks_ptr + s_off, ok, s_ok, QMAX, INT_CODES)
+        _store_quantized(v.to(tl.float32), dst_v, vs_ptr + s_off, ok, s_ok, QMAX, INT_CODES)
+    else:
+        tl.store(dst_k, k.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst_v, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+def _store_quantized(x, dst, scale_dst, ok, s_ok, QMAX: tl.constexpr, INT_CODES: tl.constexpr):
+    # Per row (kv head): scale = max |x| / QMAX; codes = x / scale (int8: halves away from zero,
+    # as kernels.kv_quant.quantize does).
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / QMAX, 1e-12)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -QMAX), QMAX)
+    if INT_CODES:
+        y = tl.where(y >= 0, y + 0.5, y - 0.5)
+    tl.store(dst, y.to(dst.dtype.element_ty), mask=ok)
+    tl.store(scale_dst, scale, mask=s_ok)
+
+
+def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [T, kv_heads, head_dim] into their slots; a slot < 0 is skipped.
+    Caches are tensors, or QuantizedCache (codes and scales written by the kernel)."""
+    num_tokens, kvh, hd = k.shape
+    if num_tokens == 0:
+        return
+    quant = isinstance(k_cache, QuantizedCache)
+    kc, vc = (k_cache.data, v_cache.data) if quant else (k_cache, v_cache)
+    ks, vs = (k_cache.scale, v_cache.scale) if quant else (kc, vc)   # unused unless quantised
+    assert kc.shape[0] == kvh and kc.shape[2] == hd and v.shape == k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and kc.stride(2) == 1 and vc.stride(2) == 1
+    _write_kv_kernel[(num_tokens,)](
+        k, v, kc, vc, ks, vs, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), ks.stride(0) if quant else 0,
+        NUM_KV_HEADS=kvh, HEAD_DIM=hd,
+        HEADS_PAD=max(2, triton.next_power_of_2(kvh)), BLOCK_D=triton.next_power_of_2(hd),
+        QUANT=quant, QMAX=QMAX[kc.dtype] if quant else 0.0, INT_CODES=kc.dtype == torch.int8)
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                       qsl_ptr, seq_lens_ptr, bt_ptr,
                       scale_log2, window, num_splits,
                       stride_qt, stride_qh, stride_ot, stride_oh,
-                      stride_kh, stride_ks, stride_vh, stride_vs, stride_bt,
+                      stride_kh, stride_ks, stride_vh, stride_vs, stride_bt, stride_sh,
                       num_heads,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
                       ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr):
+                      HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -124,6 +155,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    ks_base = ks_ptr + kv_head.to(tl.int64) * stride_sh
+    vs_base = vs_ptr + kv_head.to(tl.int64) * stride_sh
     # The running max starts finite: from -inf, a row whose first tile is fully masked (window,
     # causality) would compute exp2(-inf - -inf) = NaN. Masked scores are -inf, so their
     # exp2(-inf - m) is still exactly 0.
@@ -138,7 +171,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
         # K is loaded transposed, [BLOCK_D, BLOCK_N], so the product needs no tl.trans.
         k = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        if QUANT:
+            # Codes widen exactly to fp32 (then to q's dtype: int8 and e4m3 fit bf16/fp16 exactly);
+            # the key's scale is applied to its score column.
+            k_scale = tl.load(ks_base + slot, mask=k_ok, other=0.0)
+            s = tl.dot(q, k.to(tl.float32).to(q.dtype), input_precision="ieee") * (k_scale * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, k, input_precision="ieee") * scale_log2
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -149,7 +188,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_m_ptr, pa
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if QUANT:
+            v_scale = tl.load(vs_base + slot, mask=k_ok, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(tl.float32).to(q.dtype),
+                                                input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -208,9 +252,8 @@ def _auto_splits(programs: int, max_key_tiles: int, device: torch.device) -> int
     return max(1, min(want, max_key_tiles // 4, _MAX_SPLITS))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    block_size: int, scale: float, sliding_window: int | None = None,
+def paged_attention(q: torch.Tensor, k_cache, v_cache, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, block_size: int, scale: float, sliding_window: int | None = None,
                     max_query_len: int | None = None, num_splits: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]. K/V of the new tokens must be written first.
@@ -219,7 +262,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     chunk); block_tables int32 [num_seqs, max_blocks], padded with 0. Every chunk has at least
     one token. max_query_len is read from query_start_loc (a device sync) when not given and
     the batch is not pure decode (T == num_seqs). num_splits defaults to a shape-based choice.
+    The caches are tensors or QuantizedCache (dequantised in the kernel).
     """
+    quant = isinstance(k_cache, QuantizedCache)
+    k_scale, v_scale = (k_cache.scale, v_cache.scale) if quant else (q, q)   # unused unless quantised
+    if quant:
+        k_cache, v_cache = k_cache.data, v_cache.data
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     num_seqs = seq_lens.shape[0]
@@ -249,16 +297,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_acc = part_m = part_l = out  # unused: the SPLIT=False variant never touches them
     _attention_kernel[(num_seqs, q_tiles, num_kv_heads * num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        q, k_cache, v_cache, k_scale, v_scale, out, part_acc, part_m, part_l,
         query_start_loc, seq_lens, block_tables,
         scale * _LOG2E, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
-        num_heads,
+        k_scale.stride(0) if quant else 0, num_heads,
         GROUP=group, GROUP_PAD=group_pad, TOKENS=tokens, ROWS=rows,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        HAS_WINDOW=sliding_window is not None, SPLIT=split,
+        HAS_WINDOW=sliding_window is not None, SPLIT=split, QUANT=quant,
         num_warps=4 if rows * head_dim <= 64 * 128 else 8)
     if split:
         _combine_splits_kernel[(num_tokens, num_heads)](

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from kernels.kv_quant import KV_CACHE_DTYPES
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -19,6 +21,10 @@ class EngineConfig:
     block_size: tokens per KV block.
     kv_cache_memory: bytes for the KV cache; when None, kv_cache_fraction of free device memory
       (CUDA) or of kv_cache_cpu_default_bytes (CPU, where "free memory" is shared with everything).
+    kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8_e4m3": how K/V are stored. The
+      quantised dtypes keep one fp32 scale per (token, kv head) beside the codes and compute in
+      the model's dtype; the block count follows kv_cache_memory, so they hold about 2x the
+      blocks of bf16 (3.8x of fp32). A dtype the device cannot store is an error at start-up.
     max_num_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step;
       prefills longer than what is left are split over steps (chunked prefill).
     max_model_len: longest sequence (prompt + output); defaults to the model's
@@ -60,6 +66,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.9
     kv_cache_cpu_default_bytes: int = 2 * 1024**3
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -103,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "on", "off", "padded"):

@@ -30,8 +30,9 @@ from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import Scheduler, SchedulerConfig
 from engines.core.sequence import Sequence
 from engines.core.structured_output import GrammarError, Grammars
+from engines.model import kv_cache
+from engines.model.attention import resolve_backend
 from engines.model.cpu_allocator import keep_freed_memory
-from engines.model.kv_cache import allocate_kv_cache, kv_budget_bytes, num_blocks_for
 from engines.model.model_config import ModelConfig
 from engines.model.model_runner import ModelRunner
 from engines.tp.tensor_parallel import check_divisible, shard_model_
@@ -54,8 +55,11 @@ class Engine:
         model_dir = Path(model_dir)
         mcfg = ModelConfig.from_dir(model_dir)
         max_len = cfg.max_model_len or mcfg.max_position_embeddings
-        budget = kv_budget_bytes(self.device, cfg.kv_cache_fraction, cfg.kv_cache_memory, cfg.kv_cache_cpu_default_bytes)
-        num_blocks = num_blocks_for(mcfg, cfg.block_size, self.dtype, budget)
+        kv_cache.check_kv_cache_dtype(cfg.kv_cache_dtype, self.device, resolve_backend(cfg.attention_backend, self.device))
+        budget = kv_cache.kv_budget_bytes(self.device, cfg.kv_cache_fraction, cfg.kv_cache_memory, cfg.kv_cache_cpu_default_bytes)
+        num_blocks = kv_cache.num_blocks_for(mcfg, cfg.block_size, self.dtype, budget, cfg.kv_cache_dtype)
+        # Per block, over all layers and (under tensor parallelism) all ranks: what the budget buys.
+        self.kv_bytes_per_block = kv_cache.bytes_per_block(mcfg, cfg.block_size, self.dtype, cfg.kv_cache_dtype)
         capacity = num_blocks * cfg.block_size
         if max_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache capacity of %d tokens; capping it", max_len, capacity)
@@ -78,7 +82,8 @@ class Engine:
         if tp > 1:
             self.runner = self._start_tensor_parallel(model_dir, num_blocks)
         else:
-            kv = allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
+            kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device,
+                                   cfg.kv_cache_dtype)
             self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
                                       cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                                       cfg.cpu_compile, cfg.max_num_seqs)
@@ -206,7 +211,9 @@ class Engine:
             last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
             busy_seconds=self._busy_seconds, prefill_tokens=self._prefill_tokens, output_tokens=self._output_tokens,
             batch_size_counts=list(self._batch_counts),
-            max_num_batched_tokens=self.config.max_num_batched_tokens, **self._spec_stats())
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            kv_cache_dtype=kv_cache.kv_cache_dtype_name(self.config.kv_cache_dtype, self.dtype),
+            kv_bytes_per_block=self.kv_bytes_per_block, **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.spec is None:
@@ -237,11 +244,11 @@ class Engine:
         spec = dict(world=cfg.tensor_parallel_size, backend="nccl" if self.device.type == "cuda" else "gloo",
                     model_dir=str(model_dir), dtype=dtype_name, device=self.device.type,
                     max_model_len=self.max_model_len, num_blocks=num_blocks, block_size=cfg.block_size,
-                    attention_backend=cfg.attention_backend, timeout_s=float(cfg.tp_timeout_s))
+                    kv_cache_dtype=cfg.kv_cache_dtype, attention_backend=cfg.attention_backend, timeout_s=float(cfg.tp_timeout_s))
         group = start(cfg.tensor_parallel_size, spec, float(cfg.tp_timeout_s))
         try:
             shard_model_(self.model, 0, cfg.tensor_parallel_size)
-            kv = alloc(self.model.local_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
+            kv = alloc(self.model.local_cfg, num_blocks, cfg.block_size, self.dtype, self.device, cfg.kv_cache_dtype)
             # CUDA graphs stay off under tensor parallelism (collectives inside captured graphs are
             # not wired up yet); decode runs eagerly on every rank.
             return TensorParallelRunner(group, self.model, kv, cfg.block_size, self.device, cfg.attention_backend)
@@ -260,7 +267,7 @@ class Engine:
             from engines.spec.draft_proposer import DraftProposer
             # The draft gets as many (much smaller) blocks as the target, so it never runs out first.
             proposer = DraftProposer(cfg.draft_model, self.model_config, self.dtype, self.device, self.max_model_len,
-                                     num_blocks, cfg.block_size, cfg.attention_backend)
+                                     num_blocks, cfg.block_size, cfg.attention_backend, cfg.kv_cache_dtype)
         return SpeculativeDecoder(self.runner, self.blocks, proposer, cfg.num_speculative_tokens,
                                   cfg.spec_max_batch, self.max_model_len)
 

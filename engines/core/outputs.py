@@ -73,3 +73,7 @@ class EngineStats:
     prefill_tokens: int = 0
     output_tokens: int = 0
     batch_size_counts: list[int] = field(default_factory=list)
+    # What the KV cache stores ("float32", "bfloat16", ..., "int8", "fp8_e4m3") and the bytes of one
+    # block over all layers, K and V, scales included (0: not reported, e.g. a mock or remote engine).
+    kv_cache_dtype: str = ""
+    kv_bytes_per_block: int = 0

@@ -9,6 +9,10 @@ Backends: "torch" (kernels/paged_attention_torch.py: the CPU path and the refere
 "triton" (kernels/paged_attention_triton.py: the CUDA path; also runs on CPU under
 TRITON_INTERPRET=1, which the tests use). "auto" picks triton on CUDA and torch elsewhere.
 The metadata is built once per step and shared by every layer.
+
+A layer's caches are tensors in the model's dtype, or `kernels.kv_quant.QuantizedCache` (int8 /
+fp8 codes with per-(token, kv head) scales, EngineConfig.kv_cache_dtype): both backends quantise
+on write and dequantise on read, so nothing above this interface changes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import paged_attention_torch as torch_path
+from kernels.paged_attention_torch import Cache
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -65,7 +70,7 @@ class AttentionMetadata:
         return meta
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Cache, v_cache: Cache,
            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, slots, D]. Returns [T, H, D]."""
     if meta.backend == "torch":

@@ -47,13 +47,16 @@ class DraftProposer:
     name = "draft"
 
     def __init__(self, model_dir: str | Path, target_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int, num_blocks: int, block_size: int, attention_backend: str) -> None:
+                 max_model_len: int, num_blocks: int, block_size: int, attention_backend: str,
+                 kv_cache_dtype: str = "auto") -> None:
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.vocab_size != target_cfg.vocab_size:
             raise CheckpointError(f"draft model {model_dir} has vocab_size {cfg.vocab_size}, the target has "
                                   f"{target_cfg.vocab_size}: a draft must share the target's tokenizer")
         self.model, self.cfg = load_model(model_dir, dtype, device, max_model_len, False, cfg)
-        kv = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
+        # The draft stores K/V like the target (kv_cache_dtype); its rolled-back slots are simply
+        # written again, codes and scales together.
+        kv = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device, kv_cache_dtype)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, kv, block_size, device, attention_backend)
         self.block_size = block_size

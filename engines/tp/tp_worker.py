@@ -30,6 +30,7 @@ class WorkerSpec:
     max_model_len: int
     num_blocks: int
     block_size: int
+    kv_cache_dtype: str       # "auto", "int8" or "fp8_e4m3" (each rank stores its own kv heads so)
     attention_backend: str
     timeout_s: float
 
@@ -59,7 +60,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         dtype = getattr(torch, spec.dtype)
         model, _ = load_model(spec.model_dir, dtype, device, spec.max_model_len, progress=False)
         shard_model_(model, spec.rank, spec.world)
-        kv = allocate_kv_cache(model.local_cfg, spec.num_blocks, spec.block_size, dtype, device)
+        kv = allocate_kv_cache(model.local_cfg, spec.num_blocks, spec.block_size, dtype, device, spec.kv_cache_dtype)
         runner = ModelRunner(model, kv, spec.block_size, device, spec.attention_backend)
         conn.send(("ready", None))
         while True:
