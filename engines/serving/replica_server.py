@@ -131,6 +131,8 @@ def metrics_text(state: ReplicaState) -> str:
     rows = [("tokenyard_engine_running_requests", "Sequences running in the engine", s.num_running),
             ("tokenyard_engine_waiting_requests", "Requests waiting inside the engine", s.num_waiting),
             ("tokenyard_engine_kv_usage_ratio", "Fraction of KV-cache blocks in use", s.kv_usage),
+            ("tokenyard_engine_kv_bytes_per_block", "Bytes of one KV-cache block (all layers, K and V, scales)",
+             s.kv_bytes_per_block),
             ("tokenyard_engine_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / admitted",
              s.prefix_cache_hit_rate),
             ("tokenyard_engine_in_flight_requests", "Requests streaming from this replica", eng.num_in_flight),

@@ -174,7 +174,10 @@ class _EngineCollector(Collector):
         batch = HistogramMetricFamily("tokenyard_engine_batch_size", "Sequences per engine step", labels=["engine"])
         accept = GaugeMetricFamily("tokenyard_engine_spec_acceptance_ratio",
                                    "Accepted / proposed draft tokens (engines with speculation)", labels=["engine"])
-        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept]
+        kv_block = GaugeMetricFamily("tokenyard_engine_kv_bytes_per_block",
+                                     "Bytes of one KV-cache block (all layers, K and V, scales) in the stored dtype",
+                                     labels=["engine", "dtype"])
+        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block]
         for name, eng in self._engines().items():
             s = eng.stats()
             running.add_metric([name], s.num_running)
@@ -197,6 +200,8 @@ class _EngineCollector(Collector):
                     b * n for b, n in zip([*BATCH_BUCKETS, BATCH_BUCKETS[-1]], s.batch_size_counts)))
             if s.spec_proposer is not None:
                 accept.add_metric([name], s.spec_acceptance_rate)
+            if s.kv_bytes_per_block:   # 0: the engine does not report it (mock, older replica)
+                kv_block.add_metric([name, s.kv_cache_dtype], s.kv_bytes_per_block)
         return families + list(device_families())
 
 
