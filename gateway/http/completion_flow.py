@@ -111,7 +111,8 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
                             baseline_engine=gw.baseline_engine,
                             baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
                             requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
-                            prices=route.prices, policy_version=route.policy_version)
+                            prices=route.prices, policy_version=route.policy_version,
+                            context_dropped_tokens=route.context_dropped_tokens)
     priority = key.priority_class if route.priority is None else route.priority
     # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
     choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],
@@ -137,6 +138,8 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
                "x-tokenyard-policy-version": str(route.policy_version), **admitted.headers}
     if route.score is not None:
         headers["x-tokenyard-router-score"] = f"{route.score:.6f}"
+    if route.context_dropped_tokens:
+        headers["x-tokenyard-context-dropped-tokens"] = str(route.context_dropped_tokens)
     return Started(gen, req, request_id, headers)
 
 

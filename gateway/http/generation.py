@@ -242,7 +242,7 @@ class Generation:
             prices=[prices.input, prices.cached_input, prices.output],
             baseline_engine=ctx.baseline_engine or name, baseline_cost_micros=baseline.cost(p, cached, c),
             key_name=ctx.key_name, requested_max_tokens=ctx.requested_max_tokens, engine_state=ctx.engine_state,
-            policy_version=ctx.policy_version)
+            policy_version=ctx.policy_version, context_dropped_tokens=ctx.context_dropped_tokens)
         self._sink(self.record)
         self._end(p + c)
         return self.record
