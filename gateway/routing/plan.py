@@ -42,6 +42,8 @@ from gateway.http.context_trim import ContextTooLong, trim_to_fit
 from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 from gateway.http.tool_calls import template_messages
 from gateway.http.tool_request import ToolSetup
+from gateway.routing.context_route import move_to_fit
+from gateway.routing.engine_set_router import EngineSetRouter
 from policies import EngineState, RequestFeatures, TenantSpend, decide
 from policies.budgets import over_limit
 from policies.budgets import scopes as budget_scopes
@@ -112,22 +114,32 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     counting = pinned.engine if pinned is not None else gw.router.counting_engine
     tok, ids = _tokenize(gw, counting, req)
     score = None
+    chosen = None                   # an N-engine router's pick (EngineSetRouter)
     # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
     # named-engine request to the router, and the what-if replay of a future policy needs the score
     # in every usage record. Scoring is a hashed dot product (tens of microseconds).
-    if gw.learned_router is not None:
+    if isinstance(gw.learned_router, EngineSetRouter):
+        chosen = gw.learned_router.decide(_router_text(req, tok, ids), len(ids))
+        score = chosen.score
+        gw.metrics.router_score.observe(score)
+    elif gw.learned_router is not None:
         score = gw.learned_router.scorer.score(_router_text(req, tok, ids), len(ids))
         gw.metrics.router_score.observe(score)
     if policy is None:
         if pinned is not None:
             return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens)
-        if gw.learned_router is not None:
+        if chosen is not None:
+            engine, reason = chosen.engine, chosen.reason
+        elif gw.learned_router is not None:
             engine = gw.learned_router.engine_for(score)
             reason = "router"
         else:
             route = gw.router.auto(len(ids))
             engine, reason = route.engine, route.reason
-        return _finish(gw, req, tok, Plan(engine, reason, ids, score, max_tokens=req.max_tokens))
+        plan = Plan(engine, reason, ids, score, max_tokens=req.max_tokens)
+        if chosen is not None:
+            plan.explanation.append(f"router P(good): {chosen.scores}; chose {engine}")
+        return _finish(gw, req, tok, _fit(gw, req, tok, plan))
 
     import asyncio
     loop = asyncio.get_running_loop()
@@ -143,6 +155,11 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         gw.metrics.budget_checks.labels("unavailable" if not known else "reached" if reached else "within").inc()
     states = engine_states(gw, key.tenant, key.priority_class)
     d = decide(policy, features, spend, states, score, state.router_threshold)
+    if chosen is not None and d.reason == "router":
+        # An N-engine router picks among its engines; the policy's small/large threshold rule
+        # does not apply to it (budget downgrade and overflow, which set other reasons, still do).
+        d.engine = chosen.engine
+        d.explanation.append(f"N-engine router P(good) {chosen.scores}: {chosen.engine}")
     gw.metrics.policy_decisions.labels(d.action).inc()
     if d.error is not None:
         raise _refusal(d.error, states)
@@ -159,7 +176,12 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                 engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
                               for n, s in states.items()},
                 explanation=d.explanation, context_dropped_tokens=dropped)
-    return _finish(gw, req, tok, plan)
+    return _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e)))
+
+
+def _fit(gw: "Gateway", req: ChatRequest | CompletionRequest, tok: Any, plan: Plan, prices_for=None) -> Plan:
+    """A routed prompt too long for its engine's context moves to one whose context holds it."""
+    return move_to_fit(gw, plan, tok, lambda engine: _tokenize(gw, engine, req)[1], prices_for)
 
 
 def _fit_context(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int],

@@ -1,0 +1,107 @@
+"""The N-engine router and context-fit routing on the request path (mock engines, one tokenizer):
+"auto" goes to the cheapest engine whose P(good) reaches the quality target (deployment or
+artifact default); a routed prompt too long for its engine's context moves to one that holds it
+(reason "context"); a prompt no engine holds, or a pinned one, stays a 400."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from gateway_helpers import ROOT, mock_deployment, running_gateway
+
+from gateway.config.deployment import parse_deployment
+from gateway.http.app import create_app
+from gateway.state import StartupError
+from router_models.runtime.engine_set import EngineModel, EngineSet, save
+from router_models.runtime.features import DENSE_NAMES, FeatureSpec
+
+MODEL = str(ROOT / "models" / "demo-small")
+# Intercept-only models: P(good) is the same for every prompt, so the choice is known in advance.
+P_GOOD = {"small": 0.2, "medium": 0.7, "large": 0.9}
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def engine_set_artifact(path: Path, quality_target: float = 0.6) -> Path:
+    spec = FeatureSpec(dense_mean=(0.0,) * len(DENSE_NAMES), dense_scale=(1.0,) * len(DENSE_NAMES))
+    engines = [EngineModel(n, c, _logit(P_GOOD[n]), [], []) for n, c in (("small", 1.0), ("medium", 2.0),
+                                                                        ("large", 5.0))]
+    save(EngineSet(spec, engines, "quality_target", quality_target, None, [[0.0, 5.0], [1.0, 1.0]], 10), path)
+    return path
+
+
+def deployment(artifact: Path | None, lens: dict[str, int], **router) -> dict:
+    doc = mock_deployment()
+    doc["engines"] = {n: {"type": "mock", "model": MODEL, "output_len": 4, "max_model_len": lens[n]}
+                      for n in ("small", "medium", "large")}
+    doc["routing"] = {"small": "small", "large": "large", "long_prompt_tokens": 100000}
+    if artifact is not None:
+        doc["router"] = {"artifact": str(artifact), **router}
+    return doc
+
+
+def ask(srv, words: int, model: str = "auto", max_tokens: int | None = 4):
+    body = {"model": model, "messages": [{"role": "user", "content": " ".join(["word"] * words)}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return srv.chat(body)
+
+
+def test_auto_goes_to_the_cheapest_engine_reaching_the_target(tmp_path):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    with running_gateway(deployment(art, {"small": 4096, "medium": 4096, "large": 4096})) as srv:
+        status, headers, body = ask(srv, 5)
+        assert status == 200, body
+        assert headers["x-tokenyard-engine"] == "medium" and headers["x-tokenyard-route-reason"] == "router"
+        # the header carries P(the cheapest engine is good)
+        assert float(headers["x-tokenyard-router-score"]) == pytest.approx(P_GOOD["small"], abs=1e-6)
+        assert ask(srv, 5, model="large")[1]["x-tokenyard-engine"] == "large"      # a named engine is kept
+
+
+@pytest.mark.parametrize("router, engine", [({"quality_target": 0.1}, "small"), ({"quality_target": 0.8}, "large"),
+                                            ({"quality_target": 0.95}, "large")])   # none reaches it: the best
+def test_the_deployment_quality_target_overrides_the_artifact(tmp_path, router, engine):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    with running_gateway(deployment(art, {"small": 4096, "medium": 4096, "large": 4096}, **router)) as srv:
+        assert ask(srv, 5)[1]["x-tokenyard-engine"] == engine
+
+
+def test_two_engine_settings_are_refused_for_an_engine_set(tmp_path):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    dep = parse_deployment(deployment(art, {"small": 4096, "medium": 4096, "large": 4096}, threshold=0.5),
+                           base_dir=ROOT)
+    with pytest.raises(StartupError, match="quality_target"):
+        create_app(dep)
+
+
+def test_a_prompt_too_long_for_the_chosen_engine_moves_to_one_that_holds_it(tmp_path):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    with running_gateway(deployment(art, {"small": 4096, "medium": 64, "large": 4096})) as srv:
+        status, headers, body = ask(srv, 5)
+        assert status == 200 and headers["x-tokenyard-engine"] == "medium"      # fits: no move
+        status, headers, body = ask(srv, 120)
+        assert status == 200, body
+        # medium cannot hold it; the nearest engine, the pricier neighbour first, can
+        assert headers["x-tokenyard-engine"] == "large" and headers["x-tokenyard-route-reason"] == "context"
+        # prompt + max_tokens counts too: 5 words fit medium's 64 tokens, 5 words + 60 do not
+        status, headers, _ = ask(srv, 5, max_tokens=60)
+        assert status == 200 and headers["x-tokenyard-route-reason"] == "context"
+
+
+def test_the_interim_rule_moves_too_and_a_pinned_request_does_not(tmp_path):
+    with running_gateway(deployment(None, {"small": 64, "medium": 4096, "large": 4096})) as srv:
+        status, headers, body = ask(srv, 120)        # the interim rule sends it small; large holds it
+        assert status == 200, body
+        assert headers["x-tokenyard-engine"] == "large" and headers["x-tokenyard-route-reason"] == "context"
+        status, _, body = ask(srv, 120, model="small")
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_prompt_no_engine_holds_stays_a_400(tmp_path):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    with running_gateway(deployment(art, {"small": 64, "medium": 64, "large": 64})) as srv:
+        status, _, body = ask(srv, 120)
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
