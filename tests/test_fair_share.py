@@ -119,3 +119,18 @@ def test_removing_a_tenants_last_request_returns_its_share():
     q.push(_waiter("a", 10))
     assert [q.pop().tenant for _ in range(2)] == ["b", "a"]
     assert q.ahead("a", 0) == 0
+
+
+def test_tags_are_forgotten_when_the_queue_runs_empty():
+    # Thousands of one-off tenants (each queued and served alone) leave no state behind, and a
+    # tenant served a huge request before an idle moment is not held back after it.
+    q = FairQueue()
+    for i in range(5000):
+        q.push(_waiter(f"t{i}", 10))
+        q.pop()
+    q.push(_waiter("big", 1_000_000))
+    q.pop()
+    q.push(_waiter("big", 10))
+    q.push(_waiter("other", 10))
+    assert [q.pop().tenant for _ in range(2)] == ["big", "other"]     # a tie, in arrival order
+    assert len(q._classes[0].finish) == 0

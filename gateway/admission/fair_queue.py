@@ -8,10 +8,11 @@ request). The queue serves the smallest start tag first and advances the virtual
 
 What that gives: while tenants are backlogged, each is served tokens in proportion to its weight
 (weight 2 gets twice the tokens of weight 1, whatever the request sizes), and a tenant that was
-idle re-enters at the current virtual time, so it cannot bank credit while away nor be punished
-for a burst others did not see. With equal weights and equal request sizes this is round robin,
-one request each. Removal is eager (the queue is bounded and small), so the counts that wait
-prediction reads are exact.
+idle re-enters at the current virtual time, so it cannot bank credit while away. When the class's
+queue runs empty every tag is forgotten: with nobody waiting there is no share to keep, and a
+tenant is not held back later for work it was served before the idle moment. With equal weights
+and equal request sizes this is round robin, one request each. Removal is eager (the queue is
+bounded and small), so the counts that wait prediction reads are exact.
 """
 from __future__ import annotations
 
@@ -59,9 +60,20 @@ class _Class:
                 best = (tenant, q[0])
         return best
 
+    def settle(self) -> None:
+        """After a removal: with nothing queued nobody is behind anybody, so every tag can go (a
+        tenant is not held back for work done before an idle moment); else sweep idle tags."""
+        if self.depth == 0:
+            self.finish.clear()
+        else:
+            self.forget_idle()
+
     def forget_idle(self) -> None:
         # A tenant with nothing queued re-enters at the virtual time, so its old tag can go once the
-        # clock has passed it (keeps the map as small as the set of recently active tenants).
+        # clock has passed it (keeps the map as small as the set of recently active tenants). Swept
+        # only when the map has grown well past the queued tenants: amortised O(1) per pop.
+        if len(self.finish) <= 2 * len(self.tenants) + 64:
+            return
         for t in [t for t, f in self.finish.items() if f <= self.vtime and t not in self.tenants]:
             del self.finish[t]
 
@@ -103,7 +115,7 @@ class FairQueue:
                 del c.tenants[tenant]
             c.vtime = max(c.vtime, w.start)
             c.depth -= 1
-            c.forget_idle()
+            c.settle()
             return w
         raise IndexError("pop from an empty FairQueue")
 
@@ -123,6 +135,7 @@ class FairQueue:
             if c.finish.get(w.tenant) == w.finish:
                 c.finish[w.tenant] = w.start    # its last request left: give back the share it held
         c.depth -= 1
+        c.settle()
         return True
 
     def ahead(self, tenant: str, priority: int) -> int:
