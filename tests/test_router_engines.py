@@ -121,6 +121,15 @@ def test_selection_overrides_and_the_default_target(three):
     p = scorer.probabilities(test.texts[0], test.tokens[0])
     assert scorer.choose(p) == cheapest_good_enough(p, scorer.costs, es.quality_target)
     assert scorer.choose(p, quality_target=0.0) == 0
+    rng = np.random.default_rng(6)
+    ps = rng.random((200, 3))
+    ps[:20, 2] = ps[:20, 1]
+    for t in (0.2, 0.6, 0.99):
+        scorer.set_selection(quality_target=t)
+        assert [scorer.choose(q) for q in ps] == choose_all(ps, scorer.costs, quality_target=t).tolist()
+    for cap in (1.5, 3.0):
+        scorer.set_selection(cost_cap=cap)
+        assert [scorer.choose(q) for q in ps] == choose_all(ps, scorer.costs, lam=scorer.lam).tolist()
     scorer.set_selection(cost_cap=1.0)                  # a cap at the cheapest engine's cost: always it
     assert scorer.choose(p) == 0
     with pytest.raises(ValueError):
@@ -176,3 +185,17 @@ def test_two_engine_curves_match_the_threshold_curve_and_random_is_the_line():
     assert apgr(random_curve(correct, cost)) == pytest.approx(0.5, abs=1e-12)
     report, _ = evaluate_engines(P, correct, cost, ["s", "l"])
     assert report["oracle"]["apgr"] >= report["cost_cap"]["apgr"] > 0.5
+
+
+def test_cli_refuses_engine_training_without_a_cost_for_every_engine(three, tmp_path, capsys):
+    from router_models.training.cli import main
+
+    *_, path = three
+    out = tmp_path / "r.json"
+    assert main(["train", "--engine", f"mid={path}", "--cost", "demo-small=1", "--cost", "mid=2",
+                 "--out", str(out)]) == 2
+    assert "--cost missing for demo-large" in capsys.readouterr().err and not out.exists()
+    assert main(["train", "--engine", "mid", "--out", str(out)]) == 2
+    assert "--engine expects NAME=VALUE" in capsys.readouterr().err
+    assert main(["train", "--engine", f"mid={path}", "--target-large-share", "0.3", "--out", str(out)]) == 2
+    assert "two-engine setting" in capsys.readouterr().err

@@ -95,6 +95,7 @@ class EngineScorer:
         self.costs = np.array([e.cost for e in es.engines] if costs is None else costs, dtype=np.float64)
         if self.costs.shape != (len(es.engines),) or not np.all(self.costs > 0) or not np.all(np.isfinite(self.costs)):
             raise ValueError(f"engine costs must be {len(es.engines)} positive numbers, got {list(self.costs)}")
+        self._order = np.lexsort((np.arange(self.costs.size), self.costs))     # cheapest first, then position
         self.quality_target, self.lam = es.quality_target, None
         if es.method == "cost_cap" and es.cost_cap is not None:
             self.lam = lam_for_cost_cap(es.cost_table, es.cost_cap)
@@ -131,7 +132,12 @@ class EngineScorer:
         if quality_target is not None or cost_cap is not None:
             lam = lam_for_cost_cap(self.engine_set.cost_table, cost_cap) if cost_cap is not None else None
             return int(choose_all(p[None, :], self.costs, quality_target if lam is None else None, lam)[0])
-        return int(choose_all(p[None, :], self.costs, self.quality_target, self.lam)[0])
+        if self.lam is not None:         # the rules of selection.py, without its per-call set-up
+            return int(self._order[int(np.argmax((p - self.lam * self.costs)[self._order]))])
+        for i in self._order:
+            if p[i] >= self.quality_target:
+                return int(i)
+        return int(self._order[int(np.argmax(p[self._order]))])
 
 
 def load_router(path: str | Path) -> Artifact | EngineSet:

@@ -5,6 +5,8 @@
                                                              # engine, good/score per line (judgments.py)
     tokenyard router train --traffic labelled.jsonl          # operator traffic: {"prompt", "label"} per line
     tokenyard router train --target-large-share 0.25         # or --target-quality 0.95 (PGR on calibration)
+    tokenyard router train --engine demo-medium=router_models/data/engines/demo-medium.jsonl \
+        --cost demo-small=1 --cost demo-medium=2 --cost demo-large=5    # N engines: P(good) per engine
     tokenyard router eval                                    # test split -> bench/router_eval.{json,png}
 
 Operator files without `prompt_tokens` are counted with --tokenizer's tokenizer (the serving
@@ -44,6 +46,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     tr.add_argument("--folds", type=int, default=None,
                     help="0: fit on the train part, calibrate on the calibration part; k >= 2: fit on both, "
                          "calibrate on k-fold out-of-fold scores (default: train.DEFAULT_FOLDS)")
+    tr.add_argument("--engine", action="append", default=[], metavar="NAME=FILE",
+                    help="a further engine's outcomes on the suite prompts ({\"id\", \"correct\"} per line, "
+                         "bench/router_third_engine.py): trains an N-engine artifact (format version 2) with one "
+                         "P(good) model per engine; repeatable")
+    tr.add_argument("--cost", action="append", default=[], metavar="NAME=X",
+                    help="relative cost of one call per engine (N-engine training; every engine needs one)")
+    tr.add_argument("--cost-cap", type=float, default=None,
+                    help="N-engine default selection: the best engines for this mean cost per call (else the "
+                         "quality target reaching --target-quality, default 0.95, of the gap on calibration)")
     target = tr.add_mutually_exclusive_group()
     target.add_argument("--target-large-share", type=float, help="share of calls to send to the large model")
     target.add_argument("--target-quality", type=float,
@@ -85,6 +96,8 @@ def run_train(args: argparse.Namespace) -> int:
     )
 
     C = DEFAULT_C if args.C is None else args.C
+    if args.engine:
+        return _train_engines(args, C)
     objective = args.objective or DEFAULT_LABELS
     try:
         if args.traffic:
@@ -123,6 +136,46 @@ def run_train(args: argparse.Namespace) -> int:
     save(art, args.out)
     print(f"wrote {args.out}: {len(train)} train / {len(cal)} calibration prompts ({objective}), threshold "
           f"{art.threshold:.4f} ({art.threshold_method} {art.threshold_target}), {len(art.indices)} weights")
+    return 0
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{flag} expects NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def _train_engines(args: argparse.Namespace, C: float) -> int:
+    """N engines: the suite folder's pair plus each --engine file; --cost for every engine."""
+    from router_models.runtime.engine_set import save
+    from router_models.training.train_engines import engine_labels, train_engine_set
+
+    out = ROOT / "router_models" / "artifacts" / "demo_router_3.json" if args.out == str(ARTIFACT) else Path(args.out)
+    try:
+        if args.traffic or Path(args.labels).is_file():
+            raise ValueError("--engine trains from a suite label folder (--labels FOLDER)")
+        if args.target_large_share is not None:
+            raise ValueError("--target-large-share is a two-engine setting; use --cost-cap or --target-quality")
+        extra = _pairs(args.engine, "--engine")
+        costs = {k: float(v) for k, v in _pairs(args.cost, "--cost").items()}
+        data = engine_labels(args.labels, extra)
+        missing = [n for n in data["train"].names if n not in costs]
+        if missing:
+            raise ValueError(f"--cost missing for {', '.join(missing)}")
+        es, _ = train_engine_set(data["train"], data["calibration"], costs, C=C,
+                                 target_pgr=0.95 if args.target_quality is None else args.target_quality,
+                                 cost_cap=args.cost_cap,
+                                 training={"source": "suite", "folder": _rel(Path(args.labels)), "extra": extra})
+    except (OSError, ValueError) as e:
+        print(f"tokenyard router train: {e}", file=sys.stderr)
+        return 2
+    save(es, out)
+    print(f"wrote {out}: engines {', '.join(es.names)} (costs {[e.cost for e in es.engines]}), default "
+          f"{es.method} {es.quality_target if es.method == 'quality_target' else es.cost_cap}")
     return 0
 
 

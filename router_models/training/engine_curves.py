@@ -106,6 +106,6 @@ def evaluate_engines(P: np.ndarray, correct: np.ndarray, cost: np.ndarray, names
         pick = choose_all(P, cost, quality_target=quality_target)
         c, q = _point(pick, correct, cost)
         report["at_quality_target"] = {"target": quality_target, "normalised_cost": float(_norm(np.array([c]), cost)[0]),
-                                       "accuracy": q, "share": dict(zip(names, np.bincount(pick, minlength=cost.size)
-                                                                        .astype(float) / len(pick)))}
+                                       "accuracy": q, "share": dict(zip(names, (np.bincount(pick, minlength=cost.size)
+                                                                         / len(pick)).tolist()))}
     return report, curves

@@ -50,8 +50,9 @@ class EngineLabels:
 
 
 def engine_labels(folder: str | Path, extra: Mapping[str, str | Path], small: str | None = None,
-                  large: str | None = None) -> dict[str, EngineLabels]:
-    """Per split, the pair's outcomes and those of every engine in `extra` (name -> file)."""
+                  large: str | None = None, train_items: int | None = None) -> dict[str, EngineLabels]:
+    """Per split, the pair's outcomes and those of every engine in `extra` (name -> file);
+    `train_items`: the first N train rows only (an extra engine labelled on fewer)."""
     folder = Path(folder)
     manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").is_file() else {}
     small = small or Path(manifest.get("small", {}).get("model", "small")).name
@@ -69,6 +70,8 @@ def engine_labels(folder: str | Path, extra: Mapping[str, str | Path], small: st
     out = {}
     for split in SPLITS:
         rows = read_jsonl(folder / f"{split}.jsonl")
+        if split == "train" and train_items is not None:
+            rows = rows[:train_items]
         base = from_rows(rows, str(folder / f"{split}.jsonl"))
         cols = [base.small_correct, base.large_correct]
         for name in extra:
