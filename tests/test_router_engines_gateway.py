@@ -4,11 +4,12 @@ artifact default); a routed prompt too long for its engine's context moves to on
 (reason "context"); a prompt no engine holds, or a pinned one, stays a 400."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
-from gateway_helpers import ROOT, mock_deployment, running_gateway
+from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
 from gateway.config.deployment import parse_deployment
 from gateway.http.app import create_app
@@ -105,3 +106,27 @@ def test_a_prompt_no_engine_holds_stays_a_400(tmp_path):
     with running_gateway(deployment(art, {"small": 64, "medium": 64, "large": 64})) as srv:
         status, _, body = ask(srv, 120)
         assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+def test_spend_report_has_a_row_per_engine_and_route_with_three_engines(tmp_path):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    doc = deployment(art, {"small": 4096, "medium": 64, "large": 4096})
+    prices = {"small": 1, "medium": 2, "large": 5}
+    for name, engine in doc["engines"].items():
+        engine["prices"] = {"input": prices[name] * 10**8, "output": prices[name] * 4 * 10**8}
+    prefix = unique_prefix("route3")
+    doc.update(redis_url=SHARED_REDIS, redis_prefix=prefix)
+    try:
+        with running_gateway(doc) as srv:
+            sent = [ask(srv, 5), ask(srv, 120), ask(srv, 5, model="small")]     # router, context, pinned
+            assert [h["x-tokenyard-engine"] for _, h, _ in sent] == ["medium", "large", "small"]
+            wait_ledger(srv)
+            status, _, body = srv.request("GET", "/v1/spend/report?group_by=model,route")
+            rows = {(r["model"], r["route"]): r for r in json.loads(body)["data"]}
+            assert status == 200 and set(rows) == {("medium", "router"), ("large", "context"), ("small", "pinned")}
+            records = {r.engine: r for r in srv.gateway.usage.records}
+            for name, r in records.items():       # each engine's own prices; the baseline is the priciest
+                assert rows[(name, r.route_reason)]["cost_micros"] == r.cost_micros > 0
+            assert records["small"].cost_micros < records["medium"].cost_micros
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
