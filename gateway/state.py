@@ -53,7 +53,9 @@ class Gateway:
                  usage_sink: UsageSink | None, dev_key: str | None) -> None:
         self.deployment = deployment
         self.handles: dict[str, EngineHandle] = handles or {}
-        self.router = Router(list(deployment.engines) or list(self.handles), deployment.routing)
+        # Engines of the bulk pool run Batch API lines only: "auto" never picks them.
+        bulk = deployment.batch.bulk_engines
+        self.router = Router([n for n in deployment.engines if n not in bulk] or list(self.handles), deployment.routing)
         self.metrics = GatewayMetrics(lambda: {n: h.engine for n, h in self.handles.items()})
         self.metrics.slo_ttft_s = deployment.web.metrics.slo_ttft_s
         self.metrics.slo_itl_s = deployment.web.metrics.slo_itl_s
@@ -99,6 +101,9 @@ class Gateway:
                                                  lambda: (self.policy.policy, self.policy.number))
             except ValueError as e:
                 raise StartupError(str(e)) from e
+        # The Batch API (gateway/batch/service.py: /v1/files, /v1/batches and the runner), attached by
+        # create_app when Redis is configured: its runner drives the request flow, which imports this module.
+        self.batch: Any = None
         self._tasks: list[asyncio.Task] = []
         if dev_key:
             self.keys.preload(new_record(dev_key, DEV_TENANT, name="dev", role="admin"))

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from gateway.backends.replica_config import ReplicaSet, parse_replica_keys
+from gateway.batch.settings import BatchSettings, parse_batch_settings
 from gateway.config import yaml_fields
 from gateway.routing.interim_rule import Routing
 from gateway.routing.learned_router import parse_router_settings
@@ -126,6 +127,7 @@ class Deployment:
     web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access
     router: Any = None                     # router_route.RouterSettings (the `router:` section)
     policy_file: Path | None = None        # policy imported when Redis holds none (`policy:`)
+    batch: BatchSettings = field(default_factory=BatchSettings)   # `batch:` and `pools:` (the Batch API)
 
     @property
     def baseline_engine(self) -> str:
@@ -159,7 +161,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
                     "redis_pool_wait_ms", "auth", "limits",
                     "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics",
-                    "router", "policy"})
+                    "router", "policy", "batch", "pools"})
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
     _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", *Connections.__slots__})
@@ -212,6 +214,13 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
                                             dep.routing.long_prompt_tokens)
     dep.web = parse_web_settings(top, base, list(dep.engines), DeploymentError)
     _router_and_policy(top, base, dep)
+    dep.batch = parse_batch_settings(top, base, dep.engines, DeploymentError)
+    for key, engine in (("routing.small", dep.routing.small), ("routing.large", dep.routing.large),
+                        ("router.small", dep.router.small), ("router.large", dep.router.large)):
+        if engine is not None and engine in dep.batch.bulk_engines:
+            raise DeploymentError(f"{key} names {engine!r}, an engine reserved for batch work (pools.bulk)")
+    if dep.engines and set(dep.engines) <= dep.batch.bulk_engines:
+        raise DeploymentError("pools.bulk reserves every engine for batch work; interactive requests need one")
     return dep
 
 

@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.backends.engine_pool import EngineHandle, load_engines
+from gateway.batch import batch_routes, file_routes
+from gateway.batch.service import BatchService
 from gateway.config.deployment import Deployment
 from gateway.http import chat_endpoint, completions_endpoint, service_routes
 from gateway.http.errors import APIError, ServerError, error_for_status
@@ -39,6 +41,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     dev_key (else auth.dev_key / TOKENYARD_DEV_KEY): an admin key for tenant "dev" that this
     gateway knows even before Redis answers."""
     gw = Gateway(deployment, handles, usage_sink, dev_key or deployment.auth.dev_key)
+    if gw.redis is not None and deployment.batch.enabled:
+        gw.batch = BatchService(gw, gw.redis, deployment.redis_prefix, deployment.batch)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -51,6 +55,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             await h.engine.start()
         if deployment.redis_url:
             await gw.start_redis()
+            if gw.batch is not None:
+                await gw.batch.start()      # resumes the batches a stopped gateway left running
         else:
             gw.policy.start_local()
         # Everything loaded so far (torch, weights' Python objects) lives as long as the process:
@@ -61,6 +67,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             yield
         finally:
             gw.ready = False
+            if gw.batch is not None:
+                await gw.batch.stop()       # lines in flight are cut; they run again on the next start
             await gw.admission.stop()
             await gw.stop_redis()
             for h in gw.handles.values():
@@ -74,7 +82,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     routes = chat_endpoint.routes() + completions_endpoint.routes() + service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
-    routes += policy_routes.routes() + policy_page.routes()
+    routes += policy_routes.routes() + policy_page.routes() + file_routes.routes() + batch_routes.routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     # AccessLog sits inside Starlette's error middleware but outside the exception handlers, so
     # it sees every API error's final status and stamps x-request-id on error responses too.

@@ -27,21 +27,24 @@ async def chat_completions(request: Request) -> Any:
         request, lambda body, gw: parse_chat_request(body, gw.deployment.limits.max_messages), "messages")
     gen, req = started.gen, started.req
     completion_id = "chatcmpl-" + started.request_id
-    tools = req.tools if req.tools is not None and req.tools.parses_calls else None
-
-    def tool_stream() -> ToolCallStream | None:
-        return ToolCallStream(tools) if tools is not None else None
-
     if req.stream:
+        tools = req.tools if req.tools is not None and req.tools.parses_calls else None
         lim = request.app.state.gateway.deployment.limits
         return SSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,
-                           lim.stream_buffer_bytes, lim.stream_write_timeout_s, tool_stream)
+                           lim.stream_buffer_bytes, lim.stream_write_timeout_s,
+                           lambda: ToolCallStream(tools) if tools is not None else None)
+    return CompletionResponse(gen, started.headers, lambda gen: render_chat(gen, req, completion_id))
+
+
+def render_chat(gen: GenerationGroup, req: Any, completion_id: str) -> dict:
+    """The chat.completion object of a finished request (also a Batch API line's response body)."""
+    tools = req.tools if req.tools is not None and req.tools.parses_calls else None
 
     def choice(index: int, g: Generation) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": g.text, "refusal": None}
         finish = g.finish_reason
-        parser = tool_stream()
-        if parser is not None:
+        if tools is not None:
+            parser = ToolCallStream(tools)
             deltas = parser.feed(g.text)
             more, finish = parser.close(finish)
             message["content"], calls = assemble(deltas + more)
@@ -49,9 +52,6 @@ async def chat_completions(request: Request) -> Any:
                 message["tool_calls"] = calls
         return {"index": index, "message": message, "logprobs": g.logprobs_field(), "finish_reason": finish}
 
-    def render(gen: GenerationGroup) -> dict:
-        return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
-                "model": gen.handle.name, "system_fingerprint": None,
-                "choices": [choice(i, g) for i, g in enumerate(gen.choices)], "usage": gen.usage()}
-
-    return CompletionResponse(gen, started.headers, render)
+    return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+            "model": gen.handle.name, "system_fingerprint": None,
+            "choices": [choice(i, g) for i, g in enumerate(gen.choices)], "usage": gen.usage()}

@@ -16,7 +16,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from engines.core.errors import EngineDeadError, RequestError
 from engines.core.sampling_params import ParamError, SamplingParams
 from engines.core.structured_output import GrammarError
+from gateway.auth.api_keys import PRIORITIES, KeyRecord
 from gateway.http.chat_request import ChatRequest
 from gateway.http.completion_request import CompletionRequest
 from gateway.http.edge_params import json_int, parse_int, read_int
@@ -56,6 +57,28 @@ class Started:
     headers: dict[str, str]         # engine, route reason, policy version, rate limits
 
 
+@dataclass(slots=True)
+class Entry:
+    """How one request entered the gateway: its timings and where its log fields go."""
+
+    arrival: float                  # perf_counter seconds
+    deadline: float                 # event-loop time by which it must start (admission)
+    deadline_ms: int                # the same, as the budget in ms from arrival (the usage record)
+    request_id: str
+    info: dict[str, Any]            # the access log's fields (engine, route reason, the generation)
+
+
+@dataclass(slots=True)
+class BatchLane:
+    """A Batch API line's way through the flow (gateway/batch/line_runner.py); None for HTTP requests.
+    The line runs at batch priority, on the bulk pool's engine when the routed engine has one, only
+    once that engine has idle room, and is charged `price_percent` of the prices."""
+
+    price_percent: int
+    engine_for: Callable[[str], str]                 # routed engine -> the engine that runs the line
+    wait_for_room: Callable[[str], Awaitable[None]]  # returns when the engine has idle room for one more
+
+
 async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], AnyRequest],
                            prompt_param: str) -> Started:
     """prompt_param: the parameter a too-long prompt is blamed on ("messages", "prompt")."""
@@ -72,9 +95,26 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     elapsed = time.perf_counter() - arrival
     deadline = gw.admission.deadline(_deadline_header(request), elapsed)
     deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
+    entry = Entry(arrival, deadline, deadline_ms, info.get("request_id") or secrets.token_hex(12), info)
+    return await generate(gw, req, key, prompt_param, entry)
+
+
+async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param: str, entry: Entry,
+                   lane: BatchLane | None = None) -> Started:
+    """Everything after authentication, for an HTTP request and a Batch API line alike: policy and
+    route, context checks, limits, admission, and the start in the engine."""
+    arrival, deadline, info = entry.arrival, entry.deadline, entry.info
     # Policy and route: rules, the learned router, budget, overflow; may refuse here.
     route = await plan_route(gw, req, key, deadline)
-    handle = gw.handles[route.engine]
+    priority = key.priority_class if route.priority is None else route.priority
+    engine = route.engine
+    if lane is not None:
+        priority = PRIORITIES.index("batch")
+        engine = lane.engine_for(route.engine)
+    elif engine in gw.deployment.batch.bulk_engines:
+        raise BadRequest(f"Engine {engine} is reserved for Batch API work (pools.bulk); send this request to "
+                         f"another model or through /v1/batches", param="model", code="model_reserved_for_batch")
+    handle = gw.handles[engine]
     max_len = handle.engine.max_model_len
     all_ids = _all_prompt_ids(req, route.prompt_ids, handle.tokenizer)
     prompt_ids = max(all_ids, key=len)
@@ -99,25 +139,30 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     except GrammarError as e:   # the schema is over the size limit
         raise BadRequest(str(e), param=grammar_param, code=f"invalid_{grammar_param}") from e
     info.update(engine=handle.name, route_reason=route.reason)
+    if lane is not None:
+        await lane.wait_for_room(handle.name)
     # n choices per prompt may each run to max_tokens; each prompt is computed (and charged) once.
     num_choices = len(all_ids) * req.n
     admitted = await gw.gatekeeper.enter(key, handle.name, sum(len(ids) for ids in all_ids), max_tokens * num_choices,
-                                         deadline, route.priority, route.rate)
-    request_id = info.get("request_id") or secrets.token_hex(12)
+                                         deadline, priority, route.rate)
+    request_id = entry.request_id
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
+    # The policy's prices (else the routed engine's: a bulk pool engine bills as the engine it stands in for).
+    prices = route.prices or (gw.handles[route.engine].prices if lane is not None else None)
     # Everything the usage record needs besides the engine's counts (the policy replay reads it too).
     context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id, tags=req.metadata,
-                            user=req.user, router_score=route.score, deadline_ms=deadline_ms,
+                            user=req.user, router_score=route.score, deadline_ms=entry.deadline_ms,
                             baseline_engine=gw.baseline_engine,
                             baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
                             requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
-                            prices=route.prices, policy_version=route.policy_version,
+                            prices=prices, policy_version=route.policy_version,
                             context_dropped_tokens=route.context_dropped_tokens)
-    priority = key.priority_class if route.priority is None else route.priority
+    percent = 100 if lane is None else lane.price_percent
     # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
     choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],
                           params[k % req.n], req.model, route.reason, req.stream, arrival, time.time(), gw.metrics,
-                          gw.usage_sink, priority=priority, tenant=key.tenant, context=context)
+                          gw.usage_sink, priority=priority, tenant=key.tenant, context=context,
+                          price_percent=percent)
                for k in range(num_choices)]
     for g in choices:
         g.grammar_param = grammar_param
@@ -166,27 +211,32 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
     except ClientDisconnect:   # left mid-body: a 499 in the access log and metrics, not an unhandled error
         raise ClientClosed("The client closed the connection before sending the whole body",
                            code="client_disconnected") from None
-    raw = b"".join(chunks)
+    return decode_json(b"".join(chunks), max_depth)
+
+
+def decode_json(raw: bytes, max_depth: int, what: str = "Request body") -> Any:
+    """The JSON document in `raw` under the edge's rules (UTF-8, depth, no lone surrogates), or a 400
+    that starts with `what` (a Batch API input line says which line)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRequest(f"Request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
+        raise BadRequest(f"{what} is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from e
     try:
         body = json.loads(text, parse_int=json_int)
     except json.JSONDecodeError as e:
-        raise BadRequest(f"Request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+        raise BadRequest(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                          code="invalid_json") from e
     except RecursionError as e:
-        raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep") from e
+        raise BadRequest(f"{what} nests deeper than {max_depth} levels", code="json_too_deep") from e
     except ValueError as e:     # an integer literal too long to be any parameter's value
-        raise BadRequest(f"Request body is not valid JSON: {e}", code="invalid_json") from e
+        raise BadRequest(f"{what} is not valid JSON: {e}", code="invalid_json") from e
     if _depth(body, max_depth) > max_depth:
-        raise BadRequest(f"Request body nests deeper than {max_depth} levels", code="json_too_deep")
+        raise BadRequest(f"{what} nests deeper than {max_depth} levels", code="json_too_deep")
     where = _unpaired_surrogate(body)
     if where is not None:
         # JSON's \ud800 escape decodes to a lone surrogate that no reply, log line or Redis write
         # can encode back as UTF-8; refused here so nothing downstream ever holds one.
-        raise BadRequest("Request body contains an unpaired UTF-16 surrogate escape", param=where or None,
+        raise BadRequest(f"{what} contains an unpaired UTF-16 surrogate escape", param=where or None,
                          code="invalid_encoding")
     return body
 

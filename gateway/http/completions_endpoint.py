@@ -30,11 +30,13 @@ async def completions(request: Request) -> Any:
         return TextSSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,
                                lim.stream_buffer_bytes, lim.stream_write_timeout_s)
 
-    def render(gen: GenerationGroup) -> dict:
-        return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
-                "model": gen.handle.name, "system_fingerprint": None,
-                "choices": [{"text": g.text, "index": i, "logprobs": g.legacy_logprobs_field(),
-                             "finish_reason": g.finish_reason} for i, g in enumerate(gen.choices)],
-                "usage": gen.usage()}
+    return CompletionResponse(gen, started.headers, lambda gen: render_text(gen, completion_id))
 
-    return CompletionResponse(gen, started.headers, render)
+
+def render_text(gen: GenerationGroup, completion_id: str) -> dict:
+    """The text_completion object of a finished request (also a Batch API line's response body)."""
+    return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
+            "model": gen.handle.name, "system_fingerprint": None,
+            "choices": [{"text": g.text, "index": i, "logprobs": g.legacy_logprobs_field(),
+                         "finish_reason": g.finish_reason} for i, g in enumerate(gen.choices)],
+            "usage": gen.usage()}

@@ -49,7 +49,8 @@ class Generation:
                  requested_model: str, route_reason: str, stream: bool, arrival: float, arrival_wall: float,
                  metrics: GatewayMetrics, sink: UsageSink, priority: int = 0, tenant: str = "",
                  on_end: Callable[[int | None], None] | None = None, context: RecordContext | None = None,
-                 on_first_token: Callable[[], None] | None = None, counted: bool = True) -> None:
+                 on_first_token: Callable[[], None] | None = None, counted: bool = True,
+                 price_percent: int = 100) -> None:
         self.handle = handle
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -67,6 +68,7 @@ class Generation:
         self._on_end = on_end                  # gets the tokens used (None: never ran): refund, free the slot
         self._on_first_token = on_first_token  # called once, when the prompt's prefill is done
         self._counted = counted                # False: another choice of the same request counts it
+        self.price_percent = price_percent     # share of the prices charged: 100, or the policy's batch price
         self._bucket = prompt_bucket(len(prompt_ids))
         self._text = TextStream(handle.tokenizer, params, prompt_ids)
         self._engine_stream: RequestStream | None = None
@@ -235,12 +237,13 @@ class Generation:
         self.record = UsageRecord(
             request_id=self.request_id, time=self.arrival_wall, engine=name, requested_model=self.requested_model,
             route_reason=self.route_reason, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
-            cost_micros=prices.cost(p, cached, c), status=status, finish_reason=self.finish_reason,
+            cost_micros=prices.cost(p, cached, c, self.price_percent), status=status, finish_reason=self.finish_reason,
             ttft_s=ttft, e2e_s=now - self.arrival, stream=self.stream, tenant=ctx.tenant or self.tenant,
             key_id=ctx.key_id, client_request_id=ctx.client_request_id, router_score=ctx.router_score,
             tags=dict(ctx.tags), user=ctx.user, deadline_ms=ctx.deadline_ms, max_tokens=self.params.max_tokens,
             prices=[prices.input, prices.cached_input, prices.output],
-            baseline_engine=ctx.baseline_engine or name, baseline_cost_micros=baseline.cost(p, cached, c),
+            baseline_engine=ctx.baseline_engine or name,
+            baseline_cost_micros=baseline.cost(p, cached, c, self.price_percent),
             key_name=ctx.key_name, requested_max_tokens=ctx.requested_max_tokens, engine_state=ctx.engine_state,
             policy_version=ctx.policy_version, context_dropped_tokens=ctx.context_dropped_tokens)
         self._sink(self.record)

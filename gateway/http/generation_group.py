@@ -204,8 +204,8 @@ class GenerationGroup:
         worst = max((r.status for r in records), key=lambda s: _STATUS_ORDER.index(s) if s in _STATUS_ORDER else 0)
         self.record = dataclasses.replace(
             first, request_id=first.request_id, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
-            cost_micros=prices.cost(p, cached, c),
-            baseline_cost_micros=baseline.cost(p, cached, c), status=worst,
+            cost_micros=prices.cost(p, cached, c, self.first.price_percent),
+            baseline_cost_micros=baseline.cost(p, cached, c, self.first.price_percent), status=worst,
             e2e_s=max(r.e2e_s for r in records), max_tokens=first.max_tokens * len(self.choices))
         self._sink(self.record)
         return self.record

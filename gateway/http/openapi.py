@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from engines.core.structured_output import MAX_SCHEMA_CHARS
+from gateway.batch.openapi_paths import batch_paths
 from gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
 from gateway.http.completion_request import MAX_CHOICES, MAX_LOGPROBS, MAX_PROMPTS
 from gateway.http.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
@@ -279,6 +280,7 @@ def openapi_schema() -> dict[str, Any]:
             **_spend_paths(auth),
             **_dashboard_paths(),
             **_policy_paths(auth),
+            **batch_paths(auth),
         },
     }
 

@@ -1,0 +1,290 @@
+"""Runs batches: claims them, feeds their lines through the request flow, and finalizes them.
+
+    runner = BatchRunner(gw, store, files, storage, settings)
+    runner.start()            # looks for open batches every batch.poll_s (new ones, or a dead gateway's)
+    runner.wake()             # a batch was just created: look now
+    runner.cancel(batch_id)   # abort its running lines now (the route has already marked it cancelling)
+    await runner.stop()       # lines in flight are cut; their batches resume on the next start
+
+One task per batch this gateway holds the lease of (batch_store.py). Lines are read from the input
+file in order; a line that already has an answer in Redis is skipped, so a restarted gateway (or
+another one, once the lease has lapsed) resumes where the last one stopped and answers each line
+exactly once. At most batch.max_in_flight lines run at once in this gateway, over all batches;
+each one waits for idle capacity (idle_capacity.py). Every lease_s / 3 the lease is renewed and the
+status re-read (a cancel made through another gateway) and the expiry checked.
+
+Statuses: validating -> in_progress -> finalizing -> completed; in_progress -> failed when the
+input file is gone; cancelling -> cancelled (lines in flight are aborted at once, in the engine's
+next step; every line without an answer is answered "batch_cancelled"); past expires_at ->
+expired (unanswered lines: "batch_expired"). Every line ends in exactly one of the two files.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gateway.batch.batch_store import BatchStore
+from gateway.batch.file_records import FileRecords
+from gateway.batch.file_storage import FileStorage, line_chunks
+from gateway.batch.finalize import close_chunks, write_results
+from gateway.batch.idle_capacity import IdleCapacity
+from gateway.batch.line_runner import RetryLater, run_line
+from gateway.batch.settings import BatchSettings
+from gateway.http.completion_flow import BatchLane
+from gateway.http.errors import APIError, Unauthorized
+from gateway.http.generation_group import GenerationGroup
+from policies.schema import DEFAULT_BATCH_PRICE_PERCENT
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+log = logging.getLogger("tokenyard.batch")
+READ_LINES = 256        # input lines read from storage at a time
+
+
+@dataclass(slots=True)
+class _Run:
+    """One batch being run by this gateway."""
+
+    id: str
+    rec: dict[str, str]
+    stop: str | None = None                  # "cancelled" / "expired" / "paused" (gateway stops, lease lost)
+    running: dict[int, GenerationGroup] = field(default_factory=dict)   # line index -> its request in flight
+    task: asyncio.Task | None = None
+
+    def halt(self, why: str) -> None:
+        if self.stop is None or why == "cancelled":
+            self.stop = why
+        if why in ("cancelled", "expired"):
+            for gen in list(self.running.values()):
+                gen.abort(why)
+
+
+class BatchRunner:
+    def __init__(self, gw: "Gateway", store: BatchStore, files: FileRecords, storage: FileStorage,
+                 settings: BatchSettings) -> None:
+        self.gw = gw
+        self.store = store
+        self.files = files
+        self.storage = storage
+        self.settings = settings
+        self.owner = secrets.token_hex(8)    # this gateway process, in lease records
+        self.capacity = IdleCapacity(gw.admission, settings.idle_share, settings.bulk_engines)
+        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._runs: dict[str, _Run] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._poll(), name="batch-runner")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        run = self._runs.get(batch_id)
+        if run is not None:
+            run.halt("cancelled")
+
+    async def stop(self) -> None:
+        held = list(self._runs)
+        tasks = [t for t in [self._loop_task, *(r.task for r in self._runs.values())] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Handing the leases back lets the next start (or another gateway) resume at once.
+        for batch_id in held:
+            try:
+                await self.store.release(batch_id, self.owner)
+            except Exception as e:  # noqa: BLE001 - Redis gone: the lease lapses after lease_s
+                log.warning("could not release the lease on %s: %s", batch_id, e)
+        self._runs.clear()
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                for batch_id in await self.store.open_ids():
+                    if batch_id not in self._runs and not self.gw.draining:
+                        if await self.store.hold(batch_id, self.owner, self.settings.lease_s):
+                            run = _Run(batch_id, {})
+                            self._runs[batch_id] = run
+                            run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"batch-{batch_id}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Redis down: try again next round
+                log.warning("batch runner: cannot list open batches: %s", e)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    # -- one batch -----------------------------------------------------------------------------
+    async def _run(self, run: _Run) -> None:
+        keeper = asyncio.get_running_loop().create_task(self._keep(run))
+        try:
+            run.rec = await self.store.get(run.id)
+            status = run.rec["status"]
+            if status == "validating":
+                status = await self._validate(run)
+            if status == "in_progress":
+                await self._feed(run)
+                status = (await self.store.get(run.id))["status"]
+            if run.stop == "paused":
+                return
+            if status in ("in_progress", "cancelling", "finalizing"):
+                await self._finish(run, status)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - logged; the batch stays open and is picked up again
+            log.exception("batch %s: run failed; it resumes on the next claim", run.id)
+        finally:
+            keeper.cancel()
+            self._runs.pop(run.id, None)
+            if not asyncio.current_task().cancelling():
+                try:
+                    await self.store.release(run.id, self.owner)
+                except Exception:  # noqa: BLE001 - the lease lapses by itself
+                    pass
+
+    async def _keep(self, run: _Run) -> None:
+        """Renew the lease; notice a cancel made elsewhere and the expiry."""
+        every = self.settings.lease_s / 3
+        while True:
+            await asyncio.sleep(min(every, self.settings.poll_s))
+            try:
+                if not await self.store.hold(run.id, self.owner, self.settings.lease_s):
+                    log.warning("batch %s: lease taken by another gateway; stopping here", run.id)
+                    run.halt("paused")
+                    return
+                rec = await self.store.get(run.id)
+            except Exception as e:  # noqa: BLE001 - Redis hiccup: keep going, try again
+                log.warning("batch %s: lease renewal failed: %s", run.id, e)
+                continue
+            if rec["status"] == "cancelling":
+                run.halt("cancelled")
+            elif time.time() >= int(rec["expires_at"]):
+                run.halt("expired")
+
+    async def _validate(self, run: _Run) -> str:
+        tenant, file_id = run.rec["tenant"], run.rec["input_file_id"]
+        try:
+            await self.files.get(tenant, file_id)
+            await asyncio.to_thread(lambda: self.storage.open(tenant, file_id).close())
+        except (APIError, OSError) as e:
+            errors = {"object": "list", "data": [{"code": "invalid_input_file", "line": None, "param": "input_file_id",
+                                                  "message": f"The input file {file_id} cannot be read: {e}"}]}
+            await self.store.set_fields(run.id, errors=json.dumps(errors))
+            await self.store.move(run.id, "failed", ("validating",), "failed_at")
+            return "failed"
+        if await self.store.move(run.id, "in_progress", ("validating",), "in_progress_at"):
+            return "in_progress"
+        return (await self.store.get(run.id))["status"]
+
+    async def _feed(self, run: _Run) -> None:
+        """Start every unanswered line (at most max_in_flight at once), then wait for them."""
+        answered = await self.store.answered(run.id)
+        tasks: set[asyncio.Task] = set()
+        lines = line_chunks(self.storage, run.rec["tenant"], run.rec["input_file_id"], READ_LINES)
+        try:
+            while run.stop is None:
+                chunk = await asyncio.to_thread(next, lines, None)
+                if chunk is None:
+                    break
+                for index, raw in chunk:
+                    if index in answered:
+                        continue
+                    await self._slots.acquire()
+                    if self.gw.draining:
+                        run.halt("paused")
+                    if run.stop is not None:
+                        self._slots.release()
+                        break
+                    task = asyncio.get_running_loop().create_task(self._line(run, index, raw))
+                    tasks.add(task)
+                    task.add_done_callback(lambda t: self._line_done(run, tasks, t))
+            await asyncio.gather(*list(tasks), return_exceptions=True)
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            close_chunks(lines)
+
+    def _line_done(self, run: _Run, tasks: set[asyncio.Task], task: asyncio.Task) -> None:
+        tasks.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:   # not recorded: it runs again later
+            log.warning("batch %s: a line's answer was not recorded: %r", run.id, task.exception())
+
+    async def _line(self, run: _Run, index: int, raw: bytes) -> None:
+        obj = json.loads(raw)           # checked at upload (input_check.py)
+        custom_id, url, endpoint = obj["custom_id"], obj["url"], run.rec["endpoint"]
+        request_id = f"{run.id}-{index}"
+        response: dict[str, Any] | None = None
+        if url != endpoint:
+            body = APIError(f"url {url} differs from the batch's endpoint {endpoint}", param="url",
+                            code="invalid_url").body()
+            response = {"status_code": 400, "request_id": request_id, "body": body}
+        while response is None and run.stop is None:
+            try:
+                key = await self.gw.keys.lookup(run.rec["key_id"])
+                if key is None or key.revoked is not None:
+                    err = Unauthorized("The API key that created this batch has been revoked", code="invalid_api_key")
+                    response = {"status_code": 401, "request_id": request_id, "body": err.body()}
+                    break
+                response = await run_line(self.gw, key, url, obj["body"], request_id, self._lane(),
+                                          lambda gen: run.running.__setitem__(index, gen))
+                if response is None:    # aborted by a cancel or the expiry: answered with the rest
+                    return
+            except RetryLater as e:
+                await asyncio.sleep(e.after_s)
+            except APIError as e:       # e.g. keys unverifiable: wait and try again
+                await asyncio.sleep(1.0)
+                log.debug("batch %s line %d: %s", run.id, index, e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug must cost one line, never the batch
+                log.exception("batch %s line %d failed", run.id, index)
+                err = APIError("The gateway failed while running this line", code="internal_error")
+                response = {"status_code": 500, "request_id": request_id, "body": err.body()}
+            finally:
+                run.running.pop(index, None)
+        if response is None:
+            return
+        ok = response["status_code"] == 200
+        line = json.dumps({"id": "batch_req_" + secrets.token_hex(12), "custom_id": custom_id,
+                           "response": response, "error": None}, ensure_ascii=False)
+        await self.store.answer(run.id, index, ok, line)
+
+    def _lane(self) -> BatchLane:
+        policy = self.gw.policy.policy
+        percent = DEFAULT_BATCH_PRICE_PERCENT if policy is None else policy.batch_price_percent
+        bulk = self.settings.bulk
+        return BatchLane(percent, lambda engine: bulk.get(engine, engine), self.capacity.wait)
+
+    # -- the end -------------------------------------------------------------------------------
+    async def _finish(self, run: _Run, status: str) -> None:
+        """Answer what is left (cancelled / expired), write the files, reach the final status."""
+        if status == "in_progress" and run.stop is None:
+            missing = int(run.rec["total"]) - len(await self.store.answered(run.id))
+            if missing:     # an answer was lost (e.g. Redis failed mid-line): run them again later
+                raise RuntimeError(f"{missing} lines have no answer yet")
+            if not await self.store.move(run.id, "finalizing", ("in_progress",), "finalizing_at"):
+                status = (await self.store.get(run.id))["status"]
+            else:
+                status = "finalizing"
+        if status == "finalizing":
+            final, time_field, allowed = "completed", "completed_at", ("finalizing",)
+        elif status == "cancelling" or run.stop == "cancelled":
+            final, time_field, allowed = "cancelled", "cancelled_at", ("cancelling",)
+        else:   # still in progress past its window
+            final, time_field, allowed = "expired", "expired_at", ("in_progress",)
+        rec = await self.store.get(run.id)
+        await write_results(self.store, self.files, self.storage, rec, "batch_" + final if final != "completed"
+                            else None)
+        await self.store.move(run.id, final, allowed, time_field)

@@ -1,0 +1,36 @@
+"""The Batch API's parts, built once per gateway (gateway/state.py): file storage, file and batch
+records in Redis, and the runner. Without Redis (tests that build an app without one) there is none,
+and /v1/files and /v1/batches answer 503 batch_unavailable.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from gateway.batch.batch_runner import BatchRunner
+from gateway.batch.batch_store import BatchStore
+from gateway.batch.file_records import FileRecords
+from gateway.batch.file_storage import DiskStorage, FileStorage
+from gateway.batch.settings import BatchSettings
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+
+class BatchService:
+    def __init__(self, gw: "Gateway", redis: Any, prefix: str, settings: BatchSettings,
+                 storage: FileStorage | None = None) -> None:
+        self.settings = settings
+        self.storage: FileStorage = storage or DiskStorage(settings.data_dir)
+        self.files = FileRecords(redis, prefix)
+        self.batches = BatchStore(redis, prefix)
+        self.runner = BatchRunner(gw, self.batches, self.files, self.storage, settings)
+
+    async def start(self) -> None:
+        sweep = getattr(self.storage, "sweep", None)
+        if sweep is not None:
+            await asyncio.to_thread(sweep)
+        self.runner.start()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
