@@ -77,7 +77,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes [..., head_dim], scale [...] -> values [..., head_dim] in dtype."""
-    return codes.to(dtype).mul_(scale[..., None].to(dtype))
+    if codes.dtype == torch.int8:
+        # One pass: int8 x float promotes to the float inside the multiply's loop.
+        return torch.mul(codes, scale[..., None].to(dtype))
+    return codes.to(dtype).mul_(scale[..., None].to(dtype))   # float8 has no implicit promotion
 
 
 def allocate(num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype,
