@@ -50,6 +50,16 @@ class EngineConfig:
       short-lived engines).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
+      Combines with quantization: each rank keeps its slice of the single-process quantised
+      weights and their scales (engines/quant/tp_shard.py).
+    pipeline_parallel_size: stages the decoder layers are split into (contiguous runs; the
+      embedding on the first, the final norm and LM head on the last); each stage is a process
+      (tensor_parallel_size processes under TP: tp x pp ranks in all), activations go stage to
+      stage by point-to-point ops, and up to P micro-batches of disjoint sequences are in flight
+      (engines/pp). Rank 0 schedules and samples. With MASTER_ADDR, MASTER_PORT, WORLD_SIZE and
+      RANK set (torchrun, a Kubernetes job), any multi-rank engine meets its ranks there instead
+      of spawning them (docs/kubernetes.md). Speculative decoding is refused with P > 1; CUDA
+      graphs and cpu_compile stay off on pipeline ranks.
     speculative_method: "none", "ngram" (prompt lookup) or "draft" (draft_model proposes).
     num_speculative_tokens: tokens proposed per sequence and step (k).
     draft_model: checkpoint folder of the draft; it must share the target's tokenizer.
@@ -81,6 +91,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 128
     cpu_compile: str = "off"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     tp_timeout_s: float = 60.0
     speculative_method: str = "none"
     num_speculative_tokens: int = 4
@@ -122,6 +133,13 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.pipeline_parallel_size, int) or isinstance(self.pipeline_parallel_size, bool) \
+                or self.pipeline_parallel_size <= 0:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {self.pipeline_parallel_size!r}")
+        if self.pipeline_parallel_size > 1 and self.speculative_method != "none":
+            raise ValueError(f"speculative_method {self.speculative_method} is not supported with "
+                             f"pipeline_parallel_size > 1 (verification would need the draft's tokens back "
+                             f"before the next micro-batch): use one or the other")
         if not isinstance(self.tp_timeout_s, (int, float)) or self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
         if self.speculative_method not in ("none", "ngram", "draft"):
@@ -140,8 +158,6 @@ class EngineConfig:
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
-        if self.quantization != "none" and self.tensor_parallel_size > 1:
-            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: use one or the other")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

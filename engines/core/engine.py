@@ -27,7 +27,7 @@ from engines.core.errors import EngineDeadError, RequestError
 from engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from engines.core.request_inbox import RequestInbox
 from engines.core.sampling_params import SamplingParams
-from engines.core.scheduler import Scheduler, SchedulerConfig
+from engines.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engines.core.sequence import Sequence
 from engines.core.structured_output import GrammarError, Grammars
 from engines.model import kv_cache
@@ -35,6 +35,7 @@ from engines.model.attention import resolve_backend
 from engines.model.cpu_allocator import keep_freed_memory
 from engines.model.model_config import ModelConfig
 from engines.model.model_runner import ModelRunner
+from engines.pp.pipeline_runner import uses_pipeline
 from engines.tp.tensor_parallel import check_divisible, shard_model_
 from engines.weights.engine_model import load_engine_model
 
@@ -68,9 +69,19 @@ class Engine:
         tp = cfg.tensor_parallel_size
         if tp > 1:
             check_divisible(mcfg, tp)  # before any worker starts
-        # Plain, quantised at load (cfg.quantization), or a pre-quantised checkpoint as stored.
-        self.model, self.model_config = load_engine_model(model_dir, self.dtype, self.device, max_len, cfg.progress,
-                                                          mcfg, cfg.quantization, cfg.quant_group_size)
+        self.micro = None   # pipeline parallelism: the micro-batch stepper (engines.pp)
+        pipelined = uses_pipeline(cfg)
+        if pipelined:
+            # Pipeline stages, quantised TP, or ranks met through the torch.distributed
+            # environment: every rank loads its own part; rank 0 keeps stage 0's.
+            from engines.pp.pipeline_runner import start_pipeline
+            self.runner = start_pipeline(cfg, model_dir, self.dtype, self.device, max_len, num_blocks)
+            self.model, self.model_config = self.runner.model, self.runner.model_config
+        else:
+            # Plain, quantised at load (cfg.quantization), or a pre-quantised checkpoint as stored.
+            self.model, self.model_config = load_engine_model(model_dir, self.dtype, self.device, max_len,
+                                                              cfg.progress, mcfg, cfg.quantization,
+                                                              cfg.quant_group_size)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -79,7 +90,11 @@ class Engine:
                             watermark_blocks=max(1, num_blocks // 100)),
             self.blocks)
         self._dead: str | None = None
-        if tp > 1:
+        if pipelined:
+            if cfg.pipeline_parallel_size > 1:
+                from engines.pp.micro_batches import MicroBatcher
+                self.micro = MicroBatcher(self, cfg.pipeline_parallel_size)
+        elif tp > 1:
             self.runner = self._start_tensor_parallel(model_dir, num_blocks)
         else:
             kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device,
@@ -137,28 +152,36 @@ class Engine:
         return self._inbox.has_live
 
     def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        new, aborts = self._inbox.take()
-        for seq in new:
-            self.scheduler.add(seq)
-        for rid in aborts:
-            seq = self._inbox.get(rid)
-            if seq is not None and not seq.is_finished:
-                outputs.append(self._finish(seq, "abort", []))
+        if self.micro is not None:   # pipeline parallelism: batches overlap (engines.pp.micro_batches)
+            return self.micro.step()
+        outputs = [self._finish(seq, "abort", []) for seq in self._take_aborts()]
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.chunks:
             return outputs
-        samples = [c.samples for c in batch.chunks]
-        prefill = sum(c.num_tokens for c in batch.chunks if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
         try:
             if self.spec is not None:
                 results = [(r.new_tokens, r.num_computed) for r in self.spec.execute(batch)]
             else:
                 tokens = iter(self.runner.execute(batch))
-                results = [([next(tokens)] if s else [], c.num_tokens) for c, s in zip(batch.chunks, samples)]
+                results = [([next(tokens)] if c.samples else [], c.num_tokens) for c in batch.chunks]
         except Exception as exc:  # noqa: BLE001 - the step's state is unknown: fail everything
             return outputs + self._fail_all(exc)
+        return outputs + self._apply(batch, results, t0)
+
+    def _take_aborts(self) -> list[Sequence]:
+        """Queue the new requests; return the live sequences whose abort was asked for."""
+        new, aborts = self._inbox.take()
+        for seq in new:
+            self.scheduler.add(seq)
+        live = (self._inbox.get(rid) for rid in aborts)
+        return [seq for seq in live if seq is not None and not seq.is_finished]
+
+    def _apply(self, batch: SchedulerOutput, results: list[tuple[list[int], int]], t0: float) -> list[StepOutput]:
+        """Apply a computed batch: per chunk (new tokens, tokens computed). Returns the outputs."""
+        outputs: list[StepOutput] = []
+        samples = [c.samples for c in batch.chunks]
+        prefill = sum(c.num_tokens for c in batch.chunks if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
         for chunk, sampled, (new_tokens, num_computed) in zip(batch.chunks, samples, results):
             seq = chunk.seq
             seq.num_computed_tokens += num_computed

@@ -13,6 +13,7 @@ recompute: its blocks are freed and it waits again with its generated tokens kep
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engines.core.block_manager import BlockManager
@@ -74,7 +75,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: Collection[Sequence] = ()) -> SchedulerOutput:
+        """busy: running sequences in a batch still being computed (pipeline micro-batches,
+        engines/pp/micro_batches.py): they are neither scheduled nor preempted this step."""
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         scheduled: dict[int, ScheduledChunk] = {}
@@ -84,11 +87,12 @@ class Scheduler:
         for seq in order:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq in busy:
+                continue  # preempted earlier in this loop, or in flight
             n = self._chunk_len(seq, budget)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
-                victim = max(self.running, key=Sequence.sort_key)
+                # seq itself is always a candidate, so there is one.
+                victim = max((s for s in self.running if s not in busy), key=Sequence.sort_key)
                 dropped = scheduled.pop(id(victim), None)
                 if dropped is not None:
                     budget += dropped.num_tokens
