@@ -17,12 +17,18 @@ and keeps only what its backend reads:
 - "triton": `kernels.quant_matmul_triton` reads the stored layout directly (CUDA).
 - "torch": `kernels.quant_matmul_torch`, the reference (dequantises per call: slow, exact in
   fp32); used where a packed op is missing or a shape does not suit it.
+The environment variable TOKENYARD_QUANT_BACKEND (cpu, triton or torch) replaces "auto" when set,
+in every process of an engine (its tensor/pipeline-parallel workers inherit it): the reference
+backend makes a quantised engine's fp32 math comparable across rank counts (the packed CPU ops
+round each partial product to bf16), which the quantised tensor-parallel tests rely on.
 
 On the "cpu" backend, calls with at least INT8_DENSE_MIN_ROWS / INT4_DENSE_MIN_ROWS rows (prefill)
 dequantise the packed weight to bf16 tile by tile and run dense bf16 GEMMs instead of the packed
 op: the same weights (the packed op's, rounded to bf16), at the GEMM's rate (see the constants).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -49,6 +55,10 @@ _INT4_MM = _cpu_op("_weight_int4pack_mm_for_cpu")
 def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: int) -> str:
     if requested not in BACKENDS:
         raise ValueError(f"unknown quantised matmul backend {requested!r}; available: {', '.join(BACKENDS)}")
+    if requested == "auto":
+        requested = os.environ.get("TOKENYARD_QUANT_BACKEND", "auto").strip().lower() or "auto"
+        if requested not in BACKENDS:
+            raise ValueError(f"TOKENYARD_QUANT_BACKEND must be one of {', '.join(BACKENDS)}, got {requested!r}")
     if requested != "auto":
         return requested
     if device.type == "cuda":
