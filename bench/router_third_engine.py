@@ -3,12 +3,13 @@ pair's sizes, trained like them, and its replies to every router label prompt.
 
     python -m bench.router_third_engine train   [--steps 1200]     # models/demo-medium
     python -m bench.router_third_engine label   [--model models/demo-medium --name demo-medium]
-    python -m bench.router_third_engine pilot   [--items 64 --model ...]   # items/s and accuracy, writes nothing
+    python -m bench.router_third_engine pilot   [--items 64 --model smollm2 --name smollm2]   # items/s, accuracy
 
-Why a demo size and not SmolLM2-135M-Instruct: on 64 test prompts of the router's label set the real
-model answered none correctly (0/64, 2.7 items/s; the demo pair: 20/64 and 28/64). It was never
-trained on the suite's formats or its made-up facts, so as a third engine it would never be the
-cheapest one good enough for anything; `pilot --model smollm2` repeats that measurement.
+Why a demo size and not SmolLM2-135M-Instruct: on the first 64 test prompts of the router's label
+set the real model answered none correctly (0/64; the demo pair: 20/64 and 28/64;
+`pilot --model smollm2 --name smollm2` -> bench/results/router_third_engine_pilot_smollm2.json).
+It was never trained on the suite's formats or its made-up facts, so as a third engine it would
+never be the cheapest one good enough for anything.
 
 `train`: demo.train.train with the "medium" spec below (the small model's width, twice its depth),
 the pair's tokenizer (models/demo-small's files, so the three count prompts alike) and the pair's
@@ -94,15 +95,22 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_pilot(args: argparse.Namespace) -> int:
+    """Items/s and correct answers on the first test prompts; bench/results/router_third_engine_pilot_<name>.json."""
+    from bench.results_io import RunRecorder
+
+    rec = RunRecorder(f"router_third_engine_pilot_{args.name}")
     rows = _rows("test")[: args.items]
     llm = _engine(args.model)
     t0 = time.perf_counter()
     replies = _replies(llm, rows)
     dt = time.perf_counter() - t0
     ok = sum(_judge(r, t) for r, t in zip(rows, replies))
-    print(json.dumps({"model": args.model, "items": len(rows), "items_per_s": round(len(rows) / dt, 2),
-                      "correct": ok, "small_correct": sum(r["small_correct"] for r in rows),
-                      "large_correct": sum(r["large_correct"] for r in rows)}))
+    figures = {"model": args.model, "items": len(rows), "items_per_s": round(len(rows) / dt, 2), "correct": ok,
+               "small_correct": sum(r["small_correct"] for r in rows),
+               "large_correct": sum(r["large_correct"] for r in rows)}
+    print(json.dumps(figures))
+    rec.write(figures, runs=[{"id": r["id"], "task": r["task"], "reply": t[:80], "correct": _judge(r, t)}
+                             for r, t in zip(rows[:16], replies)])
     return 0
 
 
