@@ -30,11 +30,12 @@ from engines.core.errors import EngineDeadError
 from engines.core.scheduler import SchedulerOutput
 from engines.core.sequence import Sequence
 from engines.model.attention import AttentionMetadata
+from engines.model.model_config import ModelConfig
 from engines.model.model_runner import ModelRunner, StepInputs
 from engines.pp.dist_env import DistEnv, RankLayout, join, stage_groups
 from engines.pp.rank_model import StageSpec, allocate_stage_kv, load_rank_model
 from engines.pp.stage_link import StageLink, encode
-from engines.pp.stage_split import StagePart, stage_forward
+from engines.pp.stage_split import StagePart, stage_forward, stage_layers
 from engines.pp.stage_worker import READY, spawned_main
 
 DEATH_GRACE_S = 2.0   # how long a failed op waits for a dead worker to be reaped, to name it
@@ -246,6 +247,7 @@ class PipelineRunner(ModelRunner):
 def start_pipeline(cfg: EngineConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
                    max_model_len: int, num_blocks: int) -> PipelineRunner:
     """Start (or meet) the workers and load rank 0's part: the engine's runner."""
+    stage_layers(ModelConfig.from_dir(model_dir).num_layers, cfg.pipeline_parallel_size)  # fail before spawning
     spec = StageSpec(tp=cfg.tensor_parallel_size, pp=cfg.pipeline_parallel_size, model_dir=str(model_dir),
                      dtype=str(dtype).removeprefix("torch."), device=device.type, max_model_len=max_model_len,
                      num_blocks=num_blocks, block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
