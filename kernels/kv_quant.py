@@ -11,13 +11,19 @@ the largest code (127 for int8, 448 for e4m3); int8 codes are round(x / scale) (
 zero, the same rule the Triton write kernel uses), e4m3 codes are x / scale rounded by the cast.
 Attention dequantises (code * scale) in the model's dtype.
 
-Why per (token, kv head) and not per (block, kv head): bench/kv_quant_bench.py --only granularity
-measured both on SmolLM2-135M (bench/RESULTS.md, "KV-cache quantisation"). Per-token scales are
-also the only choice that keeps writes append-only: a block's tokens arrive one decode step at a
-time, so a per-block scale would have to grow, and re-quantise the block's earlier tokens, each
-time a larger value arrives; a rolled-back draft token would leave its scale behind, and a
-recomputed last block of a cached prefix could change the scale under a reader. The cost is 4
-bytes per 64-128 bytes of int8 values (3-6%).
+Why per (token, kv head) and not per (block, kv head): `python -m bench.kv_quant_bench --only nll`
+measured both on SmolLM2-135M and demo-large (bench/RESULTS.md, "KV-cache quantisation"), the
+per-block scale taken over the whole block (the best a per-block scheme could do): per-token
+scales changed the per-token NLL less, for int8 and fp8 alike. They are also the only choice that
+keeps writes append-only: a block's tokens arrive one decode step at a time, so a per-block
+scale would have to grow, and re-quantise the block's earlier tokens, each time a larger value
+arrived; a rolled-back draft token would leave its scale behind, and a recomputed last block of
+a cached prefix could change the scale under a reader. The cost is 4 bytes per 64-128 bytes of
+codes (3-6%).
+
+CPU note: torch widens int8 to fp32 in one vectorised multiply; its fp8 -> fp32 conversion is
+several times slower on this machine's CPU (bench/RESULTS.md), so int8 is the CPU choice and
+fp8_e4m3 is for GPUs, where the Triton kernel converts in registers.
 """
 from __future__ import annotations
 
