@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch._inductor import config as inductor_config
 
 from engines.model.model import CausalLM
 from kernels import paged_attention_torch as torch_path
@@ -134,6 +133,8 @@ class CompiledDecoder:
         # Freezing makes the weights constants of the graph, which lets inductor repack the linear
         # layers' weights once for oneDNN (at batch 1 its fp32 matrix-vector product reads them
         # about 1.7x faster than the MKL call eager linear layers make; bench/RESULTS.md).
+        from torch._inductor import config as inductor_config  # here: importing inductor costs seconds
+
         with torch.inference_mode(), inductor_config.patch(freezing=True):
             self._compiled(*args)
         self.compile_seconds = time.perf_counter() - t0
