@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.batch.batch_store import new_batch_id, to_openai
-from gateway.batch.file_routes import conflict, service_and_key
+from gateway.batch.file_routes import conflict, service_and_key, store_errors
 from gateway.batch.input_check import ENDPOINTS
 from gateway.http.completion_flow import read_json
 from gateway.http.edge_params import parse_int
@@ -31,10 +31,10 @@ MAX_METADATA = 16           # OpenAI's metadata: up to 16 pairs, keys <= 64 and 
 
 
 def routes() -> list[Route]:
-    return [Route("/v1/batches", create_batch, methods=["POST"]),
-            Route("/v1/batches", list_batches, methods=["GET"]),
-            Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
-            Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])]
+    return [Route("/v1/batches", store_errors(create_batch), methods=["POST"]),
+            Route("/v1/batches", store_errors(list_batches), methods=["GET"]),
+            Route("/v1/batches/{batch_id}", store_errors(get_batch), methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", store_errors(cancel_batch), methods=["POST"])]
 
 
 async def create_batch(request: Request) -> Response:

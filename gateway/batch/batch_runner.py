@@ -119,9 +119,10 @@ class BatchRunner:
                 raise
             except Exception as e:  # noqa: BLE001 - Redis down: try again next round
                 log.warning("batch runner: cannot list open batches: %s", e)
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
-            except asyncio.TimeoutError:
+            try:    # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races its timeout
+                async with asyncio.timeout(self.settings.poll_s):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
 

@@ -14,8 +14,10 @@ counter (413 past batch.max_file_bytes, before the rest is read), checked line b
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Iterator
+import functools
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
+from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -37,11 +39,26 @@ MAX_FILENAME = 255
 
 
 def routes() -> list[Route]:
-    return [Route("/v1/files", create_file, methods=["POST"]),
-            Route("/v1/files", list_files, methods=["GET"]),
-            Route("/v1/files/{file_id}", get_file, methods=["GET"]),
-            Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
-            Route("/v1/files/{file_id}/content", file_content, methods=["GET"])]
+    return [Route("/v1/files", store_errors(create_file), methods=["POST"]),
+            Route("/v1/files", store_errors(list_files), methods=["GET"]),
+            Route("/v1/files/{file_id}", store_errors(get_file), methods=["GET"]),
+            Route("/v1/files/{file_id}", store_errors(delete_file), methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", store_errors(file_content), methods=["GET"])]
+
+
+def store_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Redis or the disk failing is the server's trouble, never a bare 500: 503 with a retry hint."""
+    @functools.wraps(endpoint)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except RedisError as e:
+            raise Unavailable("Batch API records cannot be read or written right now; retry shortly",
+                              code="batch_store_unavailable", headers={"retry-after": "1"}) from e
+        except OSError as e:
+            raise Unavailable("Batch API files cannot be read or written right now; retry shortly",
+                              code="batch_storage_unavailable", headers={"retry-after": "1"}) from e
+    return guarded
 
 
 async def service_and_key(request: Request) -> tuple[BatchService, "KeyRecord"]:

@@ -5,7 +5,7 @@ and /v1/files and /v1/batches answer 503 batch_unavailable.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway.batch.batch_runner import BatchRunner
 from gateway.batch.batch_store import BatchStore
@@ -17,13 +17,21 @@ if TYPE_CHECKING:
     from gateway.state import Gateway
 
 
+REDIS_TIMEOUT_S = 5.0   # batch work is not on a request's clock: a slow Redis answer beats a line run twice
+
+
 class BatchService:
-    def __init__(self, gw: "Gateway", redis: Any, prefix: str, settings: BatchSettings,
+    def __init__(self, gw: "Gateway", redis_url: str, prefix: str, settings: BatchSettings,
                  storage: FileStorage | None = None) -> None:
+        import redis.asyncio as aioredis
         self.settings = settings
         self.storage: FileStorage = storage or DiskStorage(settings.data_dir)
-        self.files = FileRecords(redis, prefix)
-        self.batches = BatchStore(redis, prefix)
+        # A client of its own: the request path's client gives up after redis_timeout_ms (250 ms), and
+        # a line whose answer timed out would run again (its answer is still stored once).
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                             socket_connect_timeout=REDIS_TIMEOUT_S)
+        self.files = FileRecords(self.redis, prefix)
+        self.batches = BatchStore(self.redis, prefix)
         self.runner = BatchRunner(gw, self.batches, self.files, self.storage, settings)
 
     async def start(self) -> None:
@@ -34,3 +42,4 @@ class BatchService:
 
     async def stop(self) -> None:
         await self.runner.stop()
+        await self.redis.aclose()

@@ -42,7 +42,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     gateway knows even before Redis answers."""
     gw = Gateway(deployment, handles, usage_sink, dev_key or deployment.auth.dev_key)
     if gw.redis is not None and deployment.batch.enabled:
-        gw.batch = BatchService(gw, gw.redis, deployment.redis_prefix, deployment.batch)
+        gw.batch = BatchService(gw, deployment.redis_url, deployment.redis_prefix, deployment.batch)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
