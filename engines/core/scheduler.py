@@ -75,9 +75,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self, busy: Collection[Sequence] = ()) -> SchedulerOutput:
+    def schedule(self, busy: Collection[Sequence] = (), max_chunks: int = 0) -> SchedulerOutput:
         """busy: running sequences in a batch still being computed (pipeline micro-batches,
-        engines/pp/micro_batches.py): they are neither scheduled nor preempted this step."""
+        engines/pp/micro_batches.py): they are neither scheduled nor preempted this step.
+        max_chunks > 0: at most that many sequences in this batch (so micro-batches share them)."""
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         scheduled: dict[int, ScheduledChunk] = {}
@@ -85,7 +86,7 @@ class Scheduler:
         # unfinished prefills; within each, most urgent first.
         order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key()))
         for seq in order:
-            if budget <= 0:
+            if budget <= 0 or 0 < max_chunks <= len(scheduled):
                 break
             if seq.status is not SequenceStatus.RUNNING or seq in busy:
                 continue  # preempted earlier in this loop, or in flight
@@ -105,7 +106,8 @@ class Scheduler:
             scheduled[id(seq)] = ScheduledChunk(seq, n)
             budget -= n
         # Admit waiting sequences while the budget, max_num_seqs and free blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                and not 0 < max_chunks <= len(scheduled):
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not re-admit in the same step what was just pushed out

@@ -6,6 +6,8 @@ the pipeline, and collects the oldest batch once P are in flight (or nothing els
 scheduled): stage 0 on rank 0 works on batch k+1 while stage 1 works on batch k.
 
 Invariants (what keeps scheduling correct with batches in flight):
+- each batch takes at most 1/P of the live sequences (running and waiting), so that decoding
+  sequences spread over the P batches rather than all riding in one;
 - a sequence is in at most one in-flight batch: the scheduler skips busy sequences, and its
   sampled token is appended (and its num_computed_tokens advanced) when its batch is collected,
   before it can be scheduled again;
@@ -66,7 +68,11 @@ class MicroBatcher:
         try:
             if len(self.flights) >= self.depth:
                 outputs += self._collect()
-            batch = eng.scheduler.schedule(busy=self.busy)
+            # Each batch takes its share of the live sequences, so that the next one finds some
+            # to run: one batch of everything would leave the other stages nothing to overlap.
+            sched = eng.scheduler
+            share = -(-(len(sched.running) + len(sched.waiting)) // self.depth)
+            batch = sched.schedule(busy=self.busy, max_chunks=share)
             if batch.chunks:
                 self.flights.append(eng.runner.submit(batch))
                 self.busy.update(c.seq for c in batch.chunks)
