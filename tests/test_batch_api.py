@@ -1,13 +1,17 @@
 """The Batch API through the real openai SDK on a mock engine: upload, create, retrieve, download;
 OpenAI's shapes for the batch and its output and error lines; bad lines in the error file while the
-batch goes on; the batch price; cancel (within an engine step); tenant isolation."""
+batch goes on; the batch price; cancel (within an engine step); expiry; an unreadable input; tenant
+isolation."""
 from __future__ import annotations
 
+import os
 import time
 
 import openai
 import pytest
+import redis
 from batch_helpers import batch_gateway, chat_line, client, jsonl, read_lines, tenant_key, wait_batch
+from gateway_helpers import SHARED_REDIS
 
 from policies.schema import DEFAULT_BATCH_PRICE_PERCENT, Prices
 
@@ -164,3 +168,30 @@ def test_tenants_cannot_see_each_other(srv):
         b.files.content(done.output_file_id)
     assert read_lines(a, done.output_file_id)[0]["custom_id"] == "secret"
     assert a.files.retrieve(f.id).id == f.id
+
+
+def test_expiry_answers_the_unrun_lines_batch_expired():
+    with batch_gateway({"max_in_flight": 2}, output_len=40, token_ms=25) as srv:
+        c = client(srv)
+        f = c.files.create(file=("e.jsonl", jsonl([chat_line(f"e{i}") for i in range(10)])), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_batch(c, b.id, ("in_progress",))
+        # The window ends now (as if 24 h had passed): the runner sees it within batch.poll_s.
+        redis.Redis.from_url(SHARED_REDIS).hset(f"{srv.prefix}batch:{b.id}", "expires_at", int(time.time()) - 1)
+        done = wait_batch(c, b.id)
+        assert done.status == "expired" and done.expired_at
+        assert done.request_counts.completed + done.request_counts.failed == 10
+        err = read_lines(c, done.error_file_id)
+        assert err and all(x["error"]["code"] == "batch_expired" for x in err)
+        out = read_lines(c, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out + err) == sorted(f"e{i}" for i in range(10))
+
+
+def test_unreadable_input_fails_the_batch(srv):
+    c = client(srv)
+    f = c.files.create(file=("gone.jsonl", jsonl([chat_line("g")])), purpose="batch")
+    os.remove(os.path.join(srv.data_dir, "dev", f.id))       # the disk lost it behind the gateway's back
+    done = wait_batch(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h").id)
+    assert done.status == "failed" and done.failed_at
+    assert done.errors.data[0].code == "invalid_input_file" and f.id in done.errors.data[0].message
