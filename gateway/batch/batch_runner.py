@@ -74,7 +74,8 @@ class BatchRunner:
         self.storage = storage
         self.settings = settings
         self.owner = secrets.token_hex(8)    # this gateway process, in lease records
-        self.capacity = IdleCapacity(gw.admission, settings.idle_share, settings.bulk_engines)
+        self.capacity = IdleCapacity(gw.admission, settings.idle_share, settings.bulk_engines,
+                                     settings.start_gap_ms / 1000)
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()

@@ -6,7 +6,7 @@ A line starts on a shared engine only while
     max_num_seqs) are taken, counting the line itself, and
   - fewer than `batch.idle_share` of its KV blocks are in use,
 so interactive requests arriving meanwhile always find free slots and KV room and are admitted at
-once; the batch fills in behind them. Lines also start at most one per START_GAP_S per engine: lines
+once; the batch fills in behind them. Lines also start at most one per batch.start_gap_ms per engine: lines
 that started together end together, and spacing their successors keeps a burst of line starts
 (routing, tokenising, admission: CPU on the event loop) from delaying an interactive request that
 arrives in the middle of it. An engine of the bulk pool (`pools.bulk`) runs nothing else,
@@ -20,14 +20,14 @@ import math
 from typing import Any
 
 POLL_S = 0.005       # how often a waiting line looks again (the engine's room changes with each step)
-START_GAP_S = 0.005  # at most one line start per engine this often (200 per second)
 
 
 class IdleCapacity:
-    def __init__(self, admission: Any, idle_share: float, bulk_engines: set[str]) -> None:
+    def __init__(self, admission: Any, idle_share: float, bulk_engines: set[str], start_gap_s: float = 0.0) -> None:
         self.admission = admission
         self.idle_share = idle_share
         self.bulk_engines = bulk_engines
+        self.start_gap_s = start_gap_s
         self._last_start: dict[str, float] = {}
 
     def share(self, engine: str) -> float:
@@ -47,6 +47,6 @@ class IdleCapacity:
 
     async def wait(self, engine: str) -> None:
         loop = asyncio.get_running_loop()
-        while loop.time() - self._last_start.get(engine, -1.0) < START_GAP_S or not self.has_room(engine):
+        while loop.time() - self._last_start.get(engine, -1e9) < self.start_gap_s or not self.has_room(engine):
             await asyncio.sleep(POLL_S)
         self._last_start[engine] = loop.time()
