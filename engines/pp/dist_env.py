@@ -77,7 +77,9 @@ class DistEnv:
 
     @property
     def init_method(self) -> str:
-        return f"tcp://{self.master_addr}:{self.master_port}"
+        """"env://": torch reads the same variables (and under torchrun uses its agent's store
+        rather than binding MASTER_PORT a second time)."""
+        return "env://"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv | None":

@@ -4,6 +4,7 @@ and sends each batch down the pipeline, receives the logits and samples.
     runner.submit(batch) -> InFlight     run stage 0, hand the batch to stage 1 (returns at once)
     runner.collect(flight) -> tokens     wait for the batch's logits from the last stage, sample
     runner.execute(batch) / forward()    both in one call (no micro-batching)
+    runner.stage_stats()                 per rank: (busy seconds, window, busy CPU seconds)
 
 Several batches may be in flight (engines.pp.micro_batches keeps up to P); they leave the
 pipeline in the order they entered it.
@@ -167,6 +168,8 @@ class PipelineRunner(ModelRunner):
             if s != READY:
                 raise EngineDeadError(f"{self.workers.name(rank)} failed to start: {s}")
         super().__init__(model, kv, spec.block_size, device, spec.attention_backend)
+        # Rank 0's stage compute (wall and thread-CPU seconds) since the last stage_stats call.
+        self._busy, self._busy_cpu, self._since = 0.0, 0.0, time.perf_counter()
         self.model_config = cfg
         self.part: StagePart = part
         self.link = StageLink(ctrl, groups.data, device, getattr(torch, spec.dtype), cfg.hidden_size,
@@ -197,14 +200,19 @@ class PipelineRunner(ModelRunner):
         payload = encode(inputs)
         peer = None
         try:
-            for peer in layout.stage_ranks(0)[1:] + [r for r in [layout.successor(0)] if r is not None]:
+            for peer in self._direct_peers():
                 link.send_inputs(peer, payload, len(inputs.ids))
             peer = None
+            t0, c0 = time.perf_counter(), time.thread_time()
             meta = AttentionMetadata.build(inputs.slots, inputs.query_lens, inputs.seq_lens, inputs.tables,
                                            self.block_size, self.sliding_window, dev, self.attention_backend)
             out = stage_forward(self.model, self.part, torch.tensor(inputs.ids, dtype=torch.long, device=dev),
                                 torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta, self.kv_caches,
                                 torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self._busy += time.perf_counter() - t0
+            self._busy_cpu += time.thread_time() - c0
             peer = layout.successor(0)
             if peer is None:
                 return out
@@ -218,10 +226,31 @@ class PipelineRunner(ModelRunner):
         try:
             work, buf = self.link.irecv_logits(src, rows)
             work.wait()
-            self.link.outbox.flush()   # everything this batch sent has arrived by now
+            self.link.outbox.prune()
         except RuntimeError as exc:
             raise self.workers.blame(exc, src) from exc
         return buf
+
+    def stage_stats(self) -> list[tuple[float, float, float]]:
+        """Per rank, (seconds computing its stage's layers, seconds since the previous call, the
+        thread-CPU seconds of that compute): 1 - busy / window is the rank's idle fraction (the
+        pipeline bubble); busy CPU well below busy wall means the rank waited for a core. Call
+        between batches (with none in flight): the request travels behind every step sent."""
+        now = time.perf_counter()
+        out = [(self._busy, now - self._since, self._busy_cpu)]
+        self._busy, self._busy_cpu, self._since = 0.0, 0.0, now
+        try:
+            for peer in self._direct_peers():
+                self.link.send_stats_request(peer)
+            out += [self.link.recv_stats(rank) for rank in range(1, self.layout.world)]
+        except RuntimeError as exc:
+            raise self.workers.blame(exc, None) from exc
+        return out
+
+    def _direct_peers(self) -> list[int]:
+        """The ranks rank 0 sends each step to: its tensor-parallel peers and stage 1's first rank."""
+        succ = self.layout.successor(0)
+        return self.layout.stage_ranks(0)[1:] + ([succ] if succ is not None else [])
 
     def close(self) -> None:
         """Stop the workers (a stop message down the pipeline, then by force) and leave the groups."""
@@ -231,7 +260,7 @@ class PipelineRunner(ModelRunner):
         link = getattr(self, "link", None)
         if link is not None:
             try:
-                for peer in self.layout.stage_ranks(0)[1:] + [r for r in [self.layout.successor(0)] if r is not None]:
+                for peer in self._direct_peers():
                     link.send_stop(peer)
                 link.outbox.flush()
             except RuntimeError:

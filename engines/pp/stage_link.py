@@ -3,6 +3,9 @@
 Per step, along each link (previous stage -> next stage, and rank 0 -> its tensor-parallel peers):
     header   int64 [2] = (payload bytes, tokens), on the ctrl group; payload bytes -1 means stop
     payload  uint8 [n]: the step's StepInputs, pickled (plain lists), on the ctrl group
+    (payload bytes STATS instead asks every rank for its busy time: each hands the request on and
+    sends float64 [busy seconds, seconds since the last request, busy thread-CPU seconds] to
+    rank 0 on the ctrl group)
     hidden   [tokens, hidden_size] in the model dtype, on the data group (not to stage 0)
 and from the last stage's first rank back to rank 0:
     logits   float32 [rows, vocab] (rows = sampled sequences), or int64 [1] when no row is
@@ -23,8 +26,9 @@ import torch.distributed as dist
 
 from engines.model.model_runner import StepInputs
 
-TAG_HEADER, TAG_PAYLOAD, TAG_HIDDEN, TAG_LOGITS = 11, 12, 13, 14
+TAG_HEADER, TAG_PAYLOAD, TAG_HIDDEN, TAG_LOGITS, TAG_STATS = 11, 12, 13, 14, 15
 STOP = -1
+STATS = -2
 MAX_PENDING = 16   # sends left running before the oldest is waited for
 
 
@@ -49,6 +53,11 @@ class Outbox:
 
     def flush(self) -> None:
         while self._pending:
+            self._pending.popleft()[0].wait()
+
+    def prune(self) -> None:
+        """Drop the sends that have completed (raising, via wait, if one failed)."""
+        while self._pending and self._pending[0][0].is_completed():
             self._pending.popleft()[0].wait()
 
 
@@ -76,6 +85,18 @@ class StageLink:
 
     def send_stop(self, dst: int) -> None:
         self.outbox.isend(torch.tensor([STOP, 0], dtype=torch.long), dst, self.ctrl, TAG_HEADER)
+
+    def send_stats_request(self, dst: int) -> None:
+        self.outbox.isend(torch.tensor([STATS, 0], dtype=torch.long), dst, self.ctrl, TAG_HEADER)
+
+    def send_stats(self, busy_s: float, window_s: float, busy_cpu_s: float) -> None:
+        t = torch.tensor([busy_s, window_s, busy_cpu_s], dtype=torch.float64)
+        self.outbox.isend(t, 0, self.ctrl, TAG_STATS)
+
+    def recv_stats(self, src: int) -> tuple[float, float, float]:
+        t = torch.empty(3, dtype=torch.float64)
+        dist.recv(t, src, group=self.ctrl, tag=TAG_STATS)
+        return float(t[0]), float(t[1]), float(t[2])
 
     # -- receiving -------------------------------------------------------------------------
     def recv_header(self, src: int) -> tuple[int, int]:

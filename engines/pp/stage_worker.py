@@ -39,7 +39,7 @@ def serve(init_method: str, rank: int, world: int, timeout_s: float, local_rank:
     from engines.model.attention import AttentionMetadata
     from engines.pp.dist_env import RankLayout, join, stage_groups
     from engines.pp.rank_model import allocate_stage_kv, device_for, load_rank_model
-    from engines.pp.stage_link import STOP, StageLink, decode
+    from engines.pp.stage_link import STATS, STOP, StageLink, decode
     from engines.pp.stage_split import stage_forward
 
     ctrl = join(init_method, rank, world, timeout_s)
@@ -69,12 +69,21 @@ def serve(init_method: str, rank: int, world: int, timeout_s: float, local_rank:
         link = StageLink(ctrl, groups.data, device, dtype, cfg.hidden_size, cfg.vocab_size)
         src, dst = layout.source(rank), layout.successor(rank)
         sends_logits = part.last and rank == layout.logits_rank
+        # Seconds in this stage's forward (wall and this thread's CPU), since the last STATS request.
+        busy, busy_cpu, since = 0.0, 0.0, time.perf_counter()
         while True:
             nbytes, num_tokens = link.recv_header(src)
             if nbytes == STOP:
                 if dst is not None:
                     link.send_stop(dst)
                 break
+            if nbytes == STATS:
+                if dst is not None:
+                    link.send_stats_request(dst)
+                now = time.perf_counter()
+                link.send_stats(busy, now - since, busy_cpu)
+                busy, busy_cpu, since = 0.0, 0.0, now
+                continue
             payload = link.recv_payload(src, nbytes)
             if dst is not None:   # the next stage can take its inputs while this one computes
                 link.send_inputs(dst, payload, num_tokens)
@@ -83,8 +92,13 @@ def serve(init_method: str, rank: int, world: int, timeout_s: float, local_rank:
                  else link.recv_hidden(src, num_tokens))
             meta = AttentionMetadata.build(inputs.slots, inputs.query_lens, inputs.seq_lens, inputs.tables,
                                            spec.block_size, cfg.sliding_window, device, spec.attention_backend)
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = stage_forward(model, part, x, torch.tensor(inputs.positions, dtype=torch.long, device=device),
                                 meta, kv, torch.tensor(inputs.logits_rows, dtype=torch.long, device=device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)   # busy time is the GPU's, not the launch's
+            busy += time.perf_counter() - t0
+            busy_cpu += time.thread_time() - c0
             if dst is not None:
                 link.send_hidden(dst, out)
             elif sends_logits:
