@@ -45,7 +45,8 @@ def start_gateway(port: int, args: argparse.Namespace, prefix: str, key: str) ->
         "redis_url": args.redis_url, "redis_prefix": prefix,
         "rate_limits": {"enabled": False}, "spend": {"enabled": False},
         "batch": {"data_dir": str(OUT / "batch_bench_data"), "max_in_flight": args.max_in_flight,
-                  "idle_share": args.idle_share, "start_gap_ms": args.start_gap_ms},
+                  "idle_share": args.idle_share, "start_gap_ms": args.start_gap_ms,
+                  "max_loop_lag_ms": args.max_loop_lag_ms},
         "engines": {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small"), "ttft_ms": args.ttft_ms,
                              "token_ms": args.token_ms, "output_len": 4096}}}))
     return spawn_gateway(cfg, {**os.environ, "TOKENYARD_DEV_KEY": key}, port)
@@ -199,6 +200,7 @@ def main() -> None:
     ap.add_argument("--max-in-flight", type=int, default=16, help="batch.max_in_flight")
     ap.add_argument("--idle-share", type=float, default=0.5, help="batch.idle_share")
     ap.add_argument("--start-gap-ms", type=float, default=5.0, help="batch.start_gap_ms")
+    ap.add_argument("--max-loop-lag-ms", type=float, default=2.0, help="batch.max_loop_lag_ms")
     ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
     ap.add_argument("--name", default="batch_mock")
     ap.add_argument("--no-results", action="store_true")
@@ -217,7 +219,7 @@ def main() -> None:
     if not args.no_results:
         settings = {k: getattr(args, k) for k in ("lines", "rounds", "window_s", "throughput_s", "clients", "tokens",
                                                    "batch_tokens", "ttft_ms", "token_ms", "max_in_flight",
-                                                   "idle_share", "start_gap_ms")}
+                                                   "idle_share", "start_gap_ms", "max_loop_lag_ms")}
         print(rec.write(result["figures"], result["rounds"], settings=settings))
 
 

@@ -9,9 +9,10 @@
 One task per batch this gateway holds the lease of (batch_store.py). Lines are read from the input
 file in order; a line that already has an answer in Redis is skipped, so a restarted gateway (or
 another one, once the lease has lapsed) resumes where the last one stopped and answers each line
-exactly once. At most batch.max_in_flight lines run at once in this gateway, over all batches;
-each one waits for idle capacity (idle_capacity.py). Every lease_s / 3 the lease is renewed and the
-status re-read (a cancel made through another gateway) and the expiry checked.
+exactly once. At most batch.max_in_flight lines run at once in this gateway, over all batches, fewer
+while the event loop lags (adaptive_limit.py); each one waits for idle capacity (idle_capacity.py).
+Every lease_s / 3 the lease is renewed and the status re-read (a cancel made through another gateway)
+and the expiry checked.
 
 Statuses: validating -> in_progress -> finalizing -> completed; in_progress -> failed when the
 input file is gone; cancelling -> cancelled (lines in flight are aborted at once, in the engine's
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.batch.adaptive_limit import AdaptiveLimit
 from gateway.batch.batch_store import BatchStore
 from gateway.batch.file_records import FileRecords
 from gateway.batch.file_storage import FileStorage, line_chunks
@@ -76,13 +78,14 @@ class BatchRunner:
         self.owner = secrets.token_hex(8)    # this gateway process, in lease records
         self.capacity = IdleCapacity(gw.admission, settings.idle_share, settings.bulk_engines,
                                      settings.start_gap_ms / 1000)
-        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._slots = AdaptiveLimit(settings.max_in_flight, settings.max_loop_lag_ms / 1000)
         self._runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        self._slots.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._poll(), name="batch-runner")
 
     def wake(self) -> None:
@@ -99,6 +102,7 @@ class BatchRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._slots.stop()
         # Handing the leases back lets the next start (or another gateway) resume at once.
         for batch_id in held:
             try:

@@ -1,7 +1,8 @@
 """Deployment sections of the Batch API: where its files live, its limits, how hard it may run, and
 the bulk pool.
 
-    batch:  {enabled, data_dir, max_file_bytes, max_lines, max_in_flight, idle_share, start_gap_ms, lease_s, poll_s}
+    batch:  {enabled, data_dir, max_file_bytes, max_lines, max_in_flight, idle_share, start_gap_ms,
+             max_loop_lag_ms, lease_s, poll_s}
     pools:  {bulk: {ENGINE: BULK_ENGINE, ...}}
 
 Kept apart from deployment.py (which reads them through `parse_batch_settings`); every key is
@@ -29,6 +30,7 @@ class BatchSettings:
                                             # admission queue and fewer than this share of its slots and KV
                                             # blocks are in use (a bulk pool engine: all of them)
     start_gap_ms: float = 5.0               # at most one line start per engine this often (0: no spacing)
+    max_loop_lag_ms: float = 2.0            # fewer lines at once while the event loop is later than this (0: off)
     lease_s: float = 30.0                   # a gateway's claim on a running batch; a restarted or other
                                             # gateway takes the batch over once the claim is this old
     poll_s: float = 1.0                     # how often a gateway looks for batches to run (new or orphaned)
@@ -46,7 +48,7 @@ def parse_batch_settings(top: dict[str, Any], base: Path, engines: dict[str, Any
     out = BatchSettings()
     section = _mapping(top.get("batch", {}), "batch", error)
     _only(section, "batch.", {"enabled", "data_dir", "max_file_bytes", "max_lines", "max_in_flight", "idle_share",
-                              "start_gap_ms", "lease_s", "poll_s"}, error)
+                              "start_gap_ms", "max_loop_lag_ms", "lease_s", "poll_s"}, error)
     out.enabled = _typed(section, "batch.", "enabled", bool, out.enabled, error)
     data_dir = Path(_typed(section, "batch.", "data_dir", str, str(out.data_dir), error)).expanduser()
     out.data_dir = (data_dir if data_dir.is_absolute() else base / data_dir).resolve()
@@ -60,10 +62,11 @@ def parse_batch_settings(top: dict[str, Any], base: Path, engines: dict[str, Any
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise error(f"batch.{key} must be a number > 0, got {value!r}")
         setattr(out, key, float(value))
-    gap = section.get("start_gap_ms", out.start_gap_ms)
-    if not isinstance(gap, (int, float)) or isinstance(gap, bool) or gap < 0:
-        raise error(f"batch.start_gap_ms must be a number >= 0, got {gap!r}")
-    out.start_gap_ms = float(gap)
+    for key in ("start_gap_ms", "max_loop_lag_ms"):
+        value = section.get(key, getattr(out, key))
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise error(f"batch.{key} must be a number >= 0, got {value!r}")
+        setattr(out, key, float(value))
     if out.idle_share > 1:
         raise error(f"batch.idle_share must be in (0, 1], got {out.idle_share}")
     out.bulk = _bulk_pool(top, engines, error)
