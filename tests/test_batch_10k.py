@@ -9,7 +9,7 @@ N = 10_000
 
 def test_ten_thousand_lines_each_answered_once():
     records: list = []
-    settings = {"max_file_bytes": 8 << 20, "max_in_flight": 64, "start_gap_ms": 0}
+    settings = {"max_file_bytes": 8 << 20, "max_in_flight": 64, "start_gap_ms": 0, "max_loop_lag_ms": 0}
     with batch_gateway(settings, usage_sink=records.append, output_len=2) as srv:
         c = client(srv)
         f = c.files.create(file=("big.jsonl", jsonl([chat_line(f"id-{i}", f"q {i}") for i in range(N)])),

@@ -36,7 +36,7 @@ def _kill_runner(srv) -> None:
 
 def test_killed_mid_batch_resumes_and_answers_each_line_once():
     prefix, data_dir = unique_prefix("batch-restart"), tempfile.mkdtemp(prefix="tytest-batch-")
-    settings = {"max_file_bytes": 8 << 20, "max_in_flight": 64, "start_gap_ms": 0, "lease_s": 1.0}
+    settings = {"max_file_bytes": 8 << 20, "max_in_flight": 64, "start_gap_ms": 0, "max_loop_lag_ms": 0, "lease_s": 1.0}
     first: list = []
     second: list = []
     try:
