@@ -1,20 +1,26 @@
 """decide(): one request's route under a policy, as a pure function.
 
-    decide(policy, request, spend, engines, router_score, router_threshold=None) -> Decision
+    decide(policy, request, spend, engines, router_score, router_threshold=None,
+           router_scores=None, router_pick=None) -> Decision
 
 Order, each step explained in Decision.explanation:
   1. rules: the first matching rule (document order) applies; it may deny (stop), pin an
      engine, force the router, set the priority class and cap max_tokens;
   2. route: a rule's pin or router wins; else an engine the client named is honoured
      ("pinned"); else "auto" goes through the router: small when score >= threshold
-     (score = P(small is enough)); no score -> router.without_score ("router_fallback");
+     (score = P(small is enough)); no score -> router.without_score ("router_fallback").
+     An N-engine router passes router_scores (P(good) per engine, cheapest first) and its own
+     pick (under router.cost_cap, or its default): a quality target (the rule's action, else
+     router.quality_target) picks the cheapest engine whose P(good) reaches it (none does: the
+     highest P(good)); without a target the router's pick stands;
   3. budget: the spend so far (today, this month; UTC) of the tenant, the request's key and its
      tag values against their budgets (policies/budgets.py); any at or over a limit: deny
      ("insufficient_quota") if one of those says deny, else downgrade to engines.small ("budget_downgrade");
   4. overflow: the chosen engine is unhealthy or its predicted TTFT exceeds the deadline ->
      move to the other engine if allowed and it can make it ("overflow_degrade"), else shed.
 Budget is checked before overflow so an overloaded small engine is never escaped by moving a
-tenant that is over budget up to the large one.
+tenant that is over budget up to the large one. With engines.tiers (N engines) overflow moves one
+tier: down from any engine but the cheapest, up from the cheapest (which needs overflow.upgrade).
 
 The threshold used: policy.router.threshold if set, else router_threshold (the router's own,
 from its artifact or resolved from router.target_large_share by the router), else 0.5.
@@ -22,6 +28,7 @@ from its artifact or resolved from router.target_large_share by the router), els
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from .budgets import Scope, over_limit, scopes
 from .cost import estimate_cost
@@ -122,8 +129,19 @@ def small_is_enough(score: float, threshold: float) -> bool:
     return score >= threshold
 
 
+def cheapest_good_enough(router_scores: Mapping[str, float], target: float) -> str:
+    """The first engine (cheapest first) whose P(good) >= target; none: the highest P(good),
+    the cheaper one on a tie (router_models.runtime.selection's rule, here over names)."""
+    for name, p in router_scores.items():
+        if p >= target:
+            return name
+    best = max(router_scores.values())
+    return next(name for name, p in router_scores.items() if p == best)
+
+
 def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines: dict[str, EngineState],
-           router_score: float | None, router_threshold: float | None = None) -> Decision:
+           router_score: float | None, router_threshold: float | None = None,
+           router_scores: Mapping[str, float] | None = None, router_pick: str | None = None) -> Decision:
     why: list[str] = []
     tenant = policy.tenant(request.tenant)
     hit = first_match(policy, request)
@@ -160,7 +178,9 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
         if action is not None and action.router and request.requested_model != AUTO:
             why.append(f"rule sends the request to the router instead of {request.requested_model}")
         d.router_score = router_score
-        if router_score is None:
+        if router_scores:
+            _n_engine_route(policy, action, router_scores, router_pick, d)
+        elif router_score is None:
             d.engine = getattr(policy.engines, policy.router.without_score)
             d.reason = "router_fallback"
             why.append(f"no router score; router.without_score sends it to {d.engine}")
@@ -179,6 +199,20 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
     # 4. overflow
     _overflow(policy, request, engines, d, action.degrade if action is not None else None)
     return d
+
+
+def _n_engine_route(policy: Policy, action, scores: Mapping[str, float], pick: str | None, d: Decision) -> None:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
+    target = action.quality_target if action is not None and action.quality_target is not None \
+        else policy.router.quality_target
+    d.reason = "router"
+    if target is not None:
+        d.engine = cheapest_good_enough(scores, target)
+        whose = "the rule's" if action is not None and action.quality_target is not None else "router.quality_target"
+        d.explanation.append(f"router P(good): {shown}; cheapest reaching {whose} {target:g}: {d.engine}")
+    else:
+        d.engine = pick if pick is not None else cheapest_good_enough(scores, 1.0)
+        d.explanation.append(f"router P(good): {shown}; the router's selection: {d.engine}")
 
 
 def _budget(policy: Policy, request: RequestFeatures, spend: TenantSpend, d: Decision) -> bool:
@@ -230,6 +264,11 @@ def _cannot_meet(engines: dict[str, EngineState], engine: str, deadline_ms: floa
     return None
 
 
+def _pricier(policy: Policy, target: str, engine: str) -> bool:
+    order = policy.engines.ordered
+    return order.index(target) > order.index(engine)
+
+
 def _overflow(policy: Policy, request: RequestFeatures, engines: dict[str, EngineState], d: Decision,
               rule_degrade: bool | None) -> None:
     ov, why = policy.overflow, d.explanation
@@ -248,10 +287,11 @@ def _overflow(policy: Policy, request: RequestFeatures, engines: dict[str, Engin
         blocked = f"{d.engine} has no other engine (not in engines)"
     elif d.action == "requested" and not ov.degrade_pinned:
         blocked = "the client named the engine and overflow.degrade_pinned is off"
-    elif target == policy.engines.large and d.downgraded:
+    elif _pricier(policy, target, d.engine) and d.downgraded:
         blocked = "the request was downgraded by its budget"
-    elif target == policy.engines.large and not ov.upgrade:
-        blocked = "moving small -> large needs overflow.upgrade"
+    elif _pricier(policy, target, d.engine) and not ov.upgrade:
+        blocked = ("moving small -> large needs overflow.upgrade" if target == policy.engines.large
+                   else f"moving {d.engine} -> {target} (pricier) needs overflow.upgrade")
     else:
         other_problem = _cannot_meet(engines, target, request.deadline_ms)
         if other_problem is None:

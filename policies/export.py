@@ -64,6 +64,11 @@ def policy_to_dict(policy: Policy, money: str = "decimal") -> dict[str, Any]:
                      "shed": policy.overflow.shed},
     }
     # Written only when not the default, so the canonical form (and hash) of older policies stays.
+    if policy.engines.tiers:
+        out["engines"]["tiers"] = list(policy.engines.tiers)
+    for key in ("quality_target", "cost_cap"):
+        if getattr(policy.router, key) is not None:
+            out["router"][key] = getattr(policy.router, key)
     if policy.batch_price_percent != DEFAULT_BATCH_PRICE_PERCENT:
         out["batch_price_percent"] = policy.batch_price_percent
     return out
@@ -114,6 +119,8 @@ def _action(a: Action) -> dict[str, Any]:
         out["degrade"] = a.degrade
     if a.context is not None:
         out["context"] = _context(a.context)
+    if a.quality_target is not None:
+        out["quality_target"] = a.quality_target
     return out
 
 

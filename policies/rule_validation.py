@@ -20,7 +20,7 @@ MAX_TOKENS_LIMIT = 10_000_000
 
 RULE_KEYS = ("name", "match", "action")
 MATCH_KEYS = ("tenants", "keys", "models", "prompt_tokens", "tags", "time_utc")
-ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade", "context")
+ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade", "context", "quality_target")
 CONTEXT_KEYS = ("max_prompt_tokens", "trim")
 RANGE_KEYS = ("min", "max")
 
@@ -151,6 +151,10 @@ def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action
     cap = r.integer(m["max_tokens"], f"{path}.max_tokens", 1, MAX_TOKENS_LIMIT) if "max_tokens" in m else None
     degrade = r.boolean(m["degrade"], f"{path}.degrade") if "degrade" in m else None
     context = read_context_limit(r, m["context"], f"{path}.context") if "context" in m else None
+    target = r.number(m["quality_target"], f"{path}.quality_target", 0.0, 1.0) if "quality_target" in m else None
+    if "quality_target" in m and ("pin" in m or "deny" in m):
+        r.problem(m["quality_target"], f"{path}.quality_target", "a quality target is for the router: not with "
+                  "pin or deny")
     routes = [k for k in ("pin", "router", "deny") if k in m]
     if len(routes) > 1:
         r.problem(m[routes[1]], f"{path}.{routes[1]}",
@@ -158,7 +162,7 @@ def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action
     if len(r.problems) != n:
         return None
     return Action(pin=pin, router=router, deny=deny, priority=priority, max_tokens=cap, degrade=degrade,
-                  context=context)
+                  context=context, quality_target=target)
 
 
 def read_context_limit(r: Reader, node: Node, path: str) -> ContextLimit | None:

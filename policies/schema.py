@@ -45,13 +45,21 @@ class EngineRoles:
 
     small: str
     large: str
+    tiers: tuple[str, ...] = ()      # optional: every engine in cost order, small first, large last
+
+    @property
+    def ordered(self) -> tuple[str, ...]:
+        """The engines cheapest first: tiers, else (small, large)."""
+        return self.tiers or (self.small, self.large)
 
     def other(self, engine: str) -> str | None:
-        if engine == self.small:
-            return self.large
-        if engine == self.large:
-            return self.small
-        return None
+        """Where overflow moves a request: from the cheapest engine up one tier, from any other
+        engine down one tier (with two engines: small <-> large); None for engines not listed."""
+        order = self.ordered
+        if engine not in order:
+            return None
+        i = order.index(engine)
+        return order[1] if i == 0 else order[i - 1]
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +74,11 @@ class RouterSettings:
     threshold: float | None = None
     target_large_share: float | None = None
     without_score: str = "large"     # where "auto" goes when there is no score (router missing)
+    # An N-engine router (P(good) per engine) instead: the cheapest engine whose P(good) reaches
+    # quality_target, or the best engines for a mean relative cost cost_cap (resolved by the router).
+    # At most one of the two; the threshold settings above apply to two-engine routers only.
+    quality_target: float | None = None
+    cost_cap: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,6 +142,7 @@ class Action:
     max_tokens: int | None = None    # cap on the request's max_tokens
     degrade: bool | None = None      # overflow may move this request to the other engine; None: overflow's default
     context: ContextLimit | None = None  # replaces the tenant's context limit for matching requests
+    quality_target: float | None = None  # N-engine router: this target for matching requests
 
 
 @dataclass(slots=True, frozen=True)

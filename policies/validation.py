@@ -44,7 +44,8 @@ from .yaml_nodes import Reader, check_text, compose
 TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",
             "rate_classes", "tenants", "overflow", "batch_price_percent")
 PRICE_KEYS = ("input", "cached_input", "output")
-ROUTER_KEYS = ("threshold", "target_large_share", "without_score")
+ROUTER_KEYS = ("threshold", "target_large_share", "without_score", "quality_target", "cost_cap")
+ENGINE_KEYS = (*ROLES, "tiers")
 RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
 TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context")
 MAX_WEIGHT = 1000
@@ -168,7 +169,7 @@ def _prices(r: Reader, node: Node) -> dict[str, Prices] | None:
 
 
 def _roles(r: Reader, node: Node, priced: tuple[str, ...]) -> EngineRoles | None:
-    m = r.mapping(node, "engines", ROLES, required=ROLES)
+    m = r.mapping(node, "engines", ENGINE_KEYS, required=ROLES)
     if m is None:
         return None
     names = {role: r.string(m[role], f"engines.{role}", priced) for role in ROLES if role in m}
@@ -177,7 +178,21 @@ def _roles(r: Reader, node: Node, priced: tuple[str, ...]) -> EngineRoles | None
     if names["small"] == names["large"]:
         r.problem(m["large"], "engines.large", "must differ from engines.small")
         return None
-    return EngineRoles(small=names["small"], large=names["large"])
+    tiers: tuple[str, ...] = ()
+    if "tiers" in m and not r.is_null(m["tiers"]):
+        items = r.sequence(m["tiers"], "engines.tiers")
+        if items is None:
+            return None
+        found = [r.string(item, f"engines.tiers[{i}]", priced) for i, item in enumerate(items)]
+        if None in found:
+            return None
+        if len(set(found)) != len(found) or len(found) < 2 or found[0] != names["small"] \
+                or found[-1] != names["large"]:
+            r.problem(m["tiers"], "engines.tiers", "must list distinct engines in cost order, engines.small first "
+                      "and engines.large last")
+            return None
+        tiers = tuple(found)
+    return EngineRoles(small=names["small"], large=names["large"], tiers=tiers)
 
 
 def _router(r: Reader, node: Node) -> RouterSettings | None:
@@ -198,7 +213,16 @@ def _router(r: Reader, node: Node) -> RouterSettings | None:
     without = "large"
     if "without_score" in m:
         without = r.string(m["without_score"], "router.without_score", ROLES) or without
-    return RouterSettings(threshold=threshold, target_large_share=share, without_score=without)
+    target = cap = None
+    if "quality_target" in m and not r.is_null(m["quality_target"]):
+        target = r.number(m["quality_target"], "router.quality_target", 0.0, 1.0)
+    if "cost_cap" in m and not r.is_null(m["cost_cap"]):
+        cap = r.number(m["cost_cap"], "router.cost_cap", 0.0, None)
+    if target is not None and cap is not None:
+        r.problem(m["cost_cap"], "router.cost_cap", "set router.quality_target or router.cost_cap, not both")
+        return None
+    return RouterSettings(threshold=threshold, target_large_share=share, without_score=without,
+                          quality_target=target, cost_cap=cap)
 
 
 def _rate_classes(r: Reader, node: Node) -> dict[str, RateClass] | None:

@@ -130,3 +130,40 @@ def test_spend_report_has_a_row_per_engine_and_route_with_three_engines(tmp_path
             assert records["small"].cost_micros < records["medium"].cost_micros
     finally:
         delete_prefix(SHARED_REDIS, prefix)
+
+
+POLICY = """\
+version: 1
+engines: {small: small, large: large, tiers: [small, medium, large]}
+prices:
+  small: {input: 1, cached_input: 1, output: 1}
+  medium: {input: 2, cached_input: 2, output: 2}
+  large: {input: 5, cached_input: 5, output: 5}
+router: {ROUTER}
+rules:
+  - name: cheap-tag
+    match: {tags: {tier: cheap}}
+    action: {quality_target: 0.1}
+"""
+
+
+@pytest.mark.parametrize("router, auto, tagged", [("{quality_target: 0.8}", "large", "small"),
+                                                  ("{cost_cap: 1.0}", "small", "small"),
+                                                  ("{}", "medium", "small")])       # the artifact's default
+def test_a_policy_sets_the_quality_target_or_cost_cap_and_a_rule_its_own(tmp_path, router, auto, tagged):
+    art = engine_set_artifact(tmp_path / "r3.json")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.replace("{ROUTER}", router))
+    prefix = unique_prefix("route3pol")
+    doc = deployment(art, {"small": 4096, "medium": 4096, "large": 4096})
+    doc.update(redis_url=SHARED_REDIS, redis_prefix=prefix, policy=str(policy))
+    try:
+        with running_gateway(doc) as srv:
+            status, headers, body = ask(srv, 5)
+            assert status == 200, body
+            assert (headers["x-tokenyard-engine"], headers["x-tokenyard-route-reason"]) == (auto, "router")
+            status, headers, _ = srv.chat({"model": "auto", "metadata": {"tier": "cheap"},
+                                           "messages": [{"role": "user", "content": "word word"}], "max_tokens": 4})
+            assert status == 200 and headers["x-tokenyard-engine"] == tagged
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)

@@ -57,5 +57,4 @@ class EngineSetRouter:
                cost_cap: float | None = None) -> RouterDecision:
         p = self.scorer.probabilities(text, prompt_tokens)
         pick = self.scorer.choose(p, quality_target, cost_cap)
-        return RouterDecision(self.engines[pick], REASON, float(p[0]),
-                              dict(zip(self.engines, (round(float(x), 6) for x in p))))
+        return RouterDecision(self.engines[pick], REASON, float(p[0]), dict(zip(self.engines, p.tolist())))

@@ -119,7 +119,10 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     # named-engine request to the router, and the what-if replay of a future policy needs the score
     # in every usage record. Scoring is a hashed dot product (tens of microseconds).
     if isinstance(gw.learned_router, EngineSetRouter):
-        chosen = gw.learned_router.decide(_router_text(req, tok, ids), len(ids))
+        # a policy's cost cap is resolved by the router (its calibration table); its quality target
+        # (or a rule's) by policies.decide from the scores
+        cap = policy.router.cost_cap if policy is not None else None
+        chosen = gw.learned_router.decide(_router_text(req, tok, ids), len(ids), cost_cap=cap)
         score = chosen.score
         gw.metrics.router_score.observe(score)
     elif gw.learned_router is not None:
@@ -138,7 +141,8 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
             engine, reason = route.engine, route.reason
         plan = Plan(engine, reason, ids, score, max_tokens=req.max_tokens)
         if chosen is not None:
-            plan.explanation.append(f"router P(good): {chosen.scores}; chose {engine}")
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
+            plan.explanation.append(f"router P(good): {shown}; chose {engine}")
         return _finish(gw, req, tok, _fit(gw, req, tok, plan))
 
     import asyncio
@@ -154,12 +158,9 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         reached = any(over_limit(s.budget, *spend.of(s.dim, s.value)) for s in found)
         gw.metrics.budget_checks.labels("unavailable" if not known else "reached" if reached else "within").inc()
     states = engine_states(gw, key.tenant, key.priority_class)
-    d = decide(policy, features, spend, states, score, state.router_threshold)
-    if chosen is not None and d.reason == "router":
-        # An N-engine router picks among its engines; the policy's small/large threshold rule
-        # does not apply to it (budget downgrade and overflow, which set other reasons, still do).
-        d.engine = chosen.engine
-        d.explanation.append(f"N-engine router P(good) {chosen.scores}: {chosen.engine}")
+    d = decide(policy, features, spend, states, score, state.router_threshold,
+               router_scores=chosen.scores if chosen is not None else None,
+               router_pick=chosen.engine if chosen is not None else None)
     gw.metrics.policy_decisions.labels(d.action).inc()
     if d.error is not None:
         raise _refusal(d.error, states)
