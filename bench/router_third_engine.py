@@ -45,8 +45,9 @@ def medium_spec():
     return ModelSpec("medium", hidden=128, layers=8, heads=4, kv_heads=2, ffn=384)
 
 
-def _engine(model: str):
-    """LLM for a checkpoint folder, or SmolLM2 as deploy/default.yaml serves it (int4)."""
+def _engine(model: str, quantization: str = "none"):
+    """LLM for a checkpoint folder (weights as stored, or int8/int4 weight-only), or SmolLM2 as
+    deploy/default.yaml serves it (int4)."""
     import torch
 
     from engines import LLM
@@ -58,7 +59,8 @@ def _engine(model: str):
         dist, _, name = SMOLLM2[len("package:"):].partition("/")
         return LLM(packaged_gguf(dist, name), progress=False, kv_cache_memory=256 << 20, quantization="int4",
                    quant_group_size=32, dtype="float32")
-    return LLM(Path(model), progress=False, kv_cache_memory=256 << 20)
+    quant = {} if quantization == "none" else {"quantization": quantization}
+    return LLM(Path(model), progress=False, kv_cache_memory=256 << 20, **quant)
 
 
 def _replies(llm, rows: list[dict]) -> list[str]:
@@ -100,7 +102,7 @@ def run_pilot(args: argparse.Namespace) -> int:
 
     rec = RunRecorder(f"router_third_engine_pilot_{args.name}")
     rows = _rows("test")[: args.items]
-    llm = _engine(args.model)
+    llm = _engine(args.model, args.quantization)
     t0 = time.perf_counter()
     replies = _replies(llm, rows)
     dt = time.perf_counter() - t0
@@ -115,15 +117,23 @@ def run_pilot(args: argparse.Namespace) -> int:
 
 
 def run_label(args: argparse.Namespace) -> int:
-    """Split by split (test, calibration, then train), appending each split's lines once it is done,
-    so a run cut short keeps the splits it finished; --train-items labels only the first N train rows."""
-    llm = _engine(args.model)
+    """Split by split (--splits, default test, calibration, train), appending each split's lines and
+    rewriting the manifest once it is done, so a run cut short keeps the splits it finished;
+    --train-items labels only the first N train rows; --append adds to an earlier run's file."""
+    llm = _engine(args.model, args.quantization)
     out = DATA / "engines"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.jsonl"
-    path.write_text("")
+    manifest_path = out / f"{args.name}.manifest.json"
     summary: dict[str, dict] = {}
-    for split in ("test", "calibration", "train"):
+    commands = []
+    if args.append and manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        summary, commands = old.get("summary", {}), old.get("commands", [])
+    else:
+        path.write_text("")
+    commands.append("python -m bench.router_third_engine " + " ".join(sys.argv[1:]))
+    for split in args.splits.split(","):
         rows = _rows(split)
         if split == "train" and args.train_items is not None:
             rows = rows[: args.train_items]
@@ -138,10 +148,17 @@ def run_label(args: argparse.Namespace) -> int:
         summary[split] = {"items": len(rows), "correct": sum(ok), "accuracy": sum(ok) / max(1, len(rows)),
                           "items_per_s": round(len(rows) / seconds, 2)}
         print(split, json.dumps(summary[split]), flush=True)
-    manifest = {"command": "python -m bench.router_third_engine " + " ".join(sys.argv[1:]), "engine": args.name,
-                "model": args.model, "quantization": "none", "max_tokens": MAX_TOKENS, "summary": summary}
-    (out / f"{args.name}.manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        manifest = {"commands": commands, "engine": args.name, "model": _rel(args.model), "quantization": args.quantization,
+                    "max_tokens": MAX_TOKENS, "summary": summary}
+        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     return 0
+
+
+def _rel(model: str) -> str:
+    try:
+        return str(Path(model).resolve().relative_to(ROOT))
+    except ValueError:
+        return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", default=str(ROOT / "models" / "demo-medium"),
                        help="a checkpoint folder, or 'smollm2' (SmolLM2-135M-Instruct, int4)")
         p.add_argument("--name", default="demo-medium")
+        p.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                       help="weight-only quantisation of a checkpoint folder (as a deployment's engine option)")
         p.add_argument("--items", type=int, default=64, help="pilot: test items to run")
         p.add_argument("--train-items", type=int, default=None, help="label: only the first N train rows")
+        p.add_argument("--splits", default="test,calibration,train", help="label: these splits, in this order")
+        p.add_argument("--append", action="store_true", help="label: add to the file and manifest instead of "
+                                                             "starting them over")
         p.set_defaults(func=func)
     args = ap.parse_args(argv)
     return args.func(args)

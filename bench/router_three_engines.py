@@ -1,12 +1,17 @@
-"""The router with three engines (issue 28): demo-small, demo-medium (bench/router_third_engine.py)
-and demo-large on the router's test split, on one cost-quality plot with random routing.
+"""The router with three engines (issue 28): demo-small, a third engine and demo-large on the
+router's test split, on one cost-quality plot with random routing.
 
-    python -m bench.router_three_engines [--resamples 200]
+    python -m bench.router_three_engines                     # third engine demo-medium (cost 2)
+    python -m bench.router_three_engines --third demo-large-int4 --third-cost 2 \
+        --results-name router_three_engines_large_int4        # the large model with int4 weights
+
+The third engine's outcomes come from `python -m bench.router_third_engine label` (a demo model
+between the pair's sizes, or a checkpoint served with other weights).
 
 1. Train the N-engine artifact (router_models/training/train_engines.py) on the train split, with
    the issue-12 feature settings (train.DEFAULT_C, cross weight 2), calibrate on the calibration
    split (the cost table; the default quality target reaching 95% of the small-to-large accuracy
-   gap at the lowest mean cost there), and write router_models/artifacts/demo_router_3.json.
+   gap at the lowest mean cost there), and write router_models/artifacts/demo_router_3*.json.
    The same training restricted to the pair (small, large) gives the two-engine P(good) router.
 2. Score the test split with the numpy scorer (the serving path) and report, on the normalised
    cost axis of engine_curves.py (0: every call small, 1: every call large): APGR and CPT of the
@@ -17,10 +22,11 @@ and demo-large on the router's test split, on one cost-quality plot with random 
 3. The decision cost per request (score every engine and choose; CPU time of the deciding thread,
    features included, warm), as p50/p99 over the test prompts.
 
-Costs per call are the deployment's price ratio: demo-small 1, demo-medium 2, demo-large 5
-(input and output prices in deploy/default.yaml are 5x apart for the pair; the medium one is
-priced at twice the small one, as its decode costs about twice the small one's per token).
-Writes bench/results/router_three_engines.json and bench/router_three_engines.png.
+Costs per call are relative: demo-small 1, demo-large 5 (deploy/default.yaml prices the pair 5x
+apart, input and output alike); the third engine's cost is --third-cost (default 2: demo-medium
+decodes about twice the small one's work per token; the int4 large model decodes 2.6-3.1x faster
+than bf16 at batch 1, bench/RESULTS.md "Weight-only quantisation", so about 2 as well).
+Writes bench/results/NAME.json, bench/NAME.png and the artifact.
 """
 from __future__ import annotations
 
@@ -40,8 +46,8 @@ from router_models.training.train_engines import EngineLabels, engine_labels, or
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "router_models" / "data"
-ARTIFACT = ROOT / "router_models" / "artifacts" / "demo_router_3.json"
-COSTS = {"demo-small": 1.0, "demo-medium": 2.0, "demo-large": 5.0}
+ARTIFACTS = ROOT / "router_models" / "artifacts"
+PAIR_COSTS = {"demo-small": 1.0, "demo-large": 5.0}
 
 
 def _numpy_scores(scorer: EngineScorer, data: EngineLabels) -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +82,14 @@ def _bootstrap(P: np.ndarray, correct: np.ndarray, cost: np.ndarray, resamples: 
             **{k: [float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5))] for k, v in draws.items()}}
 
 
-def plot(report: dict, path: Path) -> None:
+def _rel(path: str | Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def plot(report: dict, path: Path, third: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,14 +111,15 @@ def plot(report: dict, path: Path) -> None:
     acc, nc = report["three"]["accuracy"], report["three"]["normalised_cost"]
     ax.plot([0, 100], [acc["demo-small"], acc["demo-large"]], ":", color="grey", lw=0.8,
             label="random small/large (APGR 0.50)")
-    for name, colour in (("demo-small", "tab:orange"), ("demo-medium", "tab:olive"), ("demo-large", "tab:red")):
+    for name, colour in (("demo-small", "tab:orange"), (third, "tab:olive"), ("demo-large", "tab:red")):
         ax.scatter([nc[name] * 100], [acc[name]], color=colour, zorder=5, label=f"{name} only")
     d = report["three"]["at_quality_target"]
     ax.scatter([d["normalised_cost"] * 100], [d["accuracy"]], marker="x", s=80, color="black", zorder=6,
                label=f"calibrated quality target {d['target']:.2f}")
     ax.set_xlabel("mean cost per call (0 = every call to demo-small, 100 = every call to demo-large), %")
     ax.set_ylabel("accuracy on the test split")
-    ax.set_title(f"Router with three engines on {report['three']['prompts']} held-out prompts")
+    ax.set_title(f"Router with three engines (demo-small, {third}, demo-large) on {report['three']['prompts']} "
+                 "held-out prompts", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
@@ -115,31 +129,38 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engine-file", default=str(DATA / "engines" / "demo-medium.jsonl"))
+    ap.add_argument("--third", default="demo-medium", help="the third engine's name (its outcomes: "
+                    "router_models/data/engines/NAME.jsonl unless --engine-file)")
+    ap.add_argument("--third-cost", type=float, default=2.0, help="its relative cost per call (small 1, large 5)")
+    ap.add_argument("--engine-file", default=None)
+    ap.add_argument("--results-name", default="router_three_engines",
+                    help="bench/results/NAME.json, bench/NAME.png, router_models/artifacts/NAME.json")
     ap.add_argument("--resamples", type=int, default=200)
     ap.add_argument("--train-items", type=int, default=None,
                     help="fit on the first N train prompts only (when the third engine labelled only those)")
-    ap.add_argument("--plot", default=str(ROOT / "bench" / "router_three_engines.png"))
+    ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
+    engine_file = args.engine_file or str(DATA / "engines" / f"{args.third}.jsonl")
+    plot_path = Path(args.plot or ROOT / "bench" / f"{args.results_name}.png")
+    artifact = ARTIFACTS / f"{args.results_name.replace('router_three_engines', 'demo_router_3')}.json"
+    costs = {**PAIR_COSTS, args.third: args.third_cost}
     import torch
     torch.set_num_threads(1)
-    rec = RunRecorder("router_three_engines")
-    data = engine_labels(DATA, {"demo-medium": args.engine_file}, train_items=args.train_items)
-    train, cal, test = data["train"], data["calibration"], order_by_cost(data["test"], COSTS)
+    rec = RunRecorder(args.results_name)
+    data = engine_labels(DATA, {args.third: engine_file}, train_items=args.train_items)
+    train, cal, test = data["train"], data["calibration"], order_by_cost(data["test"], costs)
     t0 = time.perf_counter()
-    es, _ = train_engine_set(train, cal, COSTS, training={"source": "suite", "folder": "router_models/data",
-                                                          "extra": {"demo-medium": "router_models/data/engines/"
-                                                                                   "demo-medium.jsonl"}})
+    es, _ = train_engine_set(train, cal, costs, training={"source": "suite", "folder": "router_models/data",
+                                                          "extra": {args.third: _rel(engine_file)}})
     train_s = time.perf_counter() - t0
-    save(es, ARTIFACT)
+    save(es, artifact)
     scorer = EngineScorer(es)
     P, ms = _numpy_scores(scorer, test)
     cost = scorer.costs
     report3, _ = evaluate_engines(P, test.correct, cost, es.names, es.quality_target)
     report3["ci95"] = _bootstrap(P, test.correct, cost, args.resamples) if args.resamples else None
     # The pair alone, same method: what the third engine adds.
-    pair_costs = {k: COSTS[k] for k in ("demo-small", "demo-large")}
-    es2, _ = train_engine_set(_pair(train), _pair(cal), pair_costs)
+    es2, _ = train_engine_set(_pair(train), _pair(cal), PAIR_COSTS)
     P2 = np.array([EngineScorer(es2).probabilities(t, n) for t, n in zip(test.texts, test.tokens)])
     report2, _ = evaluate_engines(P2, _pair(test).correct, np.array([1.0, 5.0]), es2.names, es2.quality_target)
     # The shipped two-engine router on the same prompts: its share of large calls is the cost axis.
@@ -151,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                           "at_quality_target", "accuracy")},
               "two_engine_router": summary(curve1),
               "two_engine_curve": {"cost": curve1.share.round(5).tolist(), "quality": curve1.quality.round(5).tolist()}}
-    plot(report, Path(args.plot))
+    plot(report, plot_path, args.third)
     figures = {
         "test_prompts": len(test), "train_prompts": len(train), "calibration_prompts": len(cal),
-        "accuracy": report3["accuracy"], "costs": COSTS,
+        "accuracy": report3["accuracy"], "costs": costs,
         "three_apgr": report3["cost_cap"]["apgr"], "three_cpt_95": report3["cost_cap"]["cpt_95"],
         "three_cpt_80": report3["cost_cap"]["cpt_80"], "three_ci95": report3["ci95"],
         "three_at_quality_target": report3["at_quality_target"], "random_three_apgr": report3["random"]["apgr"],
@@ -166,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_s": train_s, "calibration": es.calibration, "quality_target": es.quality_target,
     }
     rec.write(figures, runs=[{k: v for k, v in report.items() if k != "two_engine_curve"}],
-              artifact=str(ARTIFACT.relative_to(ROOT)), plot=str(args.plot))
+              artifact=_rel(artifact), plot=_rel(plot_path))
     r3 = report3["cost_cap"]
     print(f"three engines: APGR {r3['apgr']:.3f} {report3['ci95']['apgr'] if report3['ci95'] else ''}, "
           f"CPT(95%) {r3['cpt_95']:.3f}; random {report3['random']['apgr']:.3f}; oracle {report3['oracle']['apgr']:.3f}")
