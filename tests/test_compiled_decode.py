@@ -87,7 +87,9 @@ def test_compiled_logits_match_eager_forward(engines):
 def test_cache_dir_is_used_and_overridable(engines, monkeypatch, tmp_path):
     compiled, _ = engines
     assert compiled.runner.compiled.cache_dir == cache_dir()
-    assert any(cache_dir().glob("fxgraph/*")), "inductor wrote nothing to the cache dir"
+    # The C++ build of the graph (a .so per kernel) lands there. Frozen graphs bypass inductor's FX
+    # graph cache in this torch, so there may be no fxgraph/ folder at all on a fresh machine.
+    assert any(cache_dir().rglob("*.so")), "inductor built nothing into the cache dir"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert cache_dir() == tmp_path / "mine"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
