@@ -21,7 +21,7 @@ arrived; a rolled-back draft token would leave its scale behind, and a recompute
 a cached prefix could change the scale under a reader. The cost is 4 bytes per 64-128 bytes of
 codes (3-6%).
 
-CPU note: torch widens int8 to fp32 in one vectorised multiply; its fp8 -> fp32 conversion is
+CPU note: torch widens int8 to fp32 with a vectorised conversion; its fp8 -> fp32 conversion is
 several times slower on this machine's CPU (bench/RESULTS.md), so int8 is the CPU choice and
 fp8_e4m3 is for GPUs, where the Triton kernel converts in registers.
 """
@@ -83,10 +83,9 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes [..., head_dim], scale [...] -> values [..., head_dim] in dtype."""
-    if codes.dtype == torch.int8:
-        # One pass: int8 x float promotes to the float inside the multiply's loop.
-        return torch.mul(codes, scale[..., None].to(dtype))
-    return codes.to(dtype).mul_(scale[..., None].to(dtype))   # float8 has no implicit promotion
+    # Widen, then scale in place: on this CPU 1.8x faster than one promoting int8 x fp32 multiply
+    # (whose loop converts element by element); float8 has no implicit promotion anyway.
+    return codes.to(dtype).mul_(scale[..., None].to(dtype))
 
 
 def allocate(num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype,
