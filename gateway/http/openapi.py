@@ -103,6 +103,13 @@ def openapi_schema() -> dict[str, Any]:
             "stream_options": {"type": ["object", "null"],
                                "properties": {"include_usage": {"type": "boolean"}}},
             "user": {"type": ["string", "null"]},
+            "service_tier": {"enum": ["auto", "default", "flex", "priority", None],
+                             "description": ("the admission class: flex runs as batch (behind interactive work); "
+                                             "priority asks for interactive but never rises above the key's class "
+                                             "or a policy rule's; auto and default keep it")},
+            "priority": {"enum": ["interactive", "batch", None],
+                         "description": ("the admission class by name; a request may lower its class, never raise "
+                                         "it; must agree with service_tier when both are sent")},
             "metadata": {"type": ["object", "null"], "maxProperties": 16,
                          "additionalProperties": {"type": "string", "maxLength": 512}},
             "response_format": {
@@ -161,7 +168,7 @@ def openapi_schema() -> dict[str, Any]:
         "usage": {"oneOf": [usage, {"type": "null"}]}}}
     shared = {k: request["properties"][k] for k in (
         "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-        "logit_bias", "stream", "stream_options", "user", "metadata")}
+        "logit_bias", "stream", "stream_options", "user", "metadata", "service_tier", "priority")}
     text_request = {
         "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
         "description": ("OpenAI's legacy text completion: the prompt is encoded as is (no chat template). Refused "
