@@ -92,6 +92,7 @@ class EngineScorer:
             self.W[k, np.asarray(e.indices, dtype=np.int64)] = np.asarray(e.values, dtype=np.float64)
         self.b = np.array([e.intercept for e in es.engines], dtype=np.float64)
         self._Wd = self.W[:, : es.spec.n_dense].copy()
+        self._WT = np.ascontiguousarray(self.W.T)     # one row per column: a prompt's columns gather whole rows
         self.costs = np.array([e.cost for e in es.engines] if costs is None else costs, dtype=np.float64)
         if self.costs.shape != (len(es.engines),) or not np.all(self.costs > 0) or not np.all(np.isfinite(self.costs)):
             raise ValueError(f"engine costs must be {len(es.engines)} positive numbers, got {list(self.costs)}")
@@ -116,12 +117,12 @@ class EngineScorer:
         r = row(text, tokens, self.spec)
         e0, e1, _ = r.ends
         f0, f1, f2 = r.factors.tolist()
-        w = self.W.take(r.cols, axis=1)
-        z = self.b + self._Wd @ r.dense + w[:, e1:].sum(axis=1) * f2
+        w = self._WT.take(r.cols, axis=0)
+        z = self.b + self._Wd @ r.dense + w[e1:].sum(axis=0) * f2
         if e0:
-            z += w[:, :e0].sum(axis=1) * f0
+            z += w[:e0].sum(axis=0) * f0
         if e1 > e0:
-            z += w[:, e0:e1].sum(axis=1) * f1
+            z += w[e0:e1].sum(axis=0) * f1
         # the logistic function without overflow for large |z|
         ez = np.exp(-np.abs(z))
         return np.where(z >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez))
