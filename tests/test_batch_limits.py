@@ -1,6 +1,7 @@
 """The adaptive cap on batch lines in flight (gateway/batch/adaptive_limit.py): it halves while the
 event loop lags past batch.max_loop_lag_ms, never below one line, and grows back when the loop is
-on time; and the idle-capacity gate (idle_capacity.py) keeps batch lines out of a busy engine."""
+on time; the idle-capacity gate (idle_capacity.py) keeps batch lines out of a busy engine; and the
+disk storage (file_storage.py) never writes outside its folder, whatever the tenant's name."""
 from __future__ import annotations
 
 import asyncio
@@ -70,3 +71,23 @@ def test_idle_capacity_rules():
     assert cap.has_room("bulk")                                 # a bulk engine is used to the full
     admission.queues["bulk"] = _queue(running=10, queued=0, free=5)
     assert not cap.has_room("bulk")
+
+
+def test_disk_storage_stays_inside_its_folder(tmp_path):
+    import pytest
+
+    from gateway.batch.file_storage import DiskStorage
+    root = tmp_path / "data"
+    disk = DiskStorage(root)
+    for tenant in ("acme", "..", ".", ".hidden"):
+        assert disk.put(tenant, "file-1", [b"a", b"bc"]) == 3
+        with disk.open(tenant, "file-1") as f:
+            assert f.read() == b"abc"
+    assert sorted(p.name for p in root.iterdir()) == ["_.", "_..", "_.hidden", "acme"]
+    assert not (tmp_path / "file-1").exists()
+    for tenant, file_id in (("a/b", "file-1"), ("acme", "../x"), ("acme", ".tmp")):
+        with pytest.raises(ValueError):
+            disk.put(tenant, file_id, [b"x"])
+    disk.delete("acme", "file-1")
+    assert not (root / "acme" / "file-1").exists()
+    assert list((root / "acme").iterdir()) == []      # no temporary file left behind

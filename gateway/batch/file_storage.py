@@ -9,9 +9,10 @@ The metadata (owner, name, size, purpose) is in Redis (file_records.py); this on
 so an object store (S3 put/get/delete) can replace the disk by implementing `FileStorage`.
 Every method blocks (file I/O, fsync): callers run them in a worker thread.
 
-Disk layout: `{data_dir}/{tenant}/{file_id}`. A put writes `.{file_id}.{random}.tmp` in the same
-folder, fsyncs it, renames it over the final name (atomic on POSIX) and fsyncs the folder, so a
-crash leaves either the whole file or none of it (plus at most a stray .tmp, removed by `sweep`).
+Disk layout: `{data_dir}/{tenant}/{file_id}` (a tenant name starting with a dot gets a "_" in
+front). A put writes `.{file_id}.{random}.tmp` in the same folder, fsyncs it, renames it over the
+final name (atomic on POSIX) and fsyncs the folder, so a crash leaves either the whole file or none
+of it (plus at most a stray .tmp, removed by `sweep`).
 """
 from __future__ import annotations
 
@@ -43,7 +44,11 @@ class DiskStorage:
     def _path(self, tenant: str, file_id: str) -> Path:
         if not _NAME.match(tenant) or not _NAME.match(file_id) or file_id.startswith("."):
             raise ValueError(f"bad tenant or file id: {tenant!r} {file_id!r}")
-        return self.root / tenant / file_id
+        # Tenant names may start with a dot (even be ".."): such a folder gets a "_" in front, so no
+        # tenant's folder is the data folder itself, its parent or hidden. (File ids are random and
+        # every read goes through the tenant's record, so two names sharing a folder share nothing.)
+        folder = "_" + tenant if tenant.startswith(".") else tenant
+        return self.root / folder / file_id
 
     def put(self, tenant: str, file_id: str, chunks: Iterable[bytes]) -> int:
         final = self._path(tenant, file_id)
