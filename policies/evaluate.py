@@ -285,6 +285,9 @@ def _overflow(policy: Policy, request: RequestFeatures, engines: dict[str, Engin
         blocked = "degrade is off for this request" if rule_degrade is False else "overflow.degrade is off"
     elif target is None:
         blocked = f"{d.engine} has no other engine (not in engines)"
+    elif engines and target not in engines:
+        # engines.tiers may price an engine this deployment does not run; never route to it
+        blocked = f"{target} is not an engine of this deployment"
     elif d.action == "requested" and not ov.degrade_pinned:
         blocked = "the client named the engine and overflow.degrade_pinned is off"
     elif _pricier(policy, target, d.engine) and d.downgraded:

@@ -106,3 +106,10 @@ def test_overflow_moves_one_tier_and_upgrades_only_when_allowed():
     two = load_policy(TWO)
     d = decide(two, req(deadline_ms=500), FREE, slow_small, 0.9, 0.5)
     assert d.shed and "moving small -> large needs overflow.upgrade" in " ".join(d.explanation)
+
+
+def test_overflow_never_moves_to_a_tier_the_deployment_lacks():
+    policy = load_policy(THREE)
+    running = {"demo-small": EngineState(10.0), "demo-large": EngineState(10_000.0)}     # no demo-medium here
+    d = decide(policy, req(deadline_ms=500), FREE, running, 0.1, 0.5)
+    assert d.shed and "demo-medium is not an engine of this deployment" in " ".join(d.explanation)
