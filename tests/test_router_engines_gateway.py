@@ -167,3 +167,30 @@ def test_a_policy_sets_the_quality_target_or_cost_cap_and_a_rule_its_own(tmp_pat
             assert status == 200 and headers["x-tokenyard-engine"] == tagged
     finally:
         delete_prefix(SHARED_REDIS, prefix)
+
+
+def test_under_a_policy_the_context_move_is_priced_as_the_engine_it_lands_on(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nengines: {small: small, large: large}\nprices:\n"
+                      "  small: {input: 1, cached_input: 1, output: 1}\n"
+                      "  large: {input: 500, cached_input: 500, output: 500}\n"
+                      "router: {without_score: small}\n")          # no router artifact: auto -> small
+    prefix = unique_prefix("route3ctx")
+    doc = deployment(None, {"small": 64, "medium": 4096, "large": 4096})
+    doc.update(redis_url=SHARED_REDIS, redis_prefix=prefix, policy=str(policy))
+    try:
+        with running_gateway(doc) as srv:
+            status, headers, _ = ask(srv, 5)
+            assert status == 200 and (headers["x-tokenyard-engine"], headers["x-tokenyard-route-reason"]) == \
+                ("small", "router_fallback")
+            status, headers, body = ask(srv, 120)
+            assert status == 200, body
+            assert (headers["x-tokenyard-engine"], headers["x-tokenyard-route-reason"]) == ("large", "context")
+            wait_ledger(srv)
+            record = srv.gateway.usage.records[-1]
+            # the policy's price of the engine it landed on (500 units = 5e8 micro-units per 1M tokens), not small's
+            assert record.engine == "large" and record.prices[0] == 500 * 10**6
+            status, _, body = ask(srv, 120, model="small")      # pinned by the client: no move
+            assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
