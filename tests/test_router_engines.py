@@ -113,6 +113,7 @@ def test_numpy_scorer_equals_each_engines_predict_proba_and_survives_a_round_tri
     odd = ["", "ÄÖÜ 😀 ++--", "x" * 5000]
     assert all(np.all((scorer.probabilities(t, 7) > 0) & (scorer.probabilities(t, 7) < 1)) for t in odd)
     assert loaded.quality_target == es.quality_target and loaded.cost_table == es.cost_table
+    assert loaded.quantiles == es.quantiles and len(es.quantiles) == 201
 
 
 def test_selection_overrides_and_the_default_target(three):
@@ -146,6 +147,13 @@ def test_tampered_or_malformed_engine_set_is_refused(three, tmp_path):
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         load_router(path)
     from router_models.runtime.artifact import checksum
+    body["model"]["engines"][1]["intercept"] -= 1.0
+    body["calibration"]["quantiles"] = [0.5, 0.4]
+    body["checksum"] = checksum(body)
+    path.write_text(json.dumps(body))
+    with pytest.raises(ArtifactError, match="quantiles"):
+        load_router(path)
+    body["calibration"]["quantiles"] = es.quantiles
     body["model"]["engines"].reverse()                  # priciest first: refused even with a valid checksum
     body["checksum"] = checksum(body)
     path.write_text(json.dumps(body))

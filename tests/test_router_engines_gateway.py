@@ -30,7 +30,8 @@ def engine_set_artifact(path: Path, quality_target: float = 0.6) -> Path:
     spec = FeatureSpec(dense_mean=(0.0,) * len(DENSE_NAMES), dense_scale=(1.0,) * len(DENSE_NAMES))
     engines = [EngineModel(n, c, _logit(P_GOOD[n]), [], []) for n, c in (("small", 1.0), ("medium", 2.0),
                                                                         ("large", 5.0))]
-    save(EngineSet(spec, engines, "quality_target", quality_target, None, [[0.0, 5.0], [1.0, 1.0]], 10), path)
+    save(EngineSet(spec, engines, "quality_target", quality_target, None, [[0.0, 5.0], [1.0, 1.0]], 10,
+                   [0.0, 0.2, 1.0]), path)
     return path
 
 
@@ -192,5 +193,21 @@ def test_under_a_policy_the_context_move_is_priced_as_the_engine_it_lands_on(tmp
             assert record.engine == "large" and record.prices[0] == 500 * 10**6
             status, _, body = ask(srv, 120, model="small")      # pinned by the client: no move
             assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
+
+
+def test_a_two_engine_policy_setting_does_not_stop_an_n_engine_gateway(tmp_path):
+    # router.target_large_share becomes a threshold on P(cheapest good) for the what-if replay; live
+    # N-engine decisions go by the router's per-engine scores
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.replace("{ROUTER}", "{target_large_share: 0.3}"))
+    prefix = unique_prefix("route3tls")
+    doc = deployment(engine_set_artifact(tmp_path / "r3.json"), {"small": 4096, "medium": 4096, "large": 4096})
+    doc.update(redis_url=SHARED_REDIS, redis_prefix=prefix, policy=str(policy))
+    try:
+        with running_gateway(doc) as srv:
+            assert srv.gateway.policy.number == 1
+            assert ask(srv, 5)[1]["x-tokenyard-engine"] == "medium"
     finally:
         delete_prefix(SHARED_REDIS, prefix)

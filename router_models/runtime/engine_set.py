@@ -8,7 +8,8 @@ good | prompt), and the policy that turns those into a choice (router_models/run
                             "indices": [...], "values": [...]}, ...]},   # cheapest first
      "selection": {"method": "quality_target" | "cost_cap", "quality_target": t | null,
                    "cost_cap": c | null, "lam": l | null},   # the calibrated default
-     "calibration": {"prompts": n, "cost_table": [[lam, mean cost], ...], ...},
+     "calibration": {"prompts": n, "cost_table": [[lam, mean cost], ...],
+                     "quantiles": [...], ...},             # of P(the cheapest engine is good)
      "training": {...provenance...},
      "checksum": "sha256:..."}
 
@@ -56,6 +57,10 @@ class EngineSet:
     cost_cap: float | None
     cost_table: list[list[float]]   # [[lam, mean cost on calibration], ...], lam increasing
     calibration_prompts: int
+    # Calibration quantiles of P(the cheapest engine is good), the decision's scalar router_score,
+    # as a version-1 artifact keeps its score's: a policy's router.target_large_share becomes a
+    # threshold on that score for the what-if replay, which sees only router_score.
+    quantiles: list[float]
     training: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)   # extra calibration figures (provenance)
 
@@ -72,7 +77,7 @@ class EngineSet:
                 "selection": {"method": self.method, "quality_target": self.quality_target,
                               "cost_cap": self.cost_cap, "lam": lam},
                 "calibration": {**self.calibration, "prompts": self.calibration_prompts,
-                                "cost_table": self.cost_table},
+                                "cost_table": self.cost_table, "quantiles": self.quantiles},
                 "training": self.training}
         body["checksum"] = checksum(body)
         return body
@@ -85,6 +90,7 @@ class EngineScorer:
     def __init__(self, es: EngineSet, costs: Sequence[float] | None = None, quality_target: float | None = None,
                  cost_cap: float | None = None) -> None:
         self.engine_set = es
+        self.artifact = es              # as Scorer.artifact: its `quantiles` serve router.target_large_share
         self.spec = es.spec
         self.names = es.names
         self.W = np.zeros((len(es.engines), es.spec.dim), dtype=np.float64)
@@ -195,8 +201,10 @@ def from_json(body: dict[str, Any]) -> EngineSet:
         qt = None if sel["quality_target"] is None else float(sel["quality_target"])
         cap = None if sel["cost_cap"] is None else float(sel["cost_cap"])
         table = [[float(lam), float(c)] for lam, c in cal["cost_table"]]
-        es = EngineSet(spec, engines, method, qt, cap, table, int(cal["prompts"]), dict(body["training"]),
-                       {k: v for k, v in cal.items() if k not in ("prompts", "cost_table")})
+        quantiles = [float(q) for q in cal["quantiles"]]
+        es = EngineSet(spec, engines, method, qt, cap, table, int(cal["prompts"]), quantiles,
+                       dict(body["training"]),
+                       {k: v for k, v in cal.items() if k not in ("prompts", "cost_table", "quantiles")})
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ArtifactError):
             raise
@@ -229,3 +237,6 @@ def _check(es: EngineSet) -> None:
         raise ArtifactError("selection cost_cap must be a number >= 0")
     if not es.cost_table or any(len(r) != 2 or not all(math.isfinite(x) for x in r) for r in es.cost_table):
         raise ArtifactError("calibration cost_table must be a non-empty list of [lam, mean cost] pairs")
+    q = es.quantiles
+    if len(q) < 2 or not all(math.isfinite(x) for x in q) or any(b < a for a, b in zip(q, q[1:])):
+        raise ArtifactError("calibration quantiles must be at least two non-decreasing numbers")

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from router_models.runtime.calibration import score_quantiles
 from router_models.runtime.engine_set import EngineModel, EngineSet
 from router_models.runtime.features import matrix
 from router_models.runtime.selection import choose_all, cost_table
@@ -146,5 +147,5 @@ def train_engine_set(train: EngineLabels, calibration: EngineLabels, costs: Mapp
     cal_info = {"accuracy": dict(zip(train.names, calibration.correct.mean(0).tolist())),
                 "target_pgr": target_pgr, "at_default_target": {"mean_cost": cal_c, "accuracy": cal_q}}
     es = EngineSet(spec, engines, "cost_cap" if cost_cap is not None else "quality_target", target, cost_cap,
-                   table, len(calibration), meta, cal_info)
+                   table, len(calibration), score_quantiles(P[:, 0]), meta, cal_info)
     return es, models
