@@ -10,8 +10,8 @@ import time
 import openai
 import pytest
 import redis
-from batch_helpers import batch_gateway, chat_line, client, jsonl, read_lines, tenant_key, wait_batch
-from gateway_helpers import SHARED_REDIS
+from batch_helpers import batch_document, batch_gateway, chat_line, client, jsonl, read_lines, tenant_key, wait_batch
+from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix
 
 from policies.schema import DEFAULT_BATCH_PRICE_PERCENT, Prices
 
@@ -195,3 +195,30 @@ def test_unreadable_input_fails_the_batch(srv):
                                           completion_window="24h").id)
     assert done.status == "failed" and done.failed_at
     assert done.errors.data[0].code == "invalid_input_file" and f.id in done.errors.data[0].message
+
+
+def test_the_policys_batch_price_percent_and_prices_apply(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nengines: {small: mock, large: mock2}\nbatch_price_percent: 30\n"
+                      "prices:\n  mock: {input: 0.5, cached_input: 0.1, output: 2}\n"
+                      "  mock2: {input: 1, cached_input: 0.5, output: 4}\n")
+    prefix = unique_prefix("batch-policy")
+    doc = batch_document(prefix, str(tmp_path / "data"), output_len=4)
+    doc["engines"]["mock2"] = {"type": "mock", "model": str(ROOT / "models" / "demo-small"), "output_len": 4}
+    doc["routing"] = {"small": "mock", "large": "mock2"}
+    doc["policy"] = str(policy)
+    records: list = []
+    try:
+        with running_gateway(doc, usage_sink=records.append) as srv:
+            c = client(srv)
+            f = c.files.create(file=("p.jsonl", jsonl([chat_line("p0", "policy priced")])), purpose="batch")
+            done = wait_batch(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h").id)
+            rid = read_lines(c, done.output_file_id)[0]["response"]["request_id"]
+            rec = next(r for r in records if r.client_request_id == rid)
+            assert rec.policy_version >= 1
+            policy_prices = Prices(input=500_000, cached_input=100_000, output=2_000_000)
+            assert rec.cost_micros == policy_prices.cost(rec.prompt_tokens, rec.cached_tokens,
+                                                         rec.completion_tokens, 30) > 0
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
