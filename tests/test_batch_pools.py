@@ -100,3 +100,21 @@ def test_bad_batch_settings_are_refused_naming_the_key(batch, message):
     with pytest.raises(DeploymentError) as e:
         parse_deployment(doc, base_dir=ROOT)
     assert message in str(e.value)
+
+
+def test_a_policy_rule_pinning_the_bulk_engine_is_refused_for_interactive_requests(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nengines: {small: mock, large: mock-bulk}\n"
+                      "prices:\n  mock: {input: 1, cached_input: 1, output: 1}\n"
+                      "  mock-bulk: {input: 1, cached_input: 1, output: 1}\n"
+                      "rules:\n  - name: to-bulk\n    match: {}\n    action: {pin: mock-bulk}\n")
+    prefix = unique_prefix("batch-pool-policy")
+    doc = pooled_document(prefix)
+    doc["policy"] = str(policy)
+    try:
+        with running_gateway(doc) as s:
+            with pytest.raises(openai.BadRequestError) as e:
+                client(s).chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}])
+            assert e.value.body["code"] == "model_reserved_for_batch"
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
