@@ -59,6 +59,12 @@ class _Run:
     running: dict[int, GenerationGroup] = field(default_factory=dict)   # line index -> its request in flight
     task: asyncio.Task | None = None
 
+    def started(self, index: int, gen: GenerationGroup) -> None:
+        """A line's request reached the engine; one that got there after a cancel is aborted at once."""
+        self.running[index] = gen
+        if self.stop in ("cancelled", "expired"):
+            gen.abort(self.stop)
+
     def halt(self, why: str) -> None:
         if self.stop is None or why == "cancelled":
             self.stop = why
@@ -244,7 +250,7 @@ class BatchRunner:
                     response = {"status_code": 401, "request_id": request_id, "body": err.body()}
                     break
                 response = await run_line(self.gw, key, url, obj["body"], request_id, self._lane(),
-                                          lambda gen: run.running.__setitem__(index, gen))
+                                          lambda gen: run.started(index, gen))
                 if response is None:    # aborted by a cancel or the expiry: answered with the rest
                     return
             except RetryLater as e:
