@@ -71,11 +71,14 @@ def test_the_deployment_quality_target_overrides_the_artifact(tmp_path, router, 
         assert ask(srv, 5)[1]["x-tokenyard-engine"] == engine
 
 
-def test_two_engine_settings_are_refused_for_an_engine_set(tmp_path):
+@pytest.mark.parametrize("router, message", [({"threshold": 0.5}, "quality_target"),
+                                             ({"small": "small"}, "router.engines"),
+                                             ({"engines": ["small", "large"]}, "lists 2 engines")])
+def test_two_engine_settings_are_refused_for_an_engine_set(tmp_path, router, message):
     art = engine_set_artifact(tmp_path / "r3.json")
-    dep = parse_deployment(deployment(art, {"small": 4096, "medium": 4096, "large": 4096}, threshold=0.5),
+    dep = parse_deployment(deployment(art, {"small": 4096, "medium": 4096, "large": 4096}, **router),
                            base_dir=ROOT)
-    with pytest.raises(StartupError, match="quality_target"):
+    with pytest.raises(StartupError, match=message):
         create_app(dep)
 
 

@@ -40,6 +40,9 @@ class EngineSetRouter:
             raise ValueError("router.threshold and router.target_large_share belong to a two-engine artifact; "
                              "this artifact routes among several engines: use router.quality_target or "
                              "router.cost_cap")
+        if settings.small is not None or settings.large is not None:
+            raise ValueError("router.small and router.large belong to a two-engine artifact; this artifact "
+                             "names its engines (map them with router.engines)")
         engines = settings.engines or es.names
         unknown = [e for e in engines if e not in deployment_engines]
         if unknown:
