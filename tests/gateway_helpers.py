@@ -77,6 +77,11 @@ def running_gateway(document: dict[str, Any], handles=None, usage_sink=None, gua
         import tempfile
         document = {**document, "spend": {**(document.get("spend") or {}),
                                           "spool_dir": tempfile.mkdtemp(prefix="tytest-spool-")}}
+    if "data_dir" not in (document.get("batch") or {}):
+        # Likewise Batch API files (uploads by tests and the fuzzer): never in the repository's .tokenyard/.
+        import tempfile
+        document = {**document, "batch": {**(document.get("batch") or {}),
+                                          "data_dir": tempfile.mkdtemp(prefix="tytest-batch-")}}
     if document.get("redis_url") and "redis_prefix" not in document and "enabled" not in document["spend"]:
         # A test on the shared Redis without a prefix of its own is not about spend: keep its usage
         # records out of the shared "tokenyard:" keys (spend tests use unique_prefix()).
