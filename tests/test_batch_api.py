@@ -5,6 +5,7 @@ isolation."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import openai
@@ -222,3 +223,15 @@ def test_the_policys_batch_price_percent_and_prices_apply(tmp_path):
                                                          rec.completion_tokens, 30) > 0
     finally:
         delete_prefix(SHARED_REDIS, prefix)
+
+
+def test_batch_metrics(srv):
+    c = client(srv)
+    f = c.files.create(file=("m.jsonl", jsonl([chat_line("m0"), chat_line("m1")])), purpose="batch")
+    wait_batch(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    text = srv.request("GET", "/metrics")[2].decode()
+    for name in ("tokenyard_batch_runs", "tokenyard_batch_lines_in_flight", "tokenyard_batch_line_limit",
+                 "tokenyard_batch_loop_lag_seconds"):
+        assert f"\n{name} " in text, name
+    completed = float(re.search(r'^tokenyard_batch_lines_total{outcome="completed"} (\S+)$', text, re.M).group(1))
+    assert completed >= 2

@@ -84,14 +84,19 @@ class BatchRunner:
         self.owner = secrets.token_hex(8)    # this gateway process, in lease records
         self.capacity = IdleCapacity(gw.admission, settings.idle_share, settings.bulk_engines,
                                      settings.start_gap_ms / 1000)
-        self._slots = AdaptiveLimit(settings.max_in_flight, settings.max_loop_lag_ms / 1000)
+        self.limit = AdaptiveLimit(settings.max_in_flight, settings.max_loop_lag_ms / 1000)   # lines in flight
+        self.answered = {"completed": 0, "failed": 0}    # lines this gateway answered (/metrics)
         self._runs: dict[str, _Run] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
+    @property
+    def runs(self) -> dict[str, _Run]:
+        return self._runs
+
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        self._slots.start()
+        self.limit.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._poll(), name="batch-runner")
 
     def wake(self) -> None:
@@ -108,7 +113,7 @@ class BatchRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._slots.stop()
+        await self.limit.stop()
         # Handing the leases back lets the next start (or another gateway) resume at once.
         for batch_id in held:
             try:
@@ -212,11 +217,11 @@ class BatchRunner:
                 for index, raw in chunk:
                     if index in answered:
                         continue
-                    await self._slots.acquire()
+                    await self.limit.acquire()
                     if self.gw.draining:
                         run.halt("paused")
                     if run.stop is not None:
-                        self._slots.release()
+                        self.limit.release()
                         break
                     task = asyncio.get_running_loop().create_task(self._line(run, index, raw))
                     tasks.add(task)
@@ -229,7 +234,7 @@ class BatchRunner:
 
     def _line_done(self, run: _Run, tasks: set[asyncio.Task], task: asyncio.Task) -> None:
         tasks.discard(task)
-        self._slots.release()
+        self.limit.release()
         if not task.cancelled() and task.exception() is not None:   # not recorded: it runs again later
             log.warning("batch %s: a line's answer was not recorded: %r", run.id, task.exception())
 
@@ -271,7 +276,8 @@ class BatchRunner:
         ok = response["status_code"] == 200
         line = json.dumps({"id": "batch_req_" + secrets.token_hex(12), "custom_id": custom_id,
                            "response": response, "error": None}, ensure_ascii=False)
-        await self.store.answer(run.id, index, ok, line)
+        if await self.store.answer(run.id, index, ok, line):
+            self.answered["completed" if ok else "failed"] += 1
 
     def _lane(self) -> BatchLane:
         policy = self.gw.policy.policy

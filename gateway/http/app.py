@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from gateway.backends.engine_pool import EngineHandle, load_engines
 from gateway.batch import batch_routes, file_routes
+from gateway.batch.batch_metrics import BatchCollector
 from gateway.batch.service import BatchService
 from gateway.config.deployment import Deployment
 from gateway.http import chat_endpoint, completions_endpoint, service_routes
@@ -43,6 +44,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     gw = Gateway(deployment, handles, usage_sink, dev_key or deployment.auth.dev_key)
     if gw.redis is not None and deployment.batch.enabled:
         gw.batch = BatchService(gw, deployment.redis_url, deployment.redis_prefix, deployment.batch)
+        gw.metrics.registry.register(BatchCollector(gw.batch.runner))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
