@@ -20,7 +20,7 @@
 - w2: W2 (bench/w2_throughput.py's workload and model, fewer requests) at that KV memory: output
   tok/s per kv_cache_dtype, runs interleaved, median.
 - decode4k: the W2 architecture with 4096 positions: median decode step time of 1 and 4 sequences
-  at a 4k context, per kv_cache_dtype.
+  at a 4k context, per kv_cache_dtype, the dtypes' steps interleaved.
 
 Single-threaded (torch.set_num_threads(1)) on a shared 2-core VM: the load average is recorded.
 Writes bench/results/kv_quant.json (bench/results_io.py).
@@ -253,8 +253,9 @@ def bench_decode4k(context: int, steps: int, batches: tuple[int, ...]) -> tuple[
     runs, fig = [], {"context": context, "steps": steps}
     for batch in batches:
         prompts = [torch.randint(3, 8192, (context,), generator=g).tolist() for _ in range(batch)]
+        engines = {}
         for kv in KV_DTYPES:
-            eng = LLM(str(model), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=512 << 20,
+            eng = LLM(str(model), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=(64 << 20) * batch,
                       max_num_batched_tokens=1024, enable_prefix_caching=False, progress=False).engine
             params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
             for i, p in enumerate(prompts):
@@ -263,16 +264,20 @@ def bench_decode4k(context: int, steps: int, batches: tuple[int, ...]) -> tuple[
                     or eng.scheduler.waiting or eng._inbox.num_new:
                 eng.step()
             eng.step()   # the first pure-decode step
-            times = []
-            for _ in range(steps):
+            engines[kv] = eng
+        times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+        for _ in range(steps):   # interleaved, so a change of machine load hits every dtype alike
+            for kv, eng in engines.items():
                 t0 = time.perf_counter()
                 eng.step()
-                times.append(time.perf_counter() - t0)
-            ms = 1e3 * statistics.median(times)
-            runs.append({"section": "decode4k", "batch": batch, "kv_cache_dtype": kv, "step_ms": [1e3 * t for t in times]})
+                times[kv].append(time.perf_counter() - t0)
+        for kv in KV_DTYPES:
+            ms = 1e3 * statistics.median(times[kv])
+            runs.append({"section": "decode4k", "batch": batch, "kv_cache_dtype": kv,
+                         "step_ms": [1e3 * t for t in times[kv]]})
             fig[f"batch{batch}_{kv}_step_ms_median"] = ms
             print(f"decode4k batch {batch} {kv}: {ms:.1f} ms/step", flush=True)
-            del eng
+        del engines
     return fig, runs
 
 
@@ -286,7 +291,7 @@ def main() -> None:
     ap.add_argument("--w2-requests", type=int, default=48)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--name", default="kv_quant", help="results file name under bench/results/")
     args = ap.parse_args()
     torch.set_num_threads(1)
