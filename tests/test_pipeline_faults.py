@@ -2,6 +2,7 @@
 
 - A stage killed mid-stream: every in-flight request fails with an error naming the stage, well
   before tp_timeout_s; the engine refuses new work; a new engine serves.
+- A stage that hangs (stopped, sockets open): the engine gives up after tp_timeout_s.
 - "Separate nodes": rank 1 started on its own as `python -m engines.pp.stage_worker --once` with
   the torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) over loopback,
   and the engine (rank 0) meeting it there instead of spawning: same greedy tokens as one process.
@@ -60,6 +61,33 @@ def test_killed_stage_fails_requests_then_restart_serves(checkpoint_dir):
         assert len(run_to_completion(fresh)["again"]) == 4
     finally:
         fresh.close()
+
+
+@pytest.mark.timeout(120)
+def test_hung_stage_fails_requests_after_the_timeout(checkpoint_dir):
+    """A stage that stops answering (SIGSTOP: alive, sockets open) is declared dead once a reply
+    takes longer than tp_timeout_s, rather than hanging the engine."""
+    eng = Engine(checkpoint_dir("llama"), pipeline_parallel_size=2, **OPTS)
+    stage = eng.runner.workers.procs[1]
+    try:
+        # Lowered after start-up (which under load alone can take longer than this).
+        eng.runner.timeout_s = 3.0
+        eng.add_request("r0", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        for _ in range(4):
+            eng.step()
+        os.kill(stage.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        finished = []
+        while eng.has_unfinished():
+            finished += [o for o in eng.step() if o.finished]
+        elapsed = time.monotonic() - t0
+        assert 2.5 < elapsed < 20, elapsed
+        assert finished[0].finish_reason == "error" and "pipeline stage 1 (rank 1)" in finished[0].error, finished
+        assert eng.dead is not None
+    finally:
+        if stage.is_alive():
+            os.kill(stage.pid, signal.SIGKILL)
+        eng.close()
 
 
 def _free_port() -> int:

@@ -224,8 +224,7 @@ class PipelineRunner(ModelRunner):
     def _receive(self, rows: int) -> torch.Tensor:
         src = self.layout.logits_rank
         try:
-            work, buf = self.link.irecv_logits(src, rows)
-            work.wait()
+            buf = self.link.recv_logits(src, rows, self.timeout_s)
             self.link.outbox.prune()
         except RuntimeError as exc:
             raise self.workers.blame(exc, src) from exc
@@ -262,7 +261,7 @@ class PipelineRunner(ModelRunner):
             try:
                 for peer in self._direct_peers():
                     link.send_stop(peer)
-                link.outbox.flush()
+                link.outbox.flush(timeout_s=DEATH_GRACE_S)
             except RuntimeError:
                 pass   # a dead peer: the others fail their waits and exit
         self.workers.stop()

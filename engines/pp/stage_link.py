@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,14 @@ class Outbox:
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()[0].wait()
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for every send; with timeout_s, for at most that long each (a hung peer)."""
         while self._pending:
-            self._pending.popleft()[0].wait()
+            work = self._pending.popleft()[0]
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=timeout_s))
 
     def prune(self) -> None:
         """Drop the sends that have completed (raising, via wait, if one failed)."""
@@ -115,10 +121,12 @@ class StageLink:
         dist.recv(h, src, group=self.data, tag=TAG_HIDDEN)
         return h
 
-    def irecv_logits(self, src: int, rows: int) -> tuple[dist.Work, torch.Tensor]:
-        """Post the receive of a step's logits (rows sampled) and return it with its buffer."""
+    def recv_logits(self, src: int, rows: int, timeout_s: float) -> torch.Tensor:
+        """A step's logits (rows sampled), waiting at most timeout_s: a stage that hangs rather
+        than dies must not hang the engine."""
         if rows:
             buf = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
         else:
             buf = torch.empty(1, dtype=torch.long, device=self.device)
-        return dist.irecv(buf, src, group=self.data, tag=TAG_LOGITS), buf
+        dist.irecv(buf, src, group=self.data, tag=TAG_LOGITS).wait(timedelta(seconds=timeout_s))
+        return buf
