@@ -5,7 +5,8 @@
 - A stage that hangs (stopped, sockets open): the engine gives up after tp_timeout_s.
 - "Separate nodes": rank 1 started on its own as `python -m engines.pp.stage_worker --once` with
   the torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) over loopback,
-  and the engine (rank 0) meeting it there instead of spawning: same greedy tokens as one process.
+  and the engine (rank 0) meeting it there instead of spawning: same greedy tokens as one process,
+  as a pipeline stage (P=2) and as a tensor-parallel rank (TP=2).
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(120)
-def test_ranks_meet_through_the_torch_distributed_environment(checkpoint_dir, monkeypatch):
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
+def test_ranks_meet_through_the_torch_distributed_environment(checkpoint_dir, monkeypatch, tp, pp):
     path = checkpoint_dir("llama")
     prompts = random_prompts(3, 4, 30, 512, seed=72)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -113,7 +115,7 @@ def test_ranks_meet_through_the_torch_distributed_environment(checkpoint_dir, mo
     try:
         for k, v in {**env, "RANK": "0"}.items():
             monkeypatch.setenv(k, v)
-        eng = Engine(path, pipeline_parallel_size=2, **OPTS)
+        eng = Engine(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTS)
         try:
             assert eng.runner.workers.remote and not eng.runner.workers.procs   # nothing spawned
             for i, p in enumerate(prompts):
