@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engines import Engine, SamplingParams
-from engines.quant.quantization import quantize_weight
+from engines.quant.quantization import quantize_weight, save_quantized
 from engines.quant.quantized_linear import QuantLinear
 from engines.quant.tp_shard import take_cols, take_rows
 from tests.engine_helpers import random_prompts, run_to_completion
@@ -61,10 +61,14 @@ def test_int4_group_must_divide_each_ranks_slice():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["int4"])   # int8's split is the simpler one (whole-row scales), checked above
-def test_quantised_tp2_matches_single_process(checkpoint_dir, monkeypatch, mode):
+@pytest.mark.parametrize("mode, stored", [("int4", False), ("int8", True)])
+def test_quantised_tp2_matches_single_process(checkpoint_dir, monkeypatch, tmp_path, mode, stored):
+    """int4 quantised at load; int8 from a checkpoint written by `tokenyard quantize` (the ranks
+    split the stored codes and scales)."""
     monkeypatch.setenv("TOKENYARD_QUANT_BACKEND", "torch")   # the spawned ranks inherit it
     path = checkpoint_dir("llama")
+    if stored:
+        path = save_quantized(path, tmp_path / "int8", "int8", progress=False)
     prompts = random_prompts(4, 4, 40, 512, seed=61)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     logits, tokens = {}, {}
