@@ -78,7 +78,10 @@ def run_tracking(engine: Engine, abort_after: int = 0) -> tuple[dict[str, list[i
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
-        most = max(most, engine.micro.num_in_flight if engine.micro is not None else 0)
+        if engine.micro is not None:
+            most = max(most, engine.micro.num_in_flight)
+            in_flight = [c.seq for f in engine.micro.flights for c in f.batch.chunks]
+            assert len(in_flight) == len(set(in_flight)), "a sequence is in two in-flight batches"
     return tokens, reasons, most
 
 
@@ -86,6 +89,8 @@ def test_pp2_matches_single_process(engines):
     prompts = random_prompts(6, 4, 30, 512, seed=41)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     logits, tokens, in_flight = {}, {}, {}
+    # Each stage holds KV for its own layers only: rank 0 has 2 of the 3 (same block count).
+    assert len(engines[2].runner.kv_caches) == 2 and len(engines[1].runner.kv_caches) == 3
     for pp, eng in engines.items():
         logits[pp] = runner_logits(eng, prompts[0])
         before = eng.stats().output_tokens
