@@ -19,6 +19,7 @@ Groups, created in the same order on every rank:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -27,6 +28,9 @@ import torch.distributed as dist
 
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 IDLE_TIMEOUT = timedelta(days=365)   # ctrl group: a worker may wait this long for the next step
+GENERATION_KEY = "tokenyard/engine_generation"
+READY = "ready"   # a rank's start-up status when it loaded its part
+_rank0_stores: dict[tuple[str, int], dist.TCPStore] = {}   # rank 0's store per (MASTER_ADDR, MASTER_PORT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +79,6 @@ class DistEnv:
     world_size: int
     rank: int
 
-    @property
-    def init_method(self) -> str:
-        """"env://": torch reads the same variables (and under torchrun uses its agent's store
-        rather than binding MASTER_PORT a second time)."""
-        return "env://"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv | None":
@@ -110,13 +109,44 @@ class StageGroups:
     tp: dist.ProcessGroup | None          # this rank's stage's tensor-parallel group (None when tp == 1)
 
 
-def join(init_method: str, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
-    """Join the default (gloo) group, then the ctrl group; returns ctrl."""
+# With the torch.distributed environment, every engine rank 0 builds (the gateway rebuilds one
+# after a failure, in the same process) is a new "generation": rank 0 keeps one store on
+# MASTER_PORT for its whole life, counts generations in it, and each generation meets under its
+# own key prefix. A worker that served generation g waits for g + 1, so it can never meet a
+# closed engine's leftovers on the reused port.
+
+def engine_store(env: DistEnv, timeout_s: float) -> tuple[dist.Store, int]:
+    """Rank 0: the store the next engine's ranks meet in, and its generation number."""
+    key = (env.master_addr, env.master_port)
+    store = _rank0_stores.get(key)
+    if store is None:
+        # Under torchrun its agent already serves MASTER_PORT: join that store as a client.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = _rank0_stores[key] = dist.TCPStore(env.master_addr, env.master_port, is_master=not agent,
+                                                   wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    gen = store.add(GENERATION_KEY, 1)
+    return dist.PrefixStore(f"tokenyard/{gen}/", store), gen
+
+
+def worker_store(env: DistEnv, after: int, timeout_s: float) -> tuple[dist.Store, int]:
+    """A worker: the store of the first engine generation above `after` (0: the current one,
+    or the first to come), waiting for rank 0 as long as it takes."""
+    client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    while True:
+        gen = client.add(GENERATION_KEY, 0)
+        if gen > after:
+            return dist.PrefixStore(f"tokenyard/{gen}/", client), gen
+        time.sleep(0.2)
+
+
+def join(meet: str | dist.Store, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+    """Join the default (gloo) group through an init method (tcp://...) or a store, then the
+    ctrl group; returns ctrl."""
     if dist.is_initialized():
         raise RuntimeError("a distributed (tensor- or pipeline-parallel) engine is already running in this process; "
                            "close it (engine.close()) before starting another")
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    where = dict(init_method=meet) if isinstance(meet, str) else dict(store=meet)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **where)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 

@@ -33,11 +33,10 @@ from engines.core.sequence import Sequence
 from engines.model.attention import AttentionMetadata
 from engines.model.model_config import ModelConfig
 from engines.model.model_runner import ModelRunner, StepInputs
-from engines.pp.dist_env import DistEnv, RankLayout, join, stage_groups
+from engines.pp.dist_env import READY, DistEnv, RankLayout, engine_store, join, stage_groups
 from engines.pp.rank_model import StageSpec, allocate_stage_kv, load_rank_model
 from engines.pp.stage_link import StageLink, encode
 from engines.pp.stage_split import StagePart, stage_forward, stage_layers
-from engines.pp.stage_worker import READY, spawned_main
 
 DEATH_GRACE_S = 2.0   # how long a failed op waits for a dead worker to be reaped, to name it
 
@@ -75,9 +74,13 @@ class Workers:
             if env.world_size != layout.world:
                 raise EngineDeadError(f"WORLD_SIZE is {env.world_size} but tensor_parallel_size {layout.tp} x "
                                       f"pipeline_parallel_size {layout.pp} needs {layout.world} ranks")
-            self.init_method = env.init_method
+            self.env = env
             return
+        self.env = None
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # Imported here: `python -m engines.pp.stage_worker` then runs a module nothing imported yet.
+        from engines.pp.stage_worker import spawned_main
+
         ctx = mp.get_context("spawn")   # fork would copy rank 0's threads and torch state
         threads = max(1, (os.cpu_count() or 1) // layout.world)
         for rank in range(1, layout.world):
@@ -150,7 +153,9 @@ class PipelineRunner(ModelRunner):
 
     def _start(self, device: torch.device) -> None:
         spec, layout = self.spec, self.layout
-        ctrl = join(self.workers.init_method, 0, layout.world, spec.timeout_s)
+        env = self.workers.env
+        meet = engine_store(env, spec.timeout_s)[0] if env is not None else self.workers.init_method
+        ctrl = join(meet, 0, layout.world, spec.timeout_s)
         dist.broadcast_object_list([spec], src=0)
         groups = stage_groups(ctrl, layout, 0, spec.device, spec.timeout_s)
         status = READY

@@ -29,20 +29,20 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-READY = "ready"
 REJOIN_PAUSE_S = 1.0   # between a finished engine and joining the next one
 
 
-def serve(init_method: str, rank: int, world: int, timeout_s: float, local_rank: int = 0) -> None:
-    """Serve one engine's lifetime as `rank`; returns when rank 0 stops it, raises on failure."""
+def serve(meet, rank: int, world: int, timeout_s: float, local_rank: int = 0) -> None:
+    """Serve one engine's lifetime as `rank`; returns when rank 0 stops it, raises on failure.
+    meet: an init method (tcp://...) or the store of the engine's generation."""
     # Imported here: a spawned interpreter pays only for what the worker uses.
     from engines.model.attention import AttentionMetadata
-    from engines.pp.dist_env import RankLayout, join, stage_groups
+    from engines.pp.dist_env import READY, RankLayout, join, stage_groups
     from engines.pp.rank_model import allocate_stage_kv, device_for, load_rank_model
     from engines.pp.stage_link import STATS, STOP, StageLink, decode
     from engines.pp.stage_split import stage_forward
 
-    ctrl = join(init_method, rank, world, timeout_s)
+    ctrl = join(meet, rank, world, timeout_s)
     try:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -122,7 +122,7 @@ def spawned_main(init_method: str, rank: int, world: int, timeout_s: float, thre
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engines.pp.dist_env import DistEnv
+    from engines.pp.dist_env import DistEnv, worker_store
 
     ap = argparse.ArgumentParser(description="A worker rank (1..WORLD_SIZE-1) of a pipeline/tensor-parallel "
                                              "Tokenyard engine, found through MASTER_ADDR, MASTER_PORT, "
@@ -139,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("RANK 0 is the engine process (the gateway or replica server), not a worker")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    served = 0   # the last engine generation this worker took part in (dist_env.engine_store)
     while True:
         try:
-            serve(env.init_method, env.rank, env.world_size, args.timeout, local_rank)
+            store, served = worker_store(env, served, args.timeout)
+            log.info("rank %d: joining engine generation %d", env.rank, served)
+            serve(store, env.rank, env.world_size, args.timeout, local_rank)
             log.info("rank %d: engine stopped", env.rank)
         except Exception as exc:  # noqa: BLE001 - the engine died or restarted: rejoin its successor
             log.warning("rank %d: %s: %s", env.rank, type(exc).__name__, exc)
