@@ -6,8 +6,10 @@ rank 0 (the engine: it schedules and samples) is stage 0's first tensor-parallel
 Two ways to meet:
 - the standard torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), as set
   by torchrun or a Kubernetes job: rank 0 is the engine process, ranks 1.. run
-  `python -m engines.pp.stage_worker` on any node that reaches MASTER_ADDR;
-- otherwise the engine spawns its workers locally (as tensor parallelism does) over loopback.
+  `python -m engines.pp.stage_worker` on any node that reaches MASTER_ADDR; they meet in a store
+  rank 0 keeps on MASTER_PORT, one numbered generation per engine it builds (engine_store);
+- otherwise the engine spawns its workers locally (as tensor parallelism does) over loopback, on
+  a fresh port per engine.
 
 Groups, created in the same order on every rank:
 - the default group: gloo, for start-up messages (the engine's spec, readiness);
