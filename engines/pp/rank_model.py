@@ -56,8 +56,10 @@ def load_rank_model(spec: StageSpec, rank: int, device: torch.device,
         from engines.quant.tp_shard import load_sharded_model
         model, cfg = load_sharded_model(spec.model_dir, dtype, device, spec.max_model_len, progress, mcfg,
                                         spec.quantization, spec.quant_group_size, tp_rank, spec.tp, tp_group)
-    # Every rank reads the whole checkpoint and keeps its part: simple, and start-up briefly holds
-    # the full model in host memory on each rank (a per-stage loader would read only its layers).
+    # Every rank loads the whole checkpoint onto its device and then keeps its part (as the
+    # tensor-parallel workers do): correct and simple, but start-up needs room for the full model
+    # on each rank's device, so a model larger than one device cannot start yet. A loader that
+    # reads only the stage's layers (and shards while reading) is the missing piece.
     trim_to_stage_(model, part)
     return model, cfg, part
 
