@@ -124,6 +124,7 @@ class BatchRunner:
 
     async def _poll(self) -> None:
         while True:
+            _raise_if_cancelled()
             try:
                 for batch_id in await self.store.open_ids():
                     if batch_id not in self._runs and not self.gw.draining:
@@ -131,9 +132,8 @@ class BatchRunner:
                             run = _Run(batch_id, {})
                             self._runs[batch_id] = run
                             run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"batch-{batch_id}")
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # noqa: BLE001 - Redis down: try again next round
+                _raise_if_cancelled()
                 log.warning("batch runner: cannot list open batches: %s", e)
             try:    # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races its timeout
                 async with asyncio.timeout(self.settings.poll_s):
@@ -157,9 +157,8 @@ class BatchRunner:
                 return
             if status in ("in_progress", "cancelling", "finalizing"):
                 await self._finish(run, status)
-        except asyncio.CancelledError:
-            raise
         except Exception:  # noqa: BLE001 - logged; the batch stays open and is picked up again
+            _raise_if_cancelled()
             log.exception("batch %s: run failed; it resumes on the next claim", run.id)
         finally:
             keeper.cancel()
@@ -175,6 +174,7 @@ class BatchRunner:
         every = self.settings.lease_s / 3
         while True:
             await asyncio.sleep(min(every, self.settings.poll_s))
+            _raise_if_cancelled()
             try:
                 if not await self.store.hold(run.id, self.owner, self.settings.lease_s):
                     log.warning("batch %s: lease taken by another gateway; stopping here", run.id)
@@ -182,6 +182,7 @@ class BatchRunner:
                     return
                 rec = await self.store.get(run.id)
             except Exception as e:  # noqa: BLE001 - Redis hiccup: keep going, try again
+                _raise_if_cancelled()
                 log.warning("batch %s: lease renewal failed: %s", run.id, e)
                 continue
             if rec["status"] == "cancelling":
@@ -261,11 +262,11 @@ class BatchRunner:
             except RetryLater as e:
                 await asyncio.sleep(e.after_s)
             except APIError as e:       # e.g. keys unverifiable: wait and try again
+                _raise_if_cancelled()
                 await asyncio.sleep(1.0)
                 log.debug("batch %s line %d: %s", run.id, index, e)
-            except asyncio.CancelledError:
-                raise
             except Exception:  # noqa: BLE001 - a bug must cost one line, never the batch
+                _raise_if_cancelled()
                 log.exception("batch %s line %d failed", run.id, index)
                 err = APIError("The gateway failed while running this line", code="internal_error")
                 response = {"status_code": 500, "request_id": request_id, "body": err.body()}
@@ -306,3 +307,12 @@ class BatchRunner:
         await write_results(self.store, self.files, self.storage, rec, "batch_" + final if final != "completed"
                             else None)
         await self.store.move(run.id, final, allowed, time_field)
+
+
+def _raise_if_cancelled() -> None:
+    """Re-raise a cancel of this task that an `except Exception` (or a library) let through: the
+    Redis client can turn a cancel that lands mid-command into a connection error or swallow it, and
+    a loop that went on would keep a stopped gateway renewing its lease for ever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
