@@ -113,3 +113,12 @@ def test_overflow_never_moves_to_a_tier_the_deployment_lacks():
     running = {"demo-small": EngineState(10.0), "demo-large": EngineState(10_000.0)}     # no demo-medium here
     d = decide(policy, req(deadline_ms=500), FREE, running, 0.1, 0.5)
     assert d.shed and "demo-medium is not an engine of this deployment" in " ".join(d.explanation)
+
+
+def test_a_tier_the_deployment_does_not_run_is_a_deployment_problem():
+    from gateway.policy.store import deployment_problems
+    policy = load_policy(THREE)
+    assert deployment_problems(policy, ["demo-small", "demo-medium", "demo-large"]) == []
+    problems = deployment_problems(policy, ["demo-small", "demo-large"])
+    assert [p.path for p in problems] == ["engines.tiers[1]"]
+    assert "demo-medium" in problems[0].message and problems[0].allowed == ("demo-large", "demo-small")

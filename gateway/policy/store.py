@@ -61,6 +61,10 @@ def deployment_problems(policy: Policy, engines: Iterable[str]) -> list[Problem]
         if name not in known:
             problems.append(Problem(f"engines.{role}", f"engine {name!r} is not an engine of this deployment",
                                     allowed=allowed))
+    for i, name in enumerate(policy.engines.tiers):
+        if name not in known:
+            problems.append(Problem(f"engines.tiers[{i}]", f"engine {name!r} is not an engine of this deployment",
+                                    allowed=allowed))
     for i, rule in enumerate(policy.rules):
         if rule.action.pin is not None and rule.action.pin not in known:
             problems.append(Problem(f"rules[{i}].action.pin",
