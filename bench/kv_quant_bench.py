@@ -242,7 +242,8 @@ def bench_w2(kv_memory: int, requests: int, runs: int) -> tuple[dict, list]:
     return fig, runs_out
 
 
-def bench_decode4k(context: int, steps: int, batches: tuple[int, ...]) -> tuple[dict, list]:
+def bench_decode4k(context: int, steps: int, batches: tuple[int, ...], cpu_compile: str = "off",
+                   kv_dtypes: tuple[str, ...] = KV_DTYPES) -> tuple[dict, list]:
     from bench.random_checkpoint import build_random_checkpoint
     from bench.workloads import W2_MODEL
     from engines import LLM, SamplingParams
@@ -250,13 +251,16 @@ def bench_decode4k(context: int, steps: int, batches: tuple[int, ...]) -> tuple[
     model = build_random_checkpoint(ROOT / "bench" / "out" / f"w2-llama-30m-{spec['max_position_embeddings']}", "llama",
                                     seed=0, std=0.05, **spec)
     g = torch.Generator().manual_seed(1)
-    runs, fig = [], {"context": context, "steps": steps}
+    runs, fig = [], {"context": context, "steps": steps, "cpu_compile": cpu_compile}
+    # A compiled graph covers up to max_num_seqs sequences: keep it to the batches measured.
+    compiled_kw = {"max_num_seqs": max(batches)} if cpu_compile == "on" else {}
     for batch in batches:
         prompts = [torch.randint(3, 8192, (context,), generator=g).tolist() for _ in range(batch)]
         engines = {}
-        for kv in KV_DTYPES:
+        for kv in kv_dtypes:
             eng = LLM(str(model), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=(64 << 20) * batch,
-                      max_num_batched_tokens=1024, enable_prefix_caching=False, progress=False).engine
+                      max_num_batched_tokens=1024, enable_prefix_caching=False, progress=False,
+                      cpu_compile=cpu_compile, **compiled_kw).engine
             params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
             for i, p in enumerate(prompts):
                 eng.add_request(f"d{i}", p, params)
@@ -265,13 +269,13 @@ def bench_decode4k(context: int, steps: int, batches: tuple[int, ...]) -> tuple[
                 eng.step()
             eng.step()   # the first pure-decode step
             engines[kv] = eng
-        times: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+        times: dict[str, list[float]] = {kv: [] for kv in kv_dtypes}
         for _ in range(steps):   # interleaved, so a change of machine load hits every dtype alike
             for kv, eng in engines.items():
                 t0 = time.perf_counter()
                 eng.step()
                 times[kv].append(time.perf_counter() - t0)
-        for kv in KV_DTYPES:
+        for kv in kv_dtypes:
             ms = 1e3 * statistics.median(times[kv])
             runs.append({"section": "decode4k", "batch": batch, "kv_cache_dtype": kv,
                          "step_ms": [1e3 * t for t in times[kv]]})
@@ -292,6 +296,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--decode-steps", type=int, default=12)
+    ap.add_argument("--cpu-compile", default="off", choices=["off", "on"],
+                    help="decode4k: run the decode steps through the compiled CPU graph (engines/model/compiled_decoder.py)")
+    ap.add_argument("--kv-dtypes", nargs="*", default=list(KV_DTYPES), choices=list(KV_DTYPES),
+                    help="decode4k: the kv_cache_dtype values to compare")
     ap.add_argument("--name", default="kv_quant", help="results file name under bench/results/")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -305,7 +313,8 @@ def main() -> None:
         figures["w2"], r = bench_w2(args.kv_memory_mib << 20, args.w2_requests, args.runs)
         runs += r
     if "decode4k" in args.only:
-        figures["decode4k"], r = bench_decode4k(args.context, args.decode_steps, (1, 4))
+        figures["decode4k"], r = bench_decode4k(args.context, args.decode_steps, (1, 4), args.cpu_compile,
+                                                tuple(args.kv_dtypes))
         runs += r
     rec.write(figures, runs)
 
