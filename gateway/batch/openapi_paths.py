@@ -3,24 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-_ERROR = {"$ref": "#/components/schemas/Error"}
+from gateway.http.openapi_parts import errors, json_body, path_param, query
+
 _ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _errors(*codes: int) -> dict[str, Any]:
-    return {str(c): _json(_ERROR, "OpenAI-shaped error") for c in codes}
-
-
-def _path(name: str) -> dict[str, Any]:
-    return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "maxLength": 64}}
-
-
-def _query(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": False, "description": description, "schema": schema}
 
 
 def batch_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
@@ -57,39 +42,39 @@ def batch_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
         "/v1/files": {
             "post": {"summary": "Upload a Batch API input file (multipart: file, purpose=batch)", "security": auth,
                      "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": upload}}},
-                     "responses": {"200": _json(file_obj, "the stored file"), **_errors(400, 401, 413, 503)}},
+                     "responses": {"200": json_body(file_obj, "the stored file"), **errors(400, 401, 413, 503)}},
             "get": {"summary": "The caller's files", "security": auth,
-                    "parameters": [_query("purpose", "only files of this purpose", {"type": "string"}),
-                                   _query("limit", "at most this many (1..10000)", {"type": "integer"}),
-                                   _query("order", "by creation time", {"enum": ["asc", "desc"]}),
-                                   _query("after", "a file id: the page after it", {"type": "string"})],
-                    "responses": {"200": _json(listing(file_obj), "a page of files"), **_errors(400, 401, 404, 503)}}},
+                    "parameters": [query("purpose", "only files of this purpose", {"type": "string"}),
+                                   query("limit", "at most this many (1..10000)", {"type": "integer"}),
+                                   query("order", "by creation time", {"enum": ["asc", "desc"]}),
+                                   query("after", "a file id: the page after it", {"type": "string"})],
+                    "responses": {"200": json_body(listing(file_obj), "a page of files"), **errors(400, 401, 404, 503)}}},
         "/v1/files/{file_id}": {
-            "get": {"summary": "One of the caller's files", "security": auth, "parameters": [_path("file_id")],
-                    "responses": {"200": _json(file_obj, "the file"), **_errors(401, 404, 503)}},
+            "get": {"summary": "One of the caller's files", "security": auth, "parameters": [path_param("file_id")],
+                    "responses": {"200": json_body(file_obj, "the file"), **errors(401, 404, 503)}},
             "delete": {"summary": "Delete one of the caller's files (not the input of an open batch)",
-                       "security": auth, "parameters": [_path("file_id")],
-                       "responses": {"200": _json({"type": "object"}, "deleted"), **_errors(401, 404, 409, 503)}}},
+                       "security": auth, "parameters": [path_param("file_id")],
+                       "responses": {"200": json_body({"type": "object"}, "deleted"), **errors(401, 404, 409, 503)}}},
         "/v1/files/{file_id}/content": {
-            "get": {"summary": "The file's bytes (JSONL)", "security": auth, "parameters": [_path("file_id")],
+            "get": {"summary": "The file's bytes (JSONL)", "security": auth, "parameters": [path_param("file_id")],
                     "responses": {"200": {"description": "the bytes", "content": {"application/octet-stream": {
-                        "schema": {"type": "string", "format": "binary"}}}}, **_errors(401, 404, 503)}}},
+                        "schema": {"type": "string", "format": "binary"}}}}, **errors(401, 404, 503)}}},
         "/v1/batches": {
             "post": {"summary": "Create a batch from an uploaded input file", "security": auth,
                      "requestBody": {"required": True, "content": {"application/json": {"schema": create}}},
-                     "responses": {"200": _json(batch_obj, "the batch (status validating)"),
-                                   **_errors(400, 401, 404, 413, 503)}},
+                     "responses": {"200": json_body(batch_obj, "the batch (status validating)"),
+                                   **errors(400, 401, 404, 413, 503)}},
             "get": {"summary": "The caller's batches, newest first", "security": auth,
-                    "parameters": [_query("limit", "at most this many (1..100)", {"type": "integer"}),
-                                   _query("after", "a batch id: the page after it", {"type": "string"})],
-                    "responses": {"200": _json(listing(batch_obj), "a page of batches"),
-                                  **_errors(400, 401, 404, 503)}}},
+                    "parameters": [query("limit", "at most this many (1..100)", {"type": "integer"}),
+                                   query("after", "a batch id: the page after it", {"type": "string"})],
+                    "responses": {"200": json_body(listing(batch_obj), "a page of batches"),
+                                  **errors(400, 401, 404, 503)}}},
         "/v1/batches/{batch_id}": {
-            "get": {"summary": "One of the caller's batches", "security": auth, "parameters": [_path("batch_id")],
-                    "responses": {"200": _json(batch_obj, "the batch"), **_errors(401, 404, 503)}}},
+            "get": {"summary": "One of the caller's batches", "security": auth, "parameters": [path_param("batch_id")],
+                    "responses": {"200": json_body(batch_obj, "the batch"), **errors(401, 404, 503)}}},
         "/v1/batches/{batch_id}/cancel": {
             "post": {"summary": "Cancel a batch: lines in flight are aborted, the rest answered batch_cancelled",
-                     "security": auth, "parameters": [_path("batch_id")],
-                     "responses": {"200": _json(batch_obj, "the batch (cancelling or cancelled)"),
-                                   **_errors(401, 404, 409, 503)}}},
+                     "security": auth, "parameters": [path_param("batch_id")],
+                     "responses": {"200": json_body(batch_obj, "the batch (cancelling or cancelled)"),
+                                   **errors(401, 404, 409, 503)}}},
     }
