@@ -111,19 +111,12 @@ def load(path: str | Path) -> Artifact:
         raise ArtifactError(f"router artifact {path}: {e}") from e
 
 
-def from_json(body: Any) -> Artifact:
-    if not isinstance(body, dict):
-        raise ArtifactError("expected a JSON object")
-    if body.get("format") != FORMAT:
-        raise ArtifactError(f"format is {body.get('format')!r}, expected {FORMAT!r}")
-    version = body.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(f"format_version {version!r} is not supported (this code reads version "
-                            f"{FORMAT_VERSION}); retrain it with `tokenyard router train`")
-    missing = _KEYS - set(body)
+def checked_spec(body: dict[str, Any], keys: set[str] | frozenset[str]) -> FeatureSpec:
+    """What every artifact format checks first: exactly these keys, the checksum over the content,
+    and a valid feature spec (returned)."""
+    missing, extra = keys - set(body), set(body) - keys
     if missing:
         raise ArtifactError(f"missing keys: {', '.join(sorted(missing))}")
-    extra = set(body) - _KEYS
     if extra:
         raise ArtifactError(f"unknown keys: {', '.join(sorted(extra))}")
     try:
@@ -138,6 +131,19 @@ def from_json(body: Any) -> Artifact:
         spec.validate()
     except (TypeError, ValueError, KeyError) as e:
         raise ArtifactError(f"feature spec: {e}") from e
+    return spec
+
+
+def from_json(body: Any) -> Artifact:
+    if not isinstance(body, dict):
+        raise ArtifactError("expected a JSON object")
+    if body.get("format") != FORMAT:
+        raise ArtifactError(f"format is {body.get('format')!r}, expected {FORMAT!r}")
+    version = body.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"format_version {version!r} is not supported (this code reads version "
+                            f"{FORMAT_VERSION}); retrain it with `tokenyard router train`")
+    spec = checked_spec(body, _KEYS)
     model, thr, cal = body["model"], body["threshold"], body["calibration"]
     try:
         if model["kind"] != MODEL_KIND:

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from router_models.runtime.artifact import FORMAT, Artifact, ArtifactError, checksum
+from router_models.runtime.artifact import FORMAT, Artifact, ArtifactError, checked_spec, checksum
 from router_models.runtime.artifact import from_json as v1_from_json
 from router_models.runtime.features import FeatureSpec, row
 from router_models.runtime.selection import choose_all, lam_for_cost_cap
@@ -173,23 +173,7 @@ def save(es: EngineSet, path: str | Path) -> None:
 
 
 def from_json(body: dict[str, Any]) -> EngineSet:
-    missing, extra = _KEYS - set(body), set(body) - _KEYS
-    if missing:
-        raise ArtifactError(f"missing keys: {', '.join(sorted(missing))}")
-    if extra:
-        raise ArtifactError(f"unknown keys: {', '.join(sorted(extra))}")
-    try:
-        expected = checksum(body)
-    except (TypeError, ValueError) as e:
-        raise ArtifactError(f"cannot compute the checksum ({e})") from e
-    if body["checksum"] != expected:
-        raise ArtifactError(f"checksum mismatch (file says {body['checksum']!r}, content hashes to {expected!r}): "
-                            "the file was edited or corrupted after training; retrain or restore it")
-    try:
-        spec = FeatureSpec.from_dict(body["feature_spec"])
-        spec.validate()
-    except (TypeError, ValueError, KeyError) as e:
-        raise ArtifactError(f"feature spec: {e}") from e
+    spec = checked_spec(body, _KEYS)
     model, sel, cal = body["model"], body["selection"], body["calibration"]
     try:
         if model["kind"] != MODEL_KIND:
