@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.kernel_micro import best_ms
 from bench.results_io import RunRecorder, load_avg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,13 +182,8 @@ def bench_attention(rounds: int, reps: int) -> tuple[dict, list]:
             assert err < 1e-4, (case, name, err)
         for r in range(rounds):
             for name, fn in variants.items():
-                fn()
-                ts = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                runs.append({"section": "attention", "case": case, "variant": name, "round": r, "ms": 1e3 * min(ts)})
+                runs.append({"section": "attention", "case": case, "variant": name, "round": r,
+                             "ms": best_ms(fn, reps)})
         figures[case] = {name: statistics.median(x["ms"] for x in runs if x["case"] == case and x["variant"] == name)
                          for name in variants}
         print(f"attention {case}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in figures[case].items()), flush=True)

@@ -38,7 +38,7 @@ from bench.results_io import RunRecorder
 HEADS, KV_HEADS, HD = 8, 2, 64
 
 
-def _time(fn: Callable[[], object], reps: int) -> float:
+def best_ms(fn: Callable[[], object], reps: int) -> float:
     """Fastest of `reps` calls in ms (after one warm call). The minimum, as timeit does: on a
     machine shared with other work a call's time is its cost plus whatever preempted it, and
     only the minimum estimates the cost alone."""
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             per_round: dict[str, list[float]] = {name: [] for name in cases}
             for r in range(args.rounds):
                 for name, fn in cases.items():      # interleaved: every variant sees the same load
-                    per_round[name].append(round(_time(fn, args.reps), 4))
+                    per_round[name].append(round(best_ms(fn, args.reps), 4))
             med = {name: statistics.median(ts) for name, ts in per_round.items()}
             first = next(iter(med))
             figures[suite] = {"ms": med, "speedup_of_first_vs": {n: med[n] / med[first] for n in med if n != first}}
