@@ -1,12 +1,15 @@
 """W2 throughput: the engine's LLM.generate against transformers' generate with static batches.
 
-    python -m bench.w2_throughput [--runs 3] [--requests 96] [--out bench/out/w2.json]
+    python -m bench.w2_throughput [--runs 3] [--requests 96] [--out bench/out/w2.json] [--cpu-compile on]
 
 Both sides run the same random ~30M-parameter Llama in fp32 on the CPU with greedy decoding and
 EOS ignored. The baseline takes requests in arrival order in static batches of 32, left-padded,
 each batch running until its longest request ends; only requested tokens count as useful.
 Runs are interleaved (ours, theirs, ours, ...) and the median of each is reported. Also printed:
 the engine's per-step overhead outside the model forward at batch 1 and 64.
+`--cpu-compile` sets the engine's cpu_compile knob (default off, the engine's default; `on` runs
+pure-decode steps through the compiled graph, engines/model/compiled_decoder.py); the results file
+is w2_throughput.json for off and w2_throughput_compiled.json for on/auto.
 """
 from __future__ import annotations
 
@@ -95,9 +98,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench/out/w2.json")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/w2_throughput.json")
+    ap.add_argument("--cpu-compile", default="off", choices=["off", "auto", "on"],
+                    help="the engine's cpu_compile knob (EngineConfig)")
     args = ap.parse_args()
     from bench.results_io import RunRecorder
-    rec = RunRecorder("w2_throughput")
+    rec = RunRecorder("w2_throughput" + ("" if args.cpu_compile == "off" else "_compiled"))
 
     model_dir = build_random_checkpoint(args.model_dir, "llama", seed=0, std=0.05, **W2_MODEL)
     reqs = w2(args.requests, vocab_size=W2_MODEL["vocab_size"])
@@ -105,7 +110,8 @@ def main() -> None:
     # Prefix caching off: the runs repeat the same prompts, and a warm cache would skip their
     # prefill from run 2 on (the baseline has no cache; W2's random prompts share no prefix).
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=128,
-              max_num_batched_tokens=args.max_num_batched_tokens, progress=False, enable_prefix_caching=False)
+              max_num_batched_tokens=args.max_num_batched_tokens, progress=False, enable_prefix_caching=False,
+              cpu_compile=args.cpu_compile)
     params = sum(p.numel() for p in llm.engine.model.parameters())
     ref = None
     if not args.skip_baseline:
@@ -127,14 +133,16 @@ def main() -> None:
         "model": f"random Llama, {params / 1e6:.1f}M parameters, fp32, CPU ({torch.get_num_threads()} threads)",
         "useful_output_tokens": useful,
         "engine_seconds": ours, "engine_tok_s": useful / statistics.median(ours),
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "cpu_compile": args.cpu_compile,
+        "compiled_steps": llm.engine.runner.num_compiled_steps,
     }
     if theirs:
         result["transformers_seconds"] = theirs
         result["transformers_tok_s"] = useful / statistics.median(theirs)
         result["speedup"] = statistics.median(theirs) / statistics.median(ours)
-    result["overhead_batch1"] = step_overhead(llm, 1, W2_MODEL["vocab_size"])
-    result["overhead_batch64"] = step_overhead(llm, 64, W2_MODEL["vocab_size"])
+    if llm.engine.runner.compiled is None:   # the overhead probe times the eager model.forward
+        result["overhead_batch1"] = step_overhead(llm, 1, W2_MODEL["vocab_size"])
+        result["overhead_batch64"] = step_overhead(llm, 64, W2_MODEL["vocab_size"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
