@@ -41,8 +41,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
 # -- dense prefill on the CPU -------------------------------------------------------------------
 
 def int8_dense_mm(xb: torch.Tensor, w_q: torch.Tensor, scales_bf16: torch.Tensor, tile_cols: int) -> torch.Tensor:
-    """xb bf16 [M, K] @ (w_q int8 [N, K] * scales bf16 [N]).T -> bf16 [M, N], in even tiles of at
-    most `tile_cols` rows of w.
+    """xb [M, K] @ (w_q int8 [N, K] * scales bf16 [N]).T -> [M, N] in xb's dtype (bf16, or fp32
+    where bf16 GEMMs are slow: kernels.cpu_gemm), in even tiles of at most `tile_cols` rows of w.
 
     w_q * scale is exact in fp32 (7 x 8 significant bits), so the weight is round_bf16(w_q * scale):
     what the packed op multiplies by, rounded once. In fp32 and in place: 1.3x faster here than
@@ -55,7 +55,7 @@ def int8_dense_mm(xb: torch.Tensor, w_q: torch.Tensor, scales_bf16: torch.Tensor
     for n0 in range(0, n, step):  # static trip count: n and tile_cols are Python ints
         n1 = min(n, n0 + step)
         w = w_q[n0:n1].float().mul_(scales[n0:n1, None]).to(torch.bfloat16)
-        outs.append(torch.nn.functional.linear(xb, w))
+        outs.append(torch.nn.functional.linear(xb, w if xb.dtype == torch.bfloat16 else w.to(xb.dtype)))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -161,9 +161,10 @@ def int4pack_dequant_t(packed: torch.Tensor, scale_zero: torch.Tensor, n: int, k
 
 def int4pack_dense_mm(xb: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, n: int, k: int,
                       group_size: int, layout: Int4PackLayout, tiles: list[tuple[int, int]]) -> torch.Tensor:
-    """xb bf16 [M, K] @ W.T -> bf16 [M, n] for the packed int4 weight of n rows (`packed`'s rows,
-    padding included: the layout's blocks count them), one bf16 GEMM per column tile of `tiles`
-    (`int4pack_dense_tiles`)."""
-    outs = [torch.mm(xb, int4pack_dequant_t(packed, scale_zero, n, k, group_size, layout, n0, n1))
+    """xb [M, K] @ W.T -> [M, n] in xb's dtype for the packed int4 weight of n rows (`packed`'s rows,
+    padding included: the layout's blocks count them), one GEMM per column tile of `tiles`
+    (`int4pack_dense_tiles`): bf16, or fp32 on the bf16-rounded weight where bf16 GEMMs are slow
+    (kernels.cpu_gemm)."""
+    outs = [torch.mm(xb, int4pack_dequant_t(packed, scale_zero, n, k, group_size, layout, n0, n1).to(xb.dtype))
             for n0, n1 in tiles]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -29,6 +29,7 @@ import torch
 import engines.quant.quantized_linear as ql
 from engines import Engine
 from engines.quant.quantized_linear import QuantLinear
+from kernels import cpu_gemm
 from kernels import quant_matmul_torch as qm
 from kernels.quant_layout import Int4Weight, dequantize_int4_weight, dequantize_int8, quantize_int4, quantize_int8
 from tests.engine_helpers import prompt_logits
@@ -45,6 +46,14 @@ def path(monkeypatch):
         monkeypatch.setattr(ql, "INT4_DENSE_MIN_ROWS", rows)
         monkeypatch.setattr(ql, "INT8_DENSE_MIN_ROWS", rows)
     return use
+
+
+@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bf16_gemm", "fp32_gemm"])
+def gemm(request):
+    """The dense path's GEMM dtype, both of them whatever this CPU's probe would pick."""
+    cpu_gemm.set_dense_dtype(request.param)
+    yield request.param
+    cpu_gemm.set_dense_dtype(None)
 
 
 def _int4(n: int, k: int, group: int, seed: int, mins: bool) -> Int4Weight:
@@ -105,7 +114,7 @@ def _check_against_reference(y, y_packed, xb, w_ref, err_w_packed):
 
 @pytest.mark.parametrize("mins", [False, True])
 @pytest.mark.parametrize("m", [64, 130])
-def test_dense_int4_matmul_within_bounds_of_the_float_reference_and_the_packed_op(path, m, mins):
+def test_dense_int4_matmul_within_bounds_of_the_float_reference_and_the_packed_op(path, gemm, m, mins):
     n, k, group = 176, 256, 32
     q = _int4(n, k, group, m, mins)
     bias = torch.randn(n)
@@ -126,7 +135,7 @@ def test_dense_int4_matmul_within_bounds_of_the_float_reference_and_the_packed_o
 
 
 @pytest.mark.parametrize("m", [64, 100])
-def test_dense_int8_matmul_within_bounds_of_the_float_reference_and_the_packed_op(path, m):
+def test_dense_int8_matmul_within_bounds_of_the_float_reference_and_the_packed_op(path, gemm, m):
     n, k = 96, 256
     q = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05)
     lin = QuantLinear(q)
@@ -244,3 +253,24 @@ def test_engine_prompt_logits_dense_vs_packed_int4(checkpoint_dir, path):
     agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
     print(f"int4 engine, dense vs packed prefill: max relative |dlogit| {float(rel.max()):.4f}, argmax agreement {agree:.3f}")
     assert float(rel.max()) <= 0.04 and agree >= 0.9
+
+
+@pytest.mark.parametrize("fp32_s, bf16_s, want", [(1.0, 0.4, torch.bfloat16), (1.0, 1.0, torch.bfloat16),
+                                                  (1.0, 60.0, torch.float32), (1.0, 1.3, torch.float32)])
+def test_the_dense_gemm_dtype_is_bf16_only_where_this_cpu_multiplies_bf16_at_least_as_fast(monkeypatch, fp32_s,
+                                                                                            bf16_s, want):
+    # The probe times one GEMM per dtype; here the timings are given, the rule and the cache are tested.
+    seen = []
+
+    def fake(a, b, reps=3):
+        seen.append(a.dtype)
+        return bf16_s if a.dtype == torch.bfloat16 else fp32_s
+    monkeypatch.setattr(cpu_gemm, "_best_seconds", fake)
+    cpu_gemm.set_dense_dtype(None)
+    try:
+        assert cpu_gemm.dense_dtype() == want
+        assert cpu_gemm.dense_dtype() == want and len(seen) == 2     # measured once, then cached
+    finally:
+        cpu_gemm.set_dense_dtype(None)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        cpu_gemm.set_dense_dtype(torch.float16)

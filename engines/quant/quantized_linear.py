@@ -23,8 +23,10 @@ backend makes a quantised engine's fp32 math comparable across rank counts (the 
 round each partial product to bf16), which the quantised tensor-parallel tests rely on.
 
 On the "cpu" backend, calls with at least INT8_DENSE_MIN_ROWS / INT4_DENSE_MIN_ROWS rows (prefill)
-dequantise the packed weight to bf16 tile by tile and run dense bf16 GEMMs instead of the packed
+dequantise the packed weight to bf16 tile by tile and run dense GEMMs instead of the packed
 op: the same weights (the packed op's, rounded to bf16), at the GEMM's rate (see the constants).
+The GEMMs are bf16 where this CPU multiplies bf16 fast and fp32 where it does not
+(kernels.cpu_gemm measures that once per process).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from kernels import quant_matmul_torch as ref_ops
+from kernels.cpu_gemm import dense_dtype
 from kernels.quant_layout import Int4Weight, Int8Weight, unpack_int4
 from kernels.quant_matmul_torch import int4pack_cpu_layout, int4pack_dense_mm, int4pack_dense_tiles, int8_dense_mm
 
@@ -192,12 +195,15 @@ class QuantLinear(nn.Module):
         # the dense path pays, runs eagerly (engines/model/compiled_decoder.py).
         m = xb.shape[0]
         eager = not torch.compiler.is_compiling()
+        # The dense paths multiply in bf16 where this CPU's bf16 GEMM is fast, else in fp32 on the
+        # same bf16-rounded weights (an AVX2-only CPU runs bf16 GEMMs ~60x slower; kernels.cpu_gemm).
         if not self.int4:
             if eager and m >= INT8_DENSE_MIN_ROWS:
-                return int8_dense_mm(xb, self.w_q, self.scales, max(1, DENSE_TILE_WEIGHTS // self.in_features))
+                return int8_dense_mm(x2.to(dense_dtype()), self.w_q, self.scales,
+                                     max(1, DENSE_TILE_WEIGHTS // self.in_features))
             return _INT8_MM(xb, self.w_q, self.scales)
         if eager and m >= INT4_DENSE_MIN_ROWS and self._dense_tiles is not None:
-            y = int4pack_dense_mm(xb, self.packed, self.scale_zero, self._n_padded, self.in_features,
+            y = int4pack_dense_mm(x2.to(dense_dtype()), self.packed, self.scale_zero, self._n_padded, self.in_features,
                                   self.group_size, self._layout, self._dense_tiles)
         else:
             y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
