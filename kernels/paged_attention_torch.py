@@ -16,8 +16,9 @@ The gather indices depend only on the batch, not on the layer, so they are built
 
 Quantised caches (kernels/kv_quant.py, EngineConfig.kv_cache_dtype int8 / fp8_e4m3): a cache is
 then a `QuantizedCache` (codes plus one scale per kv head and slot). Writes quantise the new
-tokens; reads gather the codes and their scales with the same indices and dequantise the gathered
-tiles in the query's dtype, so only the keys a step attends to are ever widened.
+tokens; reads gather the codes and their scales with the same indices, so only the keys a step
+attends to are ever widened. Prefill chunks dequantise the gathered tiles; decode groups fold the
+scales into the scores and probabilities instead (`_quantized_decode`).
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class _DecodeGroup:
     blocks: torch.Tensor     # [B, nb] block tables, padded with block 0
     mask: torch.Tensor       # [B, 1, n, nb * block_size] additive (0 or -inf)
     gather: torch.Tensor | None = None  # row indices into the 2-D cache view; set by the first layer
+    scratch: torch.Tensor | None = None  # quantised caches, long contexts: widened K/V of one sequence
 
 
 @dataclass(slots=True)
@@ -206,6 +208,9 @@ def paged_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache,
             heads = torch.arange(num_kv_heads, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
             g.gather = (heads + g.blocks[:, None, :]).reshape(-1)
         idx = g.gather
+        if isinstance(k_cache, QuantizedCache):
+            out.index_copy_(0, g.rows, _quantized_decode(q, k_cache, v_cache, g, block_size, scale))
+            continue
         k = _gather(k_cache, idx, block_size, q.dtype).view(batch, num_kv_heads, -1, head_dim)
         v = _gather(v_cache, idx, block_size, q.dtype).view(batch, num_kv_heads, -1, head_dim)
         qd = q.index_select(0, g.rows).view(batch, n, num_heads, head_dim).transpose(1, 2)  # [B, H, n, hd]
@@ -231,6 +236,67 @@ def paged_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache,
             ot = torch.bmm(probs.view(num_kv_heads, rows * group, -1), vc[:, t.k_lo:t.k_hi])
             oc[t.q_lo:t.q_hi] = ot.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     return out
+
+
+# A decode group over a quantised cache whose padded context is at least this many keys is
+# attended one sequence at a time through one reused buffer (see _quantized_decode).
+_PER_SEQUENCE_KEYS = 1024
+
+
+def _quantized_decode(q: torch.Tensor, k_cache: QuantizedCache, v_cache: QuantizedCache,
+                      g: _DecodeGroup, block_size: int, scale: float) -> torch.Tensor:
+    """A decode group over a quantised cache -> [B * n, heads, head_dim].
+
+    The per-(token, kv head) scales are folded into the small side instead of dequantising the
+    tiles: scores = (q . codes_k) * s_k, and out = (probs * s_v) . codes_v, so the gathered codes
+    are only widened (one pass) and never multiplied; the scales touch [group * n, L] scores,
+    not [L, head_dim] tiles. GQA is one batched matmul per kv head: the group's query heads of a
+    kv head are stacked as rows [kvh, n * group, hd].
+
+    Long contexts go one sequence at a time, widening into a buffer that every sequence and layer
+    of the step reuses: at W2's shapes and 4k keys, a whole-batch widening writes MBs of fresh
+    memory per layer (page faults, then cache misses in the matmuls), which made the int8 decode
+    slower than the fp32 one (bench/results/kv_quant_decode4k.json); short contexts stay batched,
+    where a per-sequence loop would pay its few ops B times.
+    """
+    batch, width = g.blocks.shape
+    n = g.mask.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[0]
+    group = num_heads // kvh
+    rows = n * group
+    codes_dtype = k_cache.data.dtype
+    qd = (q.index_select(0, g.rows).view(batch, n, kvh, group, head_dim)
+          .permute(0, 2, 1, 3, 4).reshape(batch, kvh, rows, head_dim))
+    s_k = k_cache.scale.view(-1, block_size).index_select(0, g.gather).view(batch, kvh, 1, -1).mul_(scale)
+    s_v = v_cache.scale.view(-1, block_size).index_select(0, g.gather).view(batch, kvh, 1, -1)
+    mask = g.mask.view(batch, 1, n, 1, -1)
+    k_rows = k_cache.bytes_view.view(-1, block_size * head_dim)
+    v_rows = v_cache.bytes_view.view(-1, block_size * head_dim)
+
+    def attend(qb, codes_k, codes_v, sk, sv, mb):   # leading dims: [B, kvh] or [kvh]
+        lead = qb.shape[:-2]
+        scores = torch.matmul(qb, codes_k.transpose(-1, -2)).mul_(sk)
+        scores = scores.view(*lead[:-1], kvh, n, group, -1).add_(mb.to(scores.dtype)).view(*lead, rows, -1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).mul_(sv).to(q.dtype)
+        return torch.matmul(probs, codes_v)
+
+    length = width * block_size
+    if length < _PER_SEQUENCE_KEYS:
+        codes_k = k_rows.index_select(0, g.gather).view(codes_dtype).view(batch, kvh, -1, head_dim).to(q.dtype)
+        codes_v = v_rows.index_select(0, g.gather).view(codes_dtype).view(batch, kvh, -1, head_dim).to(q.dtype)
+        od = attend(qd, codes_k, codes_v, s_k, s_v, mask)
+    else:
+        if g.scratch is None or g.scratch.dtype != q.dtype:  # once per step, shared by all layers
+            g.scratch = torch.empty(2, kvh, length, head_dim, dtype=q.dtype, device=q.device)
+        wide_k, wide_v = g.scratch[0], g.scratch[1]
+        idx = g.gather.view(batch, -1)
+        od = torch.empty(batch, kvh, rows, head_dim, dtype=q.dtype, device=q.device)
+        for b in range(batch):
+            wide_k.copy_(k_rows.index_select(0, idx[b]).view(codes_dtype).view(kvh, -1, head_dim))
+            wide_v.copy_(v_rows.index_select(0, idx[b]).view(codes_dtype).view(kvh, -1, head_dim))
+            od[b] = attend(qd[b], wide_k, wide_v, s_k[b], s_v[b], mask[b])
+    return od.view(batch, kvh, n, group, head_dim).permute(0, 2, 1, 3, 4).reshape(batch * n, num_heads, head_dim)
 
 
 # -- decode steps under torch.compile ---------------------------------------------------------
