@@ -22,11 +22,12 @@ def _caches(num_blocks: int, dtype: torch.dtype, seed: int):
     return kq, vq, dequantize(kq.data, kq.scale, torch.float32), dequantize(vq.data, vq.scale, torch.float32)
 
 
-# Lengths span both sides of the per-sequence threshold (1024 keys) and several length buckets;
+# Lengths span both sides of the folding threshold (2048 gathered keys) and of the per-sequence
+# one (1024 keys), in several length buckets;
 # query lengths 1 (decode) and 3 (a speculative verify chunk) make separate decode groups.
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("seq_lens", [[7, 100, 33, 64, 17, 250, 90, 5, 300],
+@pytest.mark.parametrize("seq_lens", [[7, 100, 33, 64, 17, 250, 90, 5, 300, 280, 41, 120],
                                       [1100, 1500, 37, 2049, 900]])
 def test_folded_decode_matches_dequantised_reference(dtype, window, seq_lens):
     query_lens = [3 if i % 3 == 1 else 1 for i in range(len(seq_lens))]
@@ -45,6 +46,8 @@ def test_folded_decode_matches_dequantised_reference(dtype, window, seq_lens):
 
     plan = build()
     assert not plan.chunks and len(plan.decode_groups) >= 2
+    # Some group of each case is big enough for the folded path (smaller ones dequantise).
+    assert any(g.blocks.numel() * BLOCK >= pa._FOLD_KEYS for g in plan.decode_groups)
     got = pa.paged_attention(q, kq, vq, plan, scale)
     want = pa.paged_attention(q, kf, vf, build(), scale)
     assert got.abs().max() > 0.05      # not a degenerate output
