@@ -30,13 +30,15 @@ def test_default_deployment_smollm2_answers_through_the_openai_sdk():
     doc = {"server": {"access_log": False}, "engines": {"smollm2-135m": _smollm2_engine()}}
     with running_gateway(doc) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        question = [{"role": "user", "content": "What is the capital of France?"}]
+        # Japan, not France: SmolLM2's greedy answer to the France question starts at a near tie
+        # (top-2 logit gap 0.08-0.13), and an AVX2 CPU's int4 kernel rounds it to "L'Étoile, ...".
+        # For Japan every one of the first 8 tokens leads by >= 1.0 nats (measured 2026-12-02).
+        question = [{"role": "user", "content": "What is the capital of Japan?"}]
         r = client.chat.completions.create(model="smollm2-135m", messages=question, temperature=0, max_tokens=24)
-        assert r.model == "smollm2-135m" and "Paris" in r.choices[0].message.content, r
+        assert r.model == "smollm2-135m" and "Tokyo" in r.choices[0].message.content, r
         assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens <= 24
-        # A second question, streamed. (Not the same one again: SmolLM2's first token for the France
-        # question is a near tie even in fp32 (top-2 logit gap 0.08), and a prefix-cache hit computes
-        # the last prompt tokens in another batch shape, whose bf16 rounding may pick the other one.)
+        # A second question, streamed. (Not the same one again: a prefix-cache hit computes the last
+        # prompt tokens in another batch shape, whose bf16 rounding could pick another near-tie token.)
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of Germany?"}],
             temperature=0, max_tokens=24, stream=True) if c.choices)

@@ -197,13 +197,16 @@ class QuantLinear(nn.Module):
         eager = not torch.compiler.is_compiling()
         # The dense paths multiply in bf16 where this CPU's bf16 GEMM is fast, else in fp32 on the
         # same bf16-rounded weights (an AVX2-only CPU runs bf16 GEMMs ~60x slower; kernels.cpu_gemm).
+        # Either way the input is the bf16-rounded xb the packed op reads: the products are the packed
+        # op's, so a prompt prefilled densely and a suffix recomputed by the packed op (prefix-cache
+        # hits, seeded n > 1) differ only by accumulation order.
         if not self.int4:
             if eager and m >= INT8_DENSE_MIN_ROWS:
-                return int8_dense_mm(x2.to(dense_dtype()), self.w_q, self.scales,
+                return int8_dense_mm(xb.to(dense_dtype()), self.w_q, self.scales,
                                      max(1, DENSE_TILE_WEIGHTS // self.in_features))
             return _INT8_MM(xb, self.w_q, self.scales)
         if eager and m >= INT4_DENSE_MIN_ROWS and self._dense_tiles is not None:
-            y = int4pack_dense_mm(x2.to(dense_dtype()), self.packed, self.scale_zero, self._n_padded, self.in_features,
+            y = int4pack_dense_mm(xb.to(dense_dtype()), self.packed, self.scale_zero, self._n_padded, self.in_features,
                                   self.group_size, self._layout, self._dense_tiles)
         else:
             y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
