@@ -22,7 +22,8 @@
 - decode4k: the W2 architecture with 4096 positions: median decode step time of 1 and 4 sequences
   at a 4k context, per kv_cache_dtype, the dtypes' steps interleaved.
 
-Single-threaded (torch.set_num_threads(1)) on a shared 2-core VM: the load average is recorded.
+Single-threaded by default (torch.set_num_threads(--threads), 1 unless given; OMP_NUM_THREADS
+alone does not change it) on a shared 2-core VM: the load average is recorded.
 Writes bench/results/kv_quant.json (bench/results_io.py).
 """
 from __future__ import annotations
@@ -301,10 +302,11 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", nargs="*", default=list(KV_DTYPES), choices=list(KV_DTYPES),
                     help="decode4k: the kv_cache_dtype values to compare")
     ap.add_argument("--name", default="kv_quant", help="results file name under bench/results/")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     rec = RunRecorder(args.name)
-    figures, runs = {"threads": 1}, []
+    figures, runs = {"threads": args.threads}, []
     if "nll" in args.only:
         figures["nll"] = bench_nll(args.windows)
     if "capacity" in args.only:

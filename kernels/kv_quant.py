@@ -71,11 +71,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     """x [..., head_dim] -> (codes [..., head_dim] in dtype, scales [...] fp32)."""
     qmax = QMAX[dtype]
     xf = x.float()
-    scale = (xf.abs().amax(-1) / qmax).clamp_min_(MIN_SCALE)
+    scale = xf.abs().amax(-1).div_(qmax).clamp_min_(MIN_SCALE)
     y = (xf / scale[..., None]).clamp_(-qmax, qmax)
     if dtype == torch.int8:
-        # Round halves away from zero (the Triton kernel's rule), then truncate into int8.
-        codes = (y + torch.where(y >= 0, 0.5, -0.5)).to(torch.int8)
+        # Round halves away from zero (the Triton kernel's rule): add sign(y) / 2, then truncate
+        # into int8. Same values as adding where(y >= 0, 0.5, -0.5) (y = 0 truncates to 0 either
+        # way), in two small ops instead of three: a decode step writes one token per layer, where
+        # the op count, not the data, is the cost (bench/RESULTS.md, issue 27).
+        codes = y.add_(y.sign(), alpha=0.5).to(torch.int8)
     else:
         codes = y.to(dtype)
     return codes, scale

@@ -17,8 +17,8 @@ The gather indices depend only on the batch, not on the layer, so they are built
 Quantised caches (kernels/kv_quant.py, EngineConfig.kv_cache_dtype int8 / fp8_e4m3): a cache is
 then a `QuantizedCache` (codes plus one scale per kv head and slot). Writes quantise the new
 tokens; reads gather the codes and their scales with the same indices, so only the keys a step
-attends to are ever widened. Prefill chunks dequantise the gathered tiles; decode groups fold the
-scales into the scores and probabilities instead (`_quantized_decode`).
+attends to are ever widened. Prefill chunks dequantise the gathered tiles; decode groups
+(kernels/decode_group_torch.py) fold the scales into the scores and probabilities instead.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.decode_group_torch import DecodeGroup, attend_group, gather_rows
 from kernels.kv_quant import QuantizedCache, dequantize, quantize
 
 Cache = torch.Tensor | QuantizedCache   # one layer's K (or V) cache
@@ -45,24 +46,17 @@ def write_kv(k_cache: Cache, v_cache: Cache, k: torch.Tensor, v: torch.Tensor,
     """Store new keys/values [T, kv_heads, head_dim] into their slots (quantised when the cache is)."""
     kvh, num_slots, hd = k_cache.shape
     idx = _head_rows(slot_mapping, kvh, num_slots)
+    if isinstance(k_cache, QuantizedCache):
+        # K and V quantised in one call: a decode step writes one token per layer, so the dozen
+        # small ops of quantize, not the data, are the cost (0.19 -> 0.09 ms a layer at W2's
+        # shapes, 1 thread; the whole write was most of why int8 lagged fp32 at batch 1).
+        codes, scale = quantize(torch.stack((k, v)).transpose(1, 2), k_cache.data.dtype)  # [2, kvh, T, hd]
+        for i, cache in enumerate((k_cache, v_cache)):
+            cache.bytes_view.view(-1, hd).index_copy_(0, idx, codes[i].view(torch.uint8).reshape(-1, hd))
+            cache.scale.view(-1).index_copy_(0, idx, scale[i].reshape(-1))
+        return
     for cache, x in ((k_cache, k), (v_cache, v)):
-        rows = x.transpose(0, 1)                                    # [kv_heads, T, head_dim]
-        if isinstance(cache, QuantizedCache):
-            codes, scale = quantize(rows, cache.data.dtype)
-            cache.bytes_view.view(-1, hd).index_copy_(0, idx, codes.view(torch.uint8).reshape(-1, hd))
-            cache.scale.view(-1).index_copy_(0, idx, scale.reshape(-1))
-        else:
-            cache.view(-1, hd).index_copy_(0, idx, rows.reshape(-1, hd))
-
-
-def _gather(cache: Cache, idx: torch.Tensor, row: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `idx` of the cache viewed as [-1, row * head_dim] (row = tokens per gathered row: a
-    block, or one token), as [len(idx), row, head_dim] in dtype (dequantised when quantised)."""
-    hd = cache.shape[2]
-    if not isinstance(cache, QuantizedCache):
-        return cache.view(-1, row * hd).index_select(0, idx).view(-1, row, hd)
-    codes = cache.bytes_view.view(-1, row * hd).index_select(0, idx).view(cache.data.dtype).view(-1, row, hd)
-    return dequantize(codes, cache.scale.view(-1, row).index_select(0, idx), dtype)
+        cache.view(-1, hd).index_copy_(0, idx, x.transpose(0, 1).reshape(-1, hd))   # [kvh * T, hd]
 
 
 @dataclass(slots=True)
@@ -95,22 +89,12 @@ _SHORT_QUERY = 16
 
 
 @dataclass(slots=True)
-class _DecodeGroup:
-    """Sequences whose chunks have the same short query length n, attended in one SDPA call."""
-
-    rows: torch.Tensor       # [B * n] rows of the group's queries in the flat batch, sequence-major
-    blocks: torch.Tensor     # [B, nb] block tables, padded with block 0
-    mask: torch.Tensor       # [B, 1, n, nb * block_size] additive (0 or -inf)
-    gather: torch.Tensor | None = None  # row indices into the 2-D cache view; set by the first layer
-    scratch: torch.Tensor | None = None  # quantised caches, long contexts: widened K/V of one sequence
-
-
-@dataclass(slots=True)
 class TorchAttentionPlan:
-    # Decode rows and other short chunks are batched: a padded gather of whole blocks and one
-    # SDPA per group of equal query length. Rows are grouped by context length so short contexts
-    # are not padded to the longest one (padding is gathered and multiplied for nothing).
-    decode_groups: list[_DecodeGroup]
+    # Decode rows and other short chunks are batched: one group per equal query length, attended
+    # over a padded gather of whole blocks (kernels/decode_group_torch.py). Rows are grouped by
+    # context length so short contexts are not padded to the longest one (padding is gathered
+    # and multiplied for nothing).
+    decode_groups: list[DecodeGroup]
     chunks: list[_Chunk]                  # longer chunks, one SDPA each
 
     @classmethod
@@ -172,7 +156,7 @@ def _tiles(n: int, length: int, sliding_window: int | None, device) -> list[_Til
 
 
 def _decode_group(idx: list[int], n: int, starts: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                  block_size: int, sliding_window: int | None, device) -> _DecodeGroup:
+                  block_size: int, sliding_window: int | None, device) -> DecodeGroup:
     lens = torch.tensor([seq_lens[i] for i in idx], device=device)
     width = -(-int(lens.max()) // block_size)
     table = torch.zeros(len(idx), width, dtype=torch.long, device=device)
@@ -188,7 +172,7 @@ def _decode_group(idx: list[int], n: int, starts: list[int], seq_lens: list[int]
     mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     mask.masked_fill_(~valid, float("-inf"))
     rows = torch.tensor([starts[i] + r for i in idx for r in range(n)], dtype=torch.long, device=device)
-    return _DecodeGroup(rows, table, mask[:, None])
+    return DecodeGroup(rows, table, mask[:, None])
 
 
 def paged_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache,
@@ -198,32 +182,15 @@ def paged_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache,
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    for g in plan.decode_groups:
-        batch, width = g.blocks.shape
-        n = g.mask.shape[2]
-        block_size = g.mask.shape[-1] // width
-        # Gather whole blocks straight into [B, kvh, L, hd] and let SDPA's fused CPU kernel do
-        # GQA and the masked softmax: ~1.6x faster than two batched matmuls at batch 32.
-        if g.gather is None:  # same for every layer: computed once per step
-            heads = torch.arange(num_kv_heads, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
-            g.gather = (heads + g.blocks[:, None, :]).reshape(-1)
-        idx = g.gather
-        if isinstance(k_cache, QuantizedCache) and batch * width * block_size >= _FOLD_KEYS:
-            out.index_copy_(0, g.rows, _quantized_decode(q, k_cache, v_cache, g, block_size, scale))
-            continue
-        k = _gather(k_cache, idx, block_size, q.dtype).view(batch, num_kv_heads, -1, head_dim)
-        v = _gather(v_cache, idx, block_size, q.dtype).view(batch, num_kv_heads, -1, head_dim)
-        qd = q.index_select(0, g.rows).view(batch, n, num_heads, head_dim).transpose(1, 2)  # [B, H, n, hd]
-        od = torch.nn.functional.scaled_dot_product_attention(
-            qd, k, v, attn_mask=g.mask.to(q.dtype), scale=scale, enable_gqa=group > 1)
-        out.index_copy_(0, g.rows, od.transpose(1, 2).reshape(batch * n, num_heads, head_dim))
+    for g in plan.decode_groups:  # kernels/decode_group_torch.py picks the form per group
+        out.index_copy_(0, g.rows, attend_group(q, k_cache, v_cache, g, scale))
     for c in plan.chunks:
         n = c.q_end - c.q_start
         if c.gather is None:  # same for every layer: computed once per step
             c.gather = _head_rows(c.slots, num_kv_heads, k_cache.shape[1])
         idx = c.gather
-        kc = _gather(k_cache, idx, 1, q.dtype).view(num_kv_heads, -1, head_dim)  # [kvh, L, hd]
-        vc = _gather(v_cache, idx, 1, q.dtype).view(num_kv_heads, -1, head_dim)
+        kc = gather_rows(k_cache, idx, 1, q.dtype).view(num_kv_heads, -1, head_dim)  # [kvh, L, hd]
+        vc = gather_rows(v_cache, idx, 1, q.dtype).view(num_kv_heads, -1, head_dim)
         # [kvh, n, group, hd]: a tile of queries is then one contiguous [kvh, t * group, hd] slab.
         qc = q[c.q_start:c.q_end].view(n, num_kv_heads, group, head_dim).transpose(0, 1).contiguous()
         oc = out[c.q_start:c.q_end].view(n, num_kv_heads, group, head_dim)
@@ -236,74 +203,6 @@ def paged_attention(q: torch.Tensor, k_cache: Cache, v_cache: Cache,
             ot = torch.bmm(probs.view(num_kv_heads, rows * group, -1), vc[:, t.k_lo:t.k_hi])
             oc[t.q_lo:t.q_hi] = ot.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     return out
-
-
-# Decode groups over a quantised cache with fewer gathered keys than this (batch * padded
-# length) dequantise and call SDPA instead: the folded path's extra small ops (scale gathers,
-# separate matmuls and softmax) cost more than the scale passes they save. Measured per layer at
-# W2's shapes, 1 thread: batch 1 at 50 keys 0.12 ms dequantised vs 0.16 ms folded, 500 keys
-# 0.21 vs 0.22; batch 8 at 300 keys 0.58 vs 0.42 (fp32 cache 0.46).
-_FOLD_KEYS = 2048
-
-# A decode group over a quantised cache whose padded context is at least this many keys is
-# attended one sequence at a time through one reused buffer (see _quantized_decode).
-_PER_SEQUENCE_KEYS = 1024
-
-
-def _quantized_decode(q: torch.Tensor, k_cache: QuantizedCache, v_cache: QuantizedCache,
-                      g: _DecodeGroup, block_size: int, scale: float) -> torch.Tensor:
-    """A decode group over a quantised cache -> [B * n, heads, head_dim].
-
-    The per-(token, kv head) scales are folded into the small side instead of dequantising the
-    tiles: scores = (q . codes_k) * s_k, and out = (probs * s_v) . codes_v, so the gathered codes
-    are only widened (one pass) and never multiplied; the scales touch [group * n, L] scores,
-    not [L, head_dim] tiles. GQA is one batched matmul per kv head: the group's query heads of a
-    kv head are stacked as rows [kvh, n * group, hd].
-
-    Long contexts go one sequence at a time, widening into a buffer that every sequence and layer
-    of the step reuses: at W2's shapes and 4k keys, a whole-batch widening writes MBs of fresh
-    memory per layer (page faults, then cache misses in the matmuls), which made the int8 decode
-    slower than the fp32 one (bench/results/kv_quant_decode4k.json); short contexts stay batched,
-    where a per-sequence loop would pay its few ops B times.
-    """
-    batch, width = g.blocks.shape
-    n = g.mask.shape[2]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kvh = k_cache.shape[0]
-    group = num_heads // kvh
-    rows = n * group
-    codes_dtype = k_cache.data.dtype
-    qd = (q.index_select(0, g.rows).view(batch, n, kvh, group, head_dim)
-          .permute(0, 2, 1, 3, 4).reshape(batch, kvh, rows, head_dim))
-    s_k = k_cache.scale.view(-1, block_size).index_select(0, g.gather).view(batch, kvh, 1, -1).mul_(scale)
-    s_v = v_cache.scale.view(-1, block_size).index_select(0, g.gather).view(batch, kvh, 1, -1)
-    mask = g.mask.view(batch, 1, n, 1, -1)
-    k_rows = k_cache.bytes_view.view(-1, block_size * head_dim)
-    v_rows = v_cache.bytes_view.view(-1, block_size * head_dim)
-
-    def attend(qb, codes_k, codes_v, sk, sv, mb):   # leading dims: [B, kvh] or [kvh]
-        lead = qb.shape[:-2]
-        scores = torch.matmul(qb, codes_k.transpose(-1, -2)).mul_(sk)
-        scores = scores.view(*lead[:-1], kvh, n, group, -1).add_(mb.to(scores.dtype)).view(*lead, rows, -1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).mul_(sv).to(q.dtype)
-        return torch.matmul(probs, codes_v)
-
-    length = width * block_size
-    if length < _PER_SEQUENCE_KEYS:
-        codes_k = k_rows.index_select(0, g.gather).view(codes_dtype).view(batch, kvh, -1, head_dim).to(q.dtype)
-        codes_v = v_rows.index_select(0, g.gather).view(codes_dtype).view(batch, kvh, -1, head_dim).to(q.dtype)
-        od = attend(qd, codes_k, codes_v, s_k, s_v, mask)
-    else:
-        if g.scratch is None or g.scratch.dtype != q.dtype:  # once per step, shared by all layers
-            g.scratch = torch.empty(2, kvh, length, head_dim, dtype=q.dtype, device=q.device)
-        wide_k, wide_v = g.scratch[0], g.scratch[1]
-        idx = g.gather.view(batch, -1)
-        od = torch.empty(batch, kvh, rows, head_dim, dtype=q.dtype, device=q.device)
-        for b in range(batch):
-            wide_k.copy_(k_rows.index_select(0, idx[b]).view(codes_dtype).view(kvh, -1, head_dim))
-            wide_v.copy_(v_rows.index_select(0, idx[b]).view(codes_dtype).view(kvh, -1, head_dim))
-            od[b] = attend(qd[b], wide_k, wide_v, s_k[b], s_v[b], mask[b])
-    return od.view(batch, kvh, n, group, head_dim).permute(0, 2, 1, 3, 4).reshape(batch * n, num_heads, head_dim)
 
 
 # -- decode steps under torch.compile ---------------------------------------------------------
