@@ -109,13 +109,16 @@ def attend_group(q: torch.Tensor, k_cache: Cache, v_cache: Cache, g: DecodeGroup
 
     def attend(qb, k, v, mb, sk, sv):   # leading dims [B, kvh] or [kvh]; k, v widened, unscaled
         lead = qb.shape[:-2]
-        scores = torch.matmul(qb, k.transpose(-1, -2)).view(*lead, n, group, -1)
+        # bmm on 3-D views, not matmul: at 4k keys matmul's batched path took 1.4x as long for
+        # q . K^T (175 vs 126 us for [2, 4, 64] x [2, 64, 4096], 1 thread).
+        scores = torch.bmm(qb.reshape(-1, rows, head_dim), k.reshape(-1, k.shape[-2], head_dim).transpose(1, 2))
+        scores = scores.view(*lead, n, group, -1)
         # One op for scale (or folded key scales) and mask: scores are [n * group, L] per kv head.
         scores = torch.add(mb, scores, alpha=scale) if sk is None else torch.addcmul(mb, scores, sk)
-        probs = torch.softmax(scores.view(*lead, rows, -1), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(scores.view(-1, rows, scores.shape[-1]), dim=-1, dtype=torch.float32)
         if sv is not None:
-            probs = probs.mul_(sv)
-        return torch.matmul(probs.to(q.dtype), v)
+            probs = probs.view(*lead, rows, -1).mul_(sv).view(-1, rows, probs.shape[-1])
+        return torch.bmm(probs.to(q.dtype), v.reshape(-1, v.shape[-2], head_dim)).view(*lead, rows, head_dim)
 
     if form == "batched":
         k = _widened(k_cache, g.gather, block_size, q.dtype).view(batch, kvh, -1, head_dim)
