@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--long", default="1024,2048,4096,8192", help="token sizes of the long prompts")
     ap.add_argument("--long-requests", type=int, default=300, help="requests per long size")
+    ap.add_argument("--features", choices=("native", "numpy"), default="native",
+                    help="the feature row's path: the C kernel (router_models/runtime/native.py; numpy when it "
+                         "cannot be built) or numpy alone (TOKENYARD_ROUTER_NATIVE=0)")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here too")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/router_latency.json")
     ap.add_argument("--results-name", default="router_latency",
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from bench.results_io import RunRecorder
     rec = RunRecorder(args.results_name)
+    if args.features == "numpy":
+        os.environ["TOKENYARD_ROUTER_NATIVE"] = "0"
     t0 = time.perf_counter()
     router = LearnedRouter.from_settings(RouterSettings(artifact=Path(args.artifact)), "small", "large")
     load_ms = (time.perf_counter() - t0) * 1e3
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = [(r["messages"], int(r["prompt_tokens"])) for r in rows]
     router.decide("warm up numpy", 3)
     cache_free = not _caches()
+    path = "native" if features.compiled(router.scorer.spec).kernel is not None else "numpy"
     runs = []
     demo = [_time(router, requests) for _ in range(args.rounds)]
     for i, (w, c) in enumerate(demo):
@@ -109,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         by_size[str(size)] = {"requests": len(w), "mean_tokens": round(float(np.mean([n for _, n in reqs])), 1),
                               "mean_chars": round(float(np.mean(chars)), 1), "wall_us": _pct(w), "cpu_us": _pct(c)}
         runs.append({"prompts": f"long, ~{size} tokens", **by_size[str(size)]})
-    result = {"prompts": len(requests), "decisions": len(demo_w), "artifact_load_ms": round(load_ms, 2),
+    result = {"features_path": path, "prompts": len(requests), "decisions": len(demo_w),
+              "artifact_load_ms": round(load_ms, 2),
               "window_chars": getattr(router.scorer.spec, "window", None), "cache_free": cache_free,
               "wall_us": _pct(demo_w), "cpu_us": _pct(demo_c), "long": by_size,
               "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
@@ -118,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if not args.no_results:
-        rec.write({k: result[k] for k in ("prompts", "decisions", "artifact_load_ms", "window_chars", "cache_free",
-                                          "wall_us", "cpu_us", "long")}, runs)
+        keys = ("features_path", "prompts", "decisions", "artifact_load_ms", "window_chars", "cache_free",
+                "wall_us", "cpu_us", "long")
+        rec.write({k: result[k] for k in keys}, runs)
     return 0
 
 

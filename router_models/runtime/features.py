@@ -3,8 +3,10 @@
 Only the last `spec.window` characters of the prompt are read (the instruction and its payload
 sit at the end of a chat prompt), plus the full length as numbers: the token count (passed in),
 the character count and the number of lines. So a decision costs the same for an 8k-token prompt
-as for a 300-character one. Hashing is vectorised in numpy over the window's code points and
-keeps no cache, so there is no cold/warm difference either.
+as for a 300-character one. The row is computed in C (native_row.c, loaded by native.py):
+one pass over the window, ~70 us a decision) or, where no C compiler exists, by the same
+definitions vectorised in numpy (`row_numpy`, ~3x slower; tests/test_router_native.py holds
+the two equal). Neither keeps a cache, so there is no cold/warm difference either.
 
 Four blocks, laid out in one vector of `spec.dim` columns:
   dense   [0, n_dense)                  counts over the window (words, digits, numbers, longest
@@ -52,6 +54,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+
+from router_models.runtime import native
 
 FEATURE_VERSION = 2
 DENSE_NAMES = ("tokens", "chars", "words", "digits", "numbers", "longest_number", "operators",
@@ -174,7 +178,7 @@ def window_of(text: str, size: int) -> str:
 # --- the instruction: last line, names and numbers masked --------------------------------------
 
 def _crc(gram: str) -> int:
-    return zlib.crc32(gram.encode("utf-8"))
+    return zlib.crc32(gram.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(slots=True)
@@ -258,7 +262,7 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _codepoints(s: str) -> np.ndarray:
-    return np.frombuffer(s.encode("utf-32-le"), dtype="<u4").astype(np.uint64)
+    return np.frombuffer(s.encode("utf-32-le", "surrogatepass"), dtype="<u4").astype(np.uint64)
 
 
 def _char_hashes(cp: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -316,6 +320,16 @@ class Row:
     cols: np.ndarray
     ends: tuple[int, int, int]
     factors: np.ndarray
+    sums: tuple[float, float, float] | None = None   # with `weights`: each block's sum of w[col]
+
+
+class Weights:
+    """A float64 weight vector over the feature columns, for `row(..., weights=)`: each hashed
+    block's occurrences' weights come back summed (what a linear scorer needs)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = np.ascontiguousarray(values, dtype=np.float64)
+        self.address = self.values.ctypes.data
 
 
 @dataclass(slots=True)
@@ -327,65 +341,127 @@ class _Compiled:
     bounds: np.ndarray      # first column of the char and of the cross block
     dims: np.ndarray        # size of the word, char and cross block (uint64)
     starts: np.ndarray      # first column of each of the three blocks
+    params: np.ndarray      # the C kernel's parameter block (native.params_of)
+    norm: np.ndarray        # dense mean then scale, one array (the C kernel reads it)
+    norm_at: int            # its address
+    kernel: "native.Kernel | None"   # None: the numpy path
 
 
 _COMPILED: dict[int, _Compiled] = {}
 
 
 def compiled(spec: FeatureSpec) -> _Compiled:
-    """The spec's lookup set and arrays, built once per spec object (specs are not mutated)."""
+    """The spec's lookup set and arrays, built once per spec object (specs are not mutated); the C
+    kernel is loaded (built on first use) here, so a scorer's first request does not pay for it."""
     hit = _COMPILED.get(id(spec))
     if hit is None or hit.spec is not spec:
         if len(_COMPILED) > 64:
             _COMPILED.clear()
         base = spec.n_dense + spec.word_dim
-        hit = _Compiled(spec, frozenset(spec.vocabulary), np.asarray(spec.dense_mean, dtype=np.float64),
-                        np.asarray(spec.dense_scale, dtype=np.float64),
+        starts = (spec.n_dense, base, base + spec.char_dim)
+        dims = (spec.word_dim, spec.char_dim, spec.cross_dim)
+        params = native.params_of(spec.word_ngrams, spec.char_ngrams, dims, starts, spec.dim,
+                                  tuple(int(x) for x in (_SALT_WORD, _SALT_BIGRAM, _SALT_CHAR, _SALT_CROSS)),
+                                  spec.cross_weight)
+        mean = np.asarray(spec.dense_mean, dtype=np.float64)
+        scale = np.asarray(spec.dense_scale, dtype=np.float64)
+        norm = np.ascontiguousarray(np.concatenate([mean, scale]))
+        kernel = native.load() if mean.size == scale.size == len(DENSE_NAMES) else None
+        hit = _Compiled(spec, frozenset(spec.vocabulary), mean, scale,
                         np.array([base, base + spec.char_dim], dtype=np.int64),
-                        np.array([spec.word_dim, spec.char_dim, spec.cross_dim], dtype=np.uint64),
-                        np.array([spec.n_dense, base, base + spec.char_dim], dtype=np.int64))
+                        np.array(dims, dtype=np.uint64), np.array(starts, dtype=np.int64), params, norm,
+                        norm.ctypes.data, kernel)
         _COMPILED[id(spec)] = hit
     return hit
 
 
-def _raw_dense(text: str, window: str, words: list[str], toks: _Tokens, tokens: int,
-               novelty: tuple[float, int]) -> list[float]:
-    b = window.encode("utf-8")
+def _raw_dense(text: str, window: str, words: list[str], digits: int, numbers: int, longest: int,
+               tokens: int, novelty: tuple[float, int]) -> list[float]:
+    b = window.encode("utf-8", "surrogatepass")
     n = len(b)
-    numbers = toks.lengths[toks.numeric]
-    return [float(tokens), float(len(text)), float(len(words)), float(toks.digits),
-            float(numbers.size), float(numbers.max()) if numbers.size else 0.0,
+    return [float(tokens), float(len(text)), float(len(words)), float(digits), float(numbers), float(longest),
             float(n - len(b.translate(None, _OPERATORS))), float(n - len(b.translate(None, _CAPITALS))),
             float(n - len(b.translate(None, _PUNCT))), float(len(set(words))),
             float(text.count("\n") + 1), float(b.count(b"?")), novelty[0], float(novelty[1])]
 
 
-def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> np.ndarray:
+def _token_stats(toks: _Tokens) -> tuple[int, int, int]:
+    """Digit characters, number tokens and the longest number's digits."""
+    numbers = toks.lengths[toks.numeric]
+    return toks.digits, int(numbers.size), int(numbers.max()) if numbers.size else 0
+
+
+_CROSS_ALONE = 3        # the kind and the two novelty entries also stand alone in the cross block
+
+
+def _cross_parts(ins: Instruction, kind: str, novelty: float, tokens: int) -> tuple[list[int], list[int]]:
+    """The cross block's left entries (instruction words, then the kind and the novelty) and its
+    size signatures, as crc32 values."""
     sizes = [f"p{len(ins.tail.split())}", f"n{len(ins.numbers)}",
              f"d{max((len(n) for n in ins.numbers), default=0)}", f"k{tokens // 4}"]
     nov = 0 if novelty <= 0 else 1 if novelty <= 1 / 3 else 2 if novelty <= 2 / 3 else 3
-    hs = np.array([_crc("s " + z) for z in sizes], dtype=np.uint64)
-    left = np.array([_crc("w " + w) for w in ins.words]
-                    + [_crc("k " + kind), _crc(f"v {nov} {kind}"), _crc(f"v {nov}")], dtype=np.uint64)
+    left = [_crc("w " + w) for w in ins.words] + [_crc("k " + kind), _crc(f"v {nov} {kind}"), _crc(f"v {nov}")]
+    return left, [_crc("s " + z) for z in sizes]
+
+
+def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> np.ndarray:
+    left_l, sizes = _cross_parts(ins, kind, novelty, tokens)
+    left, hs = np.array(left_l, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
     # every instruction word, the kind and the novelty alone and crossed with each size; sizes alone
-    return np.concatenate([(left[:, None] * _U(0x100000001) + hs[None, :]).ravel(), left[-3:], hs])
+    return np.concatenate([(left[:, None] * _U(0x100000001) + hs[None, :]).ravel(), left[-_CROSS_ALONE:], hs])
 
 
-def _parts(text: str, tokens: int, spec: FeatureSpec):
+def _text_parts(text: str, spec: FeatureSpec):
     c = compiled(spec)
     window = window_of(text, spec.window)
     words = (window.lower() if spec.lowercase else window).split()
-    cp = _codepoints(" " + " ".join(words) + " ")
-    toks = _tokens(cp)
+    ins = instruction(window)
+    return c, window, words, " " + " ".join(words) + " ", ins, _novelty(ins, c.vocabulary)
+
+
+def _factors(squares: Sequence[float], cross_weight: float) -> np.ndarray:
+    """Per block: its weight / the L2 norm of its count vector (0 for an empty block)."""
+    return np.array([w / math.sqrt(q) if q > 0 else 0.0 for w, q in zip((1.0, 1.0, cross_weight), squares)],
+                    dtype=np.float64)
+
+
+def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = None) -> Row:
+    """The features of one prompt (see `Row`); `extract` and the scorer both read this. The hashed
+    blocks come from the C kernel (router_models/runtime/native.py) when it is built, else from
+    numpy (`row_numpy`); the two agree bit for bit (tests/test_router_native.py). With `weights`
+    (of spec.dim columns), `Row.sums` holds each hashed block's sum of weights over its columns."""
+    c = compiled(spec)
+    if weights is not None and weights.values.shape != (spec.dim,):
+        raise ValueError(f"weights must have {spec.dim} columns, got shape {weights.values.shape}")
+    if c.kernel is None:
+        return _with_sums(_row_numpy(text, tokens, spec, *_text_parts(text, spec)), weights)
+    window = window_of(text, spec.window)
     ins = instruction(window)
     novelty = _novelty(ins, c.vocabulary)
-    return c, window, words, cp, toks, ins, novelty
+    left, sizes = _cross_parts(ins, _payload_kind(ins), novelty[0], tokens)
+    r = c.kernel.row(window.lower() if spec.lowercase else window, window, text, tokens, left, sizes,
+                     _CROSS_ALONE, novelty, c.params, c.norm_at, None if weights is None else weights.address)
+    return Row(r.dense, r.cols, r.ends, r.factors, r.sums)
 
 
-def row(text: str, tokens: int, spec: FeatureSpec) -> Row:
-    """The features of one prompt (see `Row`); `extract` and the scorer both read this."""
-    c, window, words, cp, toks, ins, novelty = _parts(text, tokens, spec)
-    raw = np.array(_raw_dense(text, window, words, toks, tokens, novelty), dtype=np.float64)
+def _with_sums(r: Row, weights: Weights | None) -> Row:
+    if weights is not None:
+        w = weights.values.take(r.cols)
+        e0, e1, e2 = r.ends
+        r.sums = (float(w[:e0].sum()), float(w[e0:e1].sum()), float(w[e1:e2].sum()))
+    return r
+
+
+def row_numpy(text: str, tokens: int, spec: FeatureSpec) -> Row:
+    """`row` through numpy alone: the reference the C kernel is tested against, and its fallback."""
+    return _row_numpy(text, tokens, spec, *_text_parts(text, spec))
+
+
+def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: str, words: list[str],
+               padded: str, ins: Instruction, novelty: tuple[float, int]) -> Row:
+    cp = _codepoints(padded)
+    toks = _tokens(cp)
+    raw = np.array(_raw_dense(text, window, words, *_token_stats(toks), tokens, novelty), dtype=np.float64)
     dense = (np.log1p(raw) - c.mean) / c.scale
     lo, hi = spec.word_ngrams
     h = toks.hashes
@@ -406,15 +482,13 @@ def row(text: str, tokens: int, spec: FeatureSpec) -> Row:
     counts = np.diff(np.append(first, s.size))
     block = np.searchsorted(c.bounds, s[first], side="right")
     sq = np.bincount(block, weights=(counts * counts).astype(np.float64), minlength=3)
-    weights = np.array([1.0, 1.0, spec.cross_weight])
-    factors = np.divide(weights, np.sqrt(sq), out=np.zeros(3), where=sq > 0)
-    return Row(dense, cols, ends, factors)
+    return Row(dense, cols, ends, _factors(sq.tolist(), spec.cross_weight))
 
 
 def raw_dense(text: str, tokens: int, spec: FeatureSpec) -> list[float]:
     """Dense counts in DENSE_NAMES order, before log1p and standardisation."""
-    c, window, words, cp, toks, ins, novelty = _parts(text, tokens, spec)
-    return _raw_dense(text, window, words, toks, tokens, novelty)
+    c, window, words, padded, ins, novelty = _text_parts(text, spec)
+    return _raw_dense(text, window, words, *_token_stats(_tokens(_codepoints(padded))), tokens, novelty)
 
 
 def with_vocabulary(spec: FeatureSpec, texts: Sequence[str]) -> FeatureSpec:

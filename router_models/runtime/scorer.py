@@ -17,7 +17,7 @@ import numpy as np
 
 from router_models.runtime.artifact import Artifact
 from router_models.runtime.calibration import threshold_from_quantiles
-from router_models.runtime.features import row
+from router_models.runtime.features import Weights, row
 
 
 class Scorer:
@@ -30,6 +30,7 @@ class Scorer:
         self.weights[np.asarray(artifact.indices, dtype=np.int64)] = np.asarray(artifact.values, dtype=np.float64)
         self.intercept = float(artifact.intercept)
         self._dense_w = self.weights[: artifact.spec.n_dense].copy()
+        self._weights = Weights(self.weights)
         self.threshold = artifact.threshold
         self.set_threshold(threshold, target_large_share)
 
@@ -46,18 +47,12 @@ class Scorer:
         return self.threshold
 
     def logit(self, text: str, tokens: int) -> float:
-        r = row(text, tokens, self.spec)
         # sum over occurrences of w[col] == sum over columns of count * w[col]; each block's L2
-        # scaling is one factor (features.Row.factors).
-        w = self.weights.take(r.cols)
-        e0, e1, _ = r.ends
+        # scaling is one factor (features.Row.factors); the row adds up each block's weights.
+        r = row(text, tokens, self.spec, self._weights)
         f0, f1, f2 = r.factors.tolist()
-        z = self.intercept + float(self._dense_w @ r.dense) + float(w[e1:].sum()) * f2
-        if e0:
-            z += float(w[:e0].sum()) * f0
-        if e1 > e0:
-            z += float(w[e0:e1].sum()) * f1
-        return z
+        s0, s1, s2 = r.sums
+        return self.intercept + float(self._dense_w @ r.dense) + s0 * f0 + s1 * f1 + s2 * f2
 
     def score(self, text: str, tokens: int) -> float:
         z = self.logit(text, tokens)
