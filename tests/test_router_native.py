@@ -144,4 +144,18 @@ def test_the_environment_can_choose_numpy(monkeypatch):
     spec = _spec()
     assert features.compiled(spec).kernel is None
     r = row("Add 2 and 3:", 4, spec, Weights(np.ones(spec.dim)))
-    assert r.sums is not None and math.isclose(sum(r.sums), r.cols.size)
+    assert r.sums is not None and r.sums.shape == (4, 1) and math.isclose(float(r.sums[:3].sum()), r.cols.size)
+    assert math.isclose(float(r.sums[3, 0]), float(r.dense.sum()), rel_tol=1e-12)
+
+
+@kernel_required
+def test_the_engine_set_scorer_gives_the_same_probabilities_on_either_path(monkeypatch):
+    from router_models.runtime.engine_set import EngineScorer, load_router
+
+    scorer = EngineScorer(load_router(ROOT / "router_models" / "artifacts" / "demo_router_3.json"))
+    texts = [features.prompt_text(r["messages"]) for r in read_jsonl(ROOT / "router_models" / "data" / "test.jsonl")[:200]]
+    native_p = np.array([scorer.probabilities(t, len(t) // 4) for t in texts])
+    monkeypatch.setattr(features.compiled(scorer.spec), "kernel", None)
+    numpy_p = np.array([scorer.probabilities(t, len(t) // 4) for t in texts])
+    assert native_p.shape == (200, len(scorer.names))
+    np.testing.assert_allclose(native_p, numpy_p, rtol=0, atol=1e-12)

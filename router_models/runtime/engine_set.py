@@ -30,7 +30,7 @@ import numpy as np
 
 from router_models.runtime.artifact import FORMAT, Artifact, ArtifactError, checked_spec, checksum
 from router_models.runtime.artifact import from_json as v1_from_json
-from router_models.runtime.features import FeatureSpec, row
+from router_models.runtime.features import FeatureSpec, Weights, row
 from router_models.runtime.selection import choose_all, lam_for_cost_cap
 
 FORMAT_VERSION = 2
@@ -97,8 +97,8 @@ class EngineScorer:
         for k, e in enumerate(es.engines):
             self.W[k, np.asarray(e.indices, dtype=np.int64)] = np.asarray(e.values, dtype=np.float64)
         self.b = np.array([e.intercept for e in es.engines], dtype=np.float64)
-        self._Wd = self.W[:, : es.spec.n_dense].copy()
-        self._WT = np.ascontiguousarray(self.W.T)     # one row per column: a prompt's columns gather whole rows
+        self._b = self.b.tolist()
+        self._WT = Weights(self.W.T)     # one row per column: the row sums each block's columns for all engines
         self.costs = np.array([e.cost for e in es.engines] if costs is None else costs, dtype=np.float64)
         if self.costs.shape != (len(es.engines),) or not np.all(self.costs > 0) or not np.all(np.isfinite(self.costs)):
             raise ValueError(f"engine costs must be {len(es.engines)} positive numbers, got {list(self.costs)}")
@@ -120,18 +120,15 @@ class EngineScorer:
             self.quality_target, self.lam = None, lam_for_cost_cap(self.engine_set.cost_table, cost_cap)
 
     def probabilities(self, text: str, tokens: int) -> np.ndarray:
-        r = row(text, tokens, self.spec)
-        e0, e1, _ = r.ends
+        r = row(text, tokens, self.spec, self._WT)
         f0, f1, f2 = r.factors.tolist()
-        w = self._WT.take(r.cols, axis=0)
-        z = self.b + self._Wd @ r.dense + w[e1:].sum(axis=0) * f2
-        if e0:
-            z += w[:e0].sum(axis=0) * f0
-        if e1 > e0:
-            z += w[e0:e1].sum(axis=0) * f1
-        # the logistic function without overflow for large |z|
-        ez = np.exp(-np.abs(z))
-        return np.where(z >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez))
+        p = []
+        # a handful of engines: plain floats beat numpy's per-call cost
+        for b, s0, s1, s2, dense in zip(self._b, *r.sums.tolist()):
+            z = b + dense + s0 * f0 + s1 * f1 + s2 * f2
+            # the logistic function without overflow for large |z|
+            p.append(1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z)))
+        return np.array(p)
 
     def choose(self, p: np.ndarray, quality_target: float | None = None, cost_cap: float | None = None) -> int:
         """The engine index for these probabilities; quality_target / cost_cap override the

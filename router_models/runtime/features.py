@@ -178,7 +178,10 @@ def window_of(text: str, size: int) -> str:
 # --- the instruction: last line, names and numbers masked --------------------------------------
 
 def _crc(gram: str) -> int:
-    return zlib.crc32(gram.encode("utf-8", "surrogatepass"))
+    return _crc32(gram.encode("utf-8", "surrogatepass"))
+
+
+_crc32 = zlib.crc32
 
 
 @dataclass(slots=True)
@@ -208,7 +211,9 @@ def instruction(window: str) -> Instruction:
             names += 1
         else:
             masked.append(low)
-    grams = [_crc("u " + g) for g in masked] + [_crc(f"b {a} {b}") for a, b in zip(masked, masked[1:])]
+    # (crc32 inline: the call is a third of the cost of these few dozen hashes)
+    grams = ([_crc32(("u " + g).encode("utf-8", "surrogatepass")) for g in masked]
+             + [_crc32(f"b {a} {b}".encode("utf-8", "surrogatepass")) for a, b in zip(masked, masked[1:])])
     names += sum(1 for tok in tail.split()[-MAX_PAYLOAD_TOKENS:] if tok[:1].isupper() and tok[1:].islower()
                  and len(tok) > 1)
     words = sorted({t for t in masked if t.isalpha()})
@@ -320,15 +325,21 @@ class Row:
     cols: np.ndarray
     ends: tuple[int, int, int]
     factors: np.ndarray
-    sums: tuple[float, float, float] | None = None   # with `weights`: each block's sum of w[col]
+    sums: np.ndarray | None = None      # with `weights` (k models): (4, k), each hashed block's sum of its
+                                        # occurrences' weights, then dense @ their weights
 
 
 class Weights:
-    """A float64 weight vector over the feature columns, for `row(..., weights=)`: each hashed
-    block's occurrences' weights come back summed (what a linear scorer needs)."""
+    """Weights over the feature columns for `row(..., weights=)`: a vector (one linear model) or
+    a (dim, k) matrix (k models, a column each); each hashed block's occurrences' weights come
+    back summed, which is what a linear scorer needs."""
 
     def __init__(self, values: np.ndarray) -> None:
-        self.values = np.ascontiguousarray(values, dtype=np.float64)
+        v = np.asarray(values, dtype=np.float64)
+        self.values = np.ascontiguousarray(v[:, None] if v.ndim == 1 else v)
+        if self.values.ndim != 2:
+            raise ValueError(f"weights must be a vector or a matrix, got shape {v.shape}")
+        self.models = self.values.shape[1]
         self.address = self.values.ctypes.data
 
 
@@ -400,8 +411,9 @@ def _cross_parts(ins: Instruction, kind: str, novelty: float, tokens: int) -> tu
     sizes = [f"p{len(ins.tail.split())}", f"n{len(ins.numbers)}",
              f"d{max((len(n) for n in ins.numbers), default=0)}", f"k{tokens // 4}"]
     nov = 0 if novelty <= 0 else 1 if novelty <= 1 / 3 else 2 if novelty <= 2 / 3 else 3
-    left = [_crc("w " + w) for w in ins.words] + [_crc("k " + kind), _crc(f"v {nov} {kind}"), _crc(f"v {nov}")]
-    return left, [_crc("s " + z) for z in sizes]
+    left = [_crc32(("w " + w).encode("utf-8", "surrogatepass")) for w in ins.words]
+    left += [_crc("k " + kind), _crc(f"v {nov} {kind}"), _crc(f"v {nov}")]
+    return left, [_crc32(("s " + z).encode()) for z in sizes]
 
 
 def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> np.ndarray:
@@ -431,8 +443,8 @@ def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = Non
     numpy (`row_numpy`); the two agree bit for bit (tests/test_router_native.py). With `weights`
     (of spec.dim columns), `Row.sums` holds each hashed block's sum of weights over its columns."""
     c = compiled(spec)
-    if weights is not None and weights.values.shape != (spec.dim,):
-        raise ValueError(f"weights must have {spec.dim} columns, got shape {weights.values.shape}")
+    if weights is not None and weights.values.shape[0] != spec.dim:
+        raise ValueError(f"weights must have {spec.dim} columns (rows of the matrix), got {weights.values.shape[0]}")
     if c.kernel is None:
         return _with_sums(_row_numpy(text, tokens, spec, *_text_parts(text, spec)), weights)
     window = window_of(text, spec.window)
@@ -440,15 +452,17 @@ def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = Non
     novelty = _novelty(ins, c.vocabulary)
     left, sizes = _cross_parts(ins, _payload_kind(ins), novelty[0], tokens)
     r = c.kernel.row(window.lower() if spec.lowercase else window, window, text, tokens, left, sizes,
-                     _CROSS_ALONE, novelty, c.params, c.norm_at, None if weights is None else weights.address)
+                     _CROSS_ALONE, novelty, c.params, c.norm_at, None if weights is None else weights.address,
+                     1 if weights is None else weights.models)
     return Row(r.dense, r.cols, r.ends, r.factors, r.sums)
 
 
 def _with_sums(r: Row, weights: Weights | None) -> Row:
     if weights is not None:
-        w = weights.values.take(r.cols)
+        w = weights.values.take(r.cols, axis=0)
         e0, e1, e2 = r.ends
-        r.sums = (float(w[:e0].sum()), float(w[e0:e1].sum()), float(w[e1:e2].sum()))
+        r.sums = np.stack([w[:e0].sum(axis=0), w[e0:e1].sum(axis=0), w[e1:e2].sum(axis=0),
+                           r.dense @ weights.values[: r.dense.size]])
     return r
 
 

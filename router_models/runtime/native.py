@@ -83,7 +83,8 @@ class NativeRow:
     ends: tuple[int, int, int]       # where the word, char and cross blocks end in cols
     dense: np.ndarray                # standardised dense values (features.Row.dense)
     factors: np.ndarray              # per block: its weight / the L2 norm of its counts
-    sums: tuple[float, float, float] | None   # per block: the sum of its occurrences' weights
+    sums: np.ndarray | None          # (4, n_weights): per hashed block, the sum of its occurrences'
+                                     # weights; then the dense values' dot product with theirs
 
 
 class _Buffers(threading.local):
@@ -92,9 +93,14 @@ class _Buffers(threading.local):
 
     def __init__(self) -> None:
         self.cap = 0
-        self.floats = np.zeros(20, dtype=np.float64)
         self.ints = np.zeros(4, dtype=np.int64)
-        self.floats_at, self.ints_at = self.floats.ctypes.data, self.ints.ctypes.data
+        self.ints_at = self.ints.ctypes.data
+        self.floats_for(1)
+
+    def floats_for(self, n_weights: int) -> None:
+        if getattr(self, "n_weights", 0) < n_weights:
+            self.floats = np.zeros(17 + 4 * n_weights, dtype=np.float64)
+            self.floats_at, self.n_weights = self.floats.ctypes.data, n_weights
 
     def grow(self, cols: int, work: int) -> None:
         cap = max(cols, work, 2 * self.cap, 4096)
@@ -111,18 +117,19 @@ class Kernel:
         fn = ctypes.CDLL(str(path)).tokenyard_row
         vp, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
         fn.argtypes = [ctypes.c_char_p, i64, ctypes.c_char_p, i64, ctypes.c_char_p, i64, vp, i64, vp, i64, i64,
-                       f64, f64, f64, f64, f64, vp, vp, vp, vp, vp, vp, vp]
+                       f64, f64, f64, f64, f64, vp, vp, vp, i64, vp, vp, vp, vp]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._buf = _Buffers()
 
     def row(self, low: str, orig: str, text: str, tokens: int, left: list[int], sizes: list[int],
             tail_left: int, novelty: tuple[float, int], params: np.ndarray, norm_at: int,
-            weights_at: int | None = None) -> NativeRow:
+            weights_at: int | None = None, n_weights: int = 1) -> NativeRow:
         """low: the window as its words are read (lower-cased); orig: as written; text: the whole
         prompt (its length and newlines); left/sizes: the cross block's crc32 entries, the last
         `tail_left` of left also alone; params/norm_at: `params_of` and the address of the dense
-        mean then scale; weights_at: the address of a float64 weight vector, to sum per block."""
+        mean then scale; weights_at: the address of float64 weights, n_weights per column (row-major),
+        to sum per block."""
         lo = low.encode("utf-32-le", "surrogatepass")
         og = orig.encode("utf-32-le", "surrogatepass")
         n = len(lo) // 4
@@ -135,16 +142,17 @@ class Kernel:
         b = self._buf
         if cap > b.cap or 3 * (n + 2) > b.cap:
             b.grow(cap, 3 * (n + 2))
+        b.floats_for(n_weights)
         rc = self._fn(lo, n, og, len(og) // 4, raw, len(text), a.buffer_info()[0], len(a), s.buffer_info()[0],
                       len(s), tail_left, float(tokens), float(len(text)), float(lines), novelty[0],
-                      float(novelty[1]), params.ctypes.data, norm_at, weights_at, b.cols_at, b.work_at,
+                      float(novelty[1]), params.ctypes.data, norm_at, weights_at, n_weights, b.cols_at, b.work_at,
                       b.floats_at, b.ints_at)
         if rc != 0:
             raise MemoryError("router feature row: out of memory")
         e0, e1, e2, _ = b.ints.tolist()
-        f = b.floats.tolist()
-        return NativeRow(b.cols[:e2].copy(), (e0, e1, e2), np.array(f[:14]), np.array(f[14:17]),
-                         (f[17], f[18], f[19]) if weights_at is not None else None)
+        f = b.floats
+        sums = None if weights_at is None else f[17:17 + 4 * n_weights].reshape(4, n_weights).copy()
+        return NativeRow(b.cols[:e2].copy(), (e0, e1, e2), f[:14].copy(), f[14:17].copy(), sums)
 
 
 def params_of(word_ngrams: tuple[int, int], char_ngrams: tuple[int, int], dims: tuple[int, int, int],

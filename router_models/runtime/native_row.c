@@ -86,16 +86,18 @@ static int64_t distinct_words(const uint32_t *s, const int64_t *start, const int
  * written; text/n_text: the whole prompt in UTF-8 to count its newlines (NULL: `lines` holds the
  * count); left/sizes: the cross block's crc32 entries, the last tail_left of left also alone;
  * scalars: the prompt's tokens, chars, lines and its instruction's novelty (share, unseen grams);
- * norm: the dense mean[14] then scale[14]; weights (or NULL): the scorer's weight vector.
+ * norm: the dense mean[14] then scale[14]; weights (or NULL): the scorer's weights, n_weights per
+ * column (row-major: column c's weights at weights[c * n_weights]).
  * out_cols must hold (3 + char_hi - char_lo) * (n_low + 2) + n_left * (n_sizes + 1) + n_sizes entries;
- * work must hold 3 * (n_low + 2) int64. out_f (double[20]): dense[14], factors[3], and with weights the
- * weighted sum of each hashed block (in occurrence order)[3]. out_i (int64[4]): ends of the word, char
+ * work must hold 3 * (n_low + 2) int64. out_f (double[17 + 4 * n_weights]): dense[14], factors[3], then
+ * with weights each hashed block's sum of its occurrences' weights and the dense values' dot product
+ * with their weights, block-major ([4][n_weights]). out_i (int64[4]): ends of the word, char
  * and cross blocks in out_cols, then the number of tokens. Returns 0, or -1 when out of memory. */
 int tokenyard_row(const uint32_t *low, int64_t n_low, const uint32_t *orig, int64_t n_orig,
                   const char *text, int64_t n_text, const uint64_t *left, int64_t n_left,
                   const uint64_t *sizes, int64_t n_sizes, int64_t tail_left, double tokens, double chars,
                   double lines, double novelty, double novel_grams, const uint64_t *params,
-                  const double *norm, const double *weights, int64_t *out_cols, int64_t *work,
+                  const double *norm, const double *weights, int64_t n_weights, int64_t *out_cols, int64_t *work,
                   double *out_f, int64_t *out_i) {
     /* words: split on whitespace, joined by single spaces, one space each side */
     int64_t *wstart = work, *wlen = work + (n_low + 2);
@@ -172,20 +174,22 @@ int tokenyard_row(const uint32_t *low, int64_t n_low, const uint32_t *orig, int6
     int64_t starts[3] = {(int64_t)params[SW], (int64_t)params[SC], (int64_t)params[SX]};
     double block_weight[3] = {1.0, 1.0, 0.0};
     memcpy(&block_weight[2], &params[NPARAMS], sizeof(double));   /* cross_weight, stored as its bits */
+    double *sums = out_f + N_DENSE + 3;
+    if (weights) memset(sums, 0, sizeof(double) * 4 * (size_t)n_weights);
     int64_t lo = 0;
     for (int b = 0; b < 3; b++) {
         int64_t sq = 0;
-        double sum = 0.0;
+        double *sum = sums + b * n_weights;
         for (int64_t i = lo; i < ends[b]; i++) {
             int64_t col = (int64_t)((((uint64_t)out_cols[i] * MIX) >> SHIFT) % dims[b]) + starts[b];
             out_cols[i] = col;
             sq += 2 * (int64_t)counts[col] + 1;
             counts[col]++;
-            if (weights) sum += weights[col];
+            if (weights)
+                for (int64_t e = 0; e < n_weights; e++) sum[e] += weights[col * n_weights + e];
         }
         out_i[b] = ends[b];
         out_f[N_DENSE + b] = sq > 0 ? block_weight[b] / sqrt((double)sq) : 0.0;
-        out_f[N_DENSE + 3 + b] = sum;
         lo = ends[b];
     }
     free(tok);
@@ -222,7 +226,11 @@ int tokenyard_row(const uint32_t *low, int64_t n_low, const uint32_t *orig, int6
     raw[D_QUESTION] = (double)question;
     raw[D_NOVELTY] = novelty;
     raw[D_NOVEL_GRAMS] = novel_grams;
-    for (int i = 0; i < N_DENSE; i++) out_f[i] = (log1p(raw[i]) - norm[i]) / norm[N_DENSE + i];
+    for (int i = 0; i < N_DENSE; i++) {
+        out_f[i] = (log1p(raw[i]) - norm[i]) / norm[N_DENSE + i];
+        if (weights)
+            for (int64_t e = 0; e < n_weights; e++) sums[3 * n_weights + e] += weights[i * n_weights + e] * out_f[i];
+    }
     out_i[3] = ntok;
     return 0;
 }

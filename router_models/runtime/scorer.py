@@ -29,7 +29,6 @@ class Scorer:
         self.weights = np.zeros(artifact.spec.dim, dtype=np.float64)
         self.weights[np.asarray(artifact.indices, dtype=np.int64)] = np.asarray(artifact.values, dtype=np.float64)
         self.intercept = float(artifact.intercept)
-        self._dense_w = self.weights[: artifact.spec.n_dense].copy()
         self._weights = Weights(self.weights)
         self.threshold = artifact.threshold
         self.set_threshold(threshold, target_large_share)
@@ -48,11 +47,12 @@ class Scorer:
 
     def logit(self, text: str, tokens: int) -> float:
         # sum over occurrences of w[col] == sum over columns of count * w[col]; each block's L2
-        # scaling is one factor (features.Row.factors); the row adds up each block's weights.
+        # scaling is one factor (features.Row.factors); the row adds up each block's weights and
+        # the dense dot product.
         r = row(text, tokens, self.spec, self._weights)
         f0, f1, f2 = r.factors.tolist()
-        s0, s1, s2 = r.sums
-        return self.intercept + float(self._dense_w @ r.dense) + s0 * f0 + s1 * f1 + s2 * f2
+        s0, s1, s2, dense = r.sums[:, 0].tolist()
+        return self.intercept + dense + s0 * f0 + s1 * f1 + s2 * f2
 
     def score(self, text: str, tokens: int) -> float:
         z = self.logit(text, tokens)
