@@ -30,7 +30,7 @@ import numpy as np
 
 from router_models.runtime.artifact import FORMAT, Artifact, ArtifactError, checked_spec, checksum
 from router_models.runtime.artifact import from_json as v1_from_json
-from router_models.runtime.features import FeatureSpec, Weights, row
+from router_models.runtime.features import FeatureSpec, Weights, compiled, row
 from router_models.runtime.selection import choose_all, lam_for_cost_cap
 
 FORMAT_VERSION = 2
@@ -99,6 +99,7 @@ class EngineScorer:
         self.b = np.array([e.intercept for e in es.engines], dtype=np.float64)
         self._b = self.b.tolist()
         self._WT = Weights(self.W.T)     # one row per column: the row sums each block's columns for all engines
+        compiled(self.spec)             # builds or loads the C row kernel now, not on the first request
         self.costs = np.array([e.cost for e in es.engines] if costs is None else costs, dtype=np.float64)
         if self.costs.shape != (len(es.engines),) or not np.all(self.costs > 0) or not np.all(np.isfinite(self.costs)):
             raise ValueError(f"engine costs must be {len(es.engines)} positive numbers, got {list(self.costs)}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from router_models.runtime.artifact import Artifact
 from router_models.runtime.calibration import threshold_from_quantiles
-from router_models.runtime.features import Weights, row
+from router_models.runtime.features import Weights, compiled, row
 
 
 class Scorer:
@@ -30,6 +30,7 @@ class Scorer:
         self.weights[np.asarray(artifact.indices, dtype=np.int64)] = np.asarray(artifact.values, dtype=np.float64)
         self.intercept = float(artifact.intercept)
         self._weights = Weights(self.weights)
+        compiled(self.spec)             # builds or loads the C row kernel now, not on the first request
         self.threshold = artifact.threshold
         self.set_threshold(threshold, target_large_share)
 
