@@ -1,8 +1,9 @@
 """Attention of one decode group on CPU: sequences whose query chunks share a short length n
 (decode tokens, speculative verify chunks), each over its whole paged context.
 
-Three forms, chosen per group by `choose_form` from measurements at W2's shapes (8 heads, 2 kv
-heads, head_dim 64, block 16, 1 thread on the 2-core VM; see the thresholds below):
+Four forms: the C kernel when it is built, else three torch forms chosen per group by
+`choose_form` from measurements at W2's shapes (8 heads, 2 kv heads, head_dim 64, block 16, 1
+thread on the 2-core VM; see the thresholds below):
 
 - "sdpa": gather the group's blocks into [B, kvh, L, hd] (dequantised when the cache is
   quantised: codes widened, then times their scales) and call SDPA's fused CPU kernel.
@@ -13,6 +14,14 @@ heads, head_dim 64, block 16, 1 thread on the 2-core VM; see the thresholds belo
   every sequence and layer of the step reuses. A whole-batch gather at 4k keys writes megabytes
   of fresh memory per layer (page faults, then cache misses in the matmuls); a reused buffer
   stays warm.
+- "native": the C kernel of kernels/cpu_decode_native.py, reading the blocks in place (no
+  gather) and, over an int8 cache, widening the codes inside its dot products. Chosen whenever it
+  is built and takes the group (fp32 queries, an fp32 or int8 CPU cache): at W2's shapes, 1
+  thread, it beat the best torch form at every size measured (per layer, fp32 / int8 cache: batch
+  1 at 64 keys 0.07 / 0.05 vs 0.12 / 0.13 ms; batch 1 at 4k 0.53 / 0.46 vs 0.64 / 0.66; batch 4 at
+  4k 2.8 / 1.7 vs 3.1 / 2.8; batch 96 at 300 6.5 / 4.7 vs 29.5 / 26.9; scratch benchmark
+  bench/kv_quant_bench.py --only decode4k for whole steps). The three torch forms serve otherwise
+  (bf16, fp8, no compiler, TOKENYARD_CPU_ATTENTION=torch).
 
 Over a quantised cache the hand-written forms fold the per-(token, kv head) scales into the small
 side instead of dequantising the tiles: scores = (q . codes_k) * (s_k * scale), and
@@ -28,11 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_decode_native
 from kernels.kv_quant import QuantizedCache, dequantize
 
 Cache = torch.Tensor | QuantizedCache
 
-FORMS = ("sdpa", "batched", "per_sequence")
+FORMS = ("sdpa", "batched", "per_sequence", "native")
 
 
 @dataclass(slots=True)
@@ -45,6 +55,7 @@ class DecodeGroup:
     gather: torch.Tensor | None = None   # row indices into the 2-D cache view; set by the first layer
     scratch: torch.Tensor | None = None  # per_sequence form: one sequence's K/V, reused by every layer
     codes: torch.Tensor | None = None    # and its gathered codes, when the cache is quantised
+    work: torch.Tensor | None = None     # native form: the C kernel's scores buffer, reused by every layer
 
 
 # Padded keys per sequence from which a group goes one sequence at a time, whatever the cache.
@@ -84,7 +95,10 @@ def attend_group(q: torch.Tensor, k_cache: Cache, v_cache: Cache, g: DecodeGroup
     block_size = g.mask.shape[-1] // width
     length = width * block_size
     quantised = isinstance(k_cache, QuantizedCache)
-    form = form or choose_form(quantised, batch, length)
+    if form is None:
+        native = cpu_decode_native.load()
+        form = ("native" if native is not None and native.supports(k_cache, q, n * group)
+                else choose_form(quantised, batch, length))
     if g.gather is None:  # same for every layer: computed once per step
         heads = torch.arange(kvh, device=q.device)[None, :, None] * (k_cache.shape[1] // block_size)
         g.gather = (heads + g.blocks[:, None, :]).reshape(-1)
@@ -100,6 +114,14 @@ def attend_group(q: torch.Tensor, k_cache: Cache, v_cache: Cache, g: DecodeGroup
     rows = n * group
     qd = (q.index_select(0, g.rows).view(batch, n, kvh, group, head_dim)
           .permute(0, 2, 1, 3, 4).reshape(batch, kvh, rows, head_dim))
+    if form == "native":
+        kernel = cpu_decode_native.load()
+        if kernel is None or not kernel.supports(k_cache, q, rows):
+            raise ValueError("decode attention form 'native': the C kernel is unavailable or does not take this "
+                             "cache (fp32 queries over an fp32 or int8 CPU cache)")
+        od, g.work = kernel.attend(qd, k_cache, v_cache, g.blocks, g.mask.view(batch, n, -1).to(q.dtype), scale,
+                                   g.work)
+        return od.view(batch, kvh, n, group, head_dim).permute(0, 2, 1, 3, 4).reshape(batch * n, num_heads, head_dim)
     mask = g.mask.view(batch, 1, n, 1, -1).to(q.dtype)
     if quantised:  # scales [B, kvh, 1, 1, L], the softmax scale folded into s_k
         s_k = k_cache.scale.view(-1, block_size).index_select(0, g.gather).view(batch, kvh, 1, 1, -1).mul_(scale)
