@@ -48,6 +48,11 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     return _mm256_andnot_ps(masked, y);
 }
+/* the four horizontal sums of a0..a3, in one vector */
+static inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -95,7 +100,7 @@ static inline void axpys_##CODE(float *out, const CODE *c, const float *w, int64
                 a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * hd + d), k, a2);                         \
                 a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * hd + d), k, a3);                         \
             }                                                                                          \
-            dots[r] = hsum8(a0); dots[r + 1] = hsum8(a1); dots[r + 2] = hsum8(a2); dots[r + 3] = hsum8(a3); \
+            _mm_storeu_ps(dots + r, hsum8x4(a0, a1, a2, a3));                                         \
         }                                                                                              \
         for (; r < rows; r++) {                                                                        \
             __m256 a0 = _mm256_setzero_ps();                                                           \
@@ -138,6 +143,63 @@ DEFINE_HELPERS(float)
 #define DOTS_float dots_float
 #define AXPYS_int8_t axpys_int8_t
 #define AXPYS_float axpys_float
+
+
+#ifdef __AVX2__
+/* Pass 2 with the output tile in registers: for 16 output columns and 4 rows, 8 accumulators
+ * stay in registers while every key's 16 codes stream past (instead of loading and storing the
+ * rows' outputs once per key). ws: [rows][len] softmax numerators times the value scales. */
+#define DEFINE_PV(CODE)                                                                               \
+static void pv_tiles_##CODE(float *oh, const CODE *v_codes, const int64_t *table, int64_t h,            \
+                            int64_t slots, int64_t bs, const float *ws, int64_t rows, int64_t len,      \
+                            int64_t hd) {                                                              \
+    const int64_t nb = (len + bs - 1) / bs;                                                            \
+    for (int64_t d = 0; d < hd; d += 16) {                                                             \
+        int64_t r = 0;                                                                                 \
+        for (; r + 4 <= rows; r += 4) {                                                                \
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,   \
+                   a30 = a00, a31 = a00;                                                               \
+            const float *w0 = ws + r * len, *w1 = w0 + len, *w2 = w1 + len, *w3 = w2 + len;            \
+            for (int64_t jb = 0; jb < nb; jb++) {                                                      \
+                const CODE *base = v_codes + (h * slots + table[jb] * bs) * hd + d;                    \
+                int64_t j0 = jb * bs, end = j0 + bs < len ? bs : len - j0;                             \
+                for (int64_t t = 0; t < end; t++) {                                                    \
+                    __m256 v0 = widen8_##CODE(base + t * hd), v1 = widen8_##CODE(base + t * hd + 8);   \
+                    __m256 w = _mm256_broadcast_ss(w0 + j0 + t);                                       \
+                    a00 = _mm256_fmadd_ps(w, v0, a00); a01 = _mm256_fmadd_ps(w, v1, a01);              \
+                    w = _mm256_broadcast_ss(w1 + j0 + t);                                              \
+                    a10 = _mm256_fmadd_ps(w, v0, a10); a11 = _mm256_fmadd_ps(w, v1, a11);              \
+                    w = _mm256_broadcast_ss(w2 + j0 + t);                                              \
+                    a20 = _mm256_fmadd_ps(w, v0, a20); a21 = _mm256_fmadd_ps(w, v1, a21);              \
+                    w = _mm256_broadcast_ss(w3 + j0 + t);                                              \
+                    a30 = _mm256_fmadd_ps(w, v0, a30); a31 = _mm256_fmadd_ps(w, v1, a31);              \
+                }                                                                                      \
+            }                                                                                          \
+            float *o = oh + r * hd + d;                                                                \
+            _mm256_storeu_ps(o, a00); _mm256_storeu_ps(o + 8, a01);                                    \
+            _mm256_storeu_ps(o + hd, a10); _mm256_storeu_ps(o + hd + 8, a11);                          \
+            _mm256_storeu_ps(o + 2 * hd, a20); _mm256_storeu_ps(o + 2 * hd + 8, a21);                  \
+            _mm256_storeu_ps(o + 3 * hd, a30); _mm256_storeu_ps(o + 3 * hd + 8, a31);                  \
+        }                                                                                              \
+        for (; r < rows; r++) {                                                                        \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;                                                  \
+            const float *w0 = ws + r * len;                                                            \
+            for (int64_t j = 0; j < len; j++) {                                                        \
+                const CODE *vc = v_codes + (h * slots + table[j / bs] * bs + j % bs) * hd + d;         \
+                __m256 w = _mm256_broadcast_ss(w0 + j);                                                \
+                a0 = _mm256_fmadd_ps(w, widen8_##CODE(vc), a0);                                        \
+                a1 = _mm256_fmadd_ps(w, widen8_##CODE(vc + 8), a1);                                    \
+            }                                                                                          \
+            _mm256_storeu_ps(oh + r * hd + d, a0); _mm256_storeu_ps(oh + r * hd + d + 8, a1);          \
+        }                                                                                              \
+    }                                                                                                  \
+}
+DEFINE_PV(int8_t)
+DEFINE_PV(float)
+#define PV_TILES(CODE, ...) do { if (hd % 16 == 0) { pv_tiles_##CODE(__VA_ARGS__); goto scaled; } } while (0)
+#else
+#define PV_TILES(CODE, ...) do { } while (0)
+#endif
 
 /* scores[r][j] for the rows of one (sequence, kv head); returns 0, or -1 if rows > MAX_ROWS */
 #define DEFINE_KERNEL(NAME, CODE)                                                                     \
@@ -185,14 +247,20 @@ int NAME(const float *q, const CODE *k_codes, const float *k_scale, const CODE *
                 memset(oh + r * hd, 0, sizeof(float) * (size_t)hd);                                    \
             }                                                                                          \
             /* pass 2: out = sum_j p_j * s_v[j] * codes_v[j], then / sum */                           \
+            if (v_scale)                                                                               \
+                for (int64_t j = 0; j < len; j++) {                                                    \
+                    float sv = v_scale[h * slots + table[j / bs] * bs + j % bs];                       \
+                    for (int64_t r = 0; r < rows; r++) scores[r * len + j] *= sv;                      \
+                }                                                                                      \
+            PV_TILES(CODE, oh, v_codes, table, h, slots, bs, scores, rows, len, hd);                   \
             for (int64_t j = 0; j < len; j++) {                                                        \
                 int64_t slot = table[j / bs] * bs + j % bs;                                            \
                 const CODE *vc = v_codes + (h * slots + slot) * hd;                                    \
-                float sv = v_scale ? v_scale[h * slots + slot] : 1.0f;                                 \
                 float ws[MAX_ROWS];                                                                    \
-                for (int64_t r = 0; r < rows; r++) ws[r] = scores[r * len + j] * sv;                   \
+                for (int64_t r = 0; r < rows; r++) ws[r] = scores[r * len + j];                      \
                 AXPYS_##CODE(oh, vc, ws, rows, hd, kf);                                                \
             }                                                                                          \
+        scaled:                                                                                        \
             for (int64_t r = 0; r < rows; r++) {                                                       \
                 float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;                                  \
                 for (int64_t d = 0; d < hd; d++) oh[r * hd + d] *= inv;                                \
