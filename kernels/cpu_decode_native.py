@@ -8,28 +8,23 @@ only then multiply (two extra passes over every key); at a 4k context that made 
 step level with an fp32 one although it reads a quarter of the bytes. Here the codes are widened
 inside the dot products and the scales fold into scores and probabilities.
 
-Build: the compiler in $CC, else cc or gcc, with -O3 -march=native (the vector width of the
-machine it runs on) and reassociation allowed for the dot products (no -ffast-math: masks are
--inf), into $XDG_CACHE_HOME/tokenyard/native (default ~/.cache/tokenyard/native) under a name
-hashed from the source, flags and compiler, via a temporary file and a rename.
+Build (nativelib/build.py: cached in ~/.cache/tokenyard/native): -O3 -march=native (the vector
+width of the machine it runs on) and reassociation allowed for the dot products (no -ffast-math:
+masks are -inf).
 `TOKENYARD_CPU_ATTENTION=torch` keeps the torch forms (kernels/decode_group_torch.py).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from kernels.kv_quant import QuantizedCache
+from nativelib.build import cached_library
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +36,9 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, "Kernel | None"] = {}
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenyard" / "native"
-
-
 def compile_library(out_dir: Path | None = None) -> Path:
     """Path of the built library (compiled now if this source and flags have no build yet)."""
-    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
-    if cc is None:
-        raise RuntimeError("no C compiler on PATH (set CC)")
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*FLAGS, cc, platform.machine(), platform.processor()):
-        digest.update(part.encode() + b"\0")
-    target = (out_dir or _cache_dir()) / f"decode_attention-{digest.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return target
+    return cached_library(SOURCE, FLAGS, "decode_attention", out_dir)
 
 
 class Kernel:
@@ -122,7 +92,7 @@ def load() -> Kernel | None:
         if "kernel" not in _LOADED:
             try:
                 _LOADED["kernel"] = Kernel(compile_library())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            except (OSError, RuntimeError) as exc:
                 log.warning("CPU decode attention: the C kernel is unavailable (%s); the torch forms serve", exc)
                 _LOADED["kernel"] = None
         return _LOADED["kernel"]

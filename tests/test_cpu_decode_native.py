@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+import nativelib.build
 from kernels import cpu_decode_native as native
 from kernels import decode_group_torch as dg
 from kernels import paged_attention_torch as pa
@@ -90,7 +91,8 @@ def test_layers_share_one_work_buffer_without_seeing_each_other():
 
 def test_without_a_compiler_the_torch_forms_serve_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(nativelib.build.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.load() is None
@@ -109,7 +111,7 @@ def test_the_environment_keeps_the_torch_forms(monkeypatch):
 
 
 def test_the_build_is_cached_by_source_and_flags(tmp_path):
-    if native.shutil.which("cc") is None and native.shutil.which("gcc") is None:
+    if nativelib.build.compiler() is None:
         pytest.skip("no C compiler")
     lib = native.compile_library(tmp_path)
     stamp = lib.stat().st_mtime_ns

@@ -9,28 +9,24 @@ issue's budget is 200 us at p99 up to 8k-token prompts. The C pass computes the 
 the same order (tests/test_router_native.py compares the two bit for bit), so artifacts trained
 with either path score identically with either.
 
-Build: `cc -O2 -shared -fPIC` (the compiler in $CC, else cc, gcc or clang on PATH) into
-$XDG_CACHE_HOME/tokenyard/native (default ~/.cache/tokenyard/native), named by a hash of the
-source and the compiler, written to a temporary name and renamed, so concurrent processes and
-restarts share one build (~0.3 s the first time, then a file open). Without a compiler, or if the
-build fails, the numpy path serves with one warning; `TOKENYARD_ROUTER_NATIVE=0` chooses it
-outright (the results are the same, only slower).
+Build: `cc -O2 -shared -fPIC` through nativelib/build.py (cached in ~/.cache/tokenyard/native
+under a hash of source, flags and compiler; ~0.3 s the first time, then a file open). Without a
+compiler, or if the build fails, the numpy path serves with one warning;
+`TOKENYARD_ROUTER_NATIVE=0` chooses it outright (the results are the same, only slower).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from nativelib.build import cached_library, compiler
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +35,7 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tokenyard" / "native"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+FLAGS = ("-O2", "-shared", "-fPIC")
 
 
 def build(out_dir: Path | None = None) -> Path:
@@ -56,25 +43,11 @@ def build(out_dir: Path | None = None) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + b"\0" + cc.encode() + b"\0" + os.uname().machine.encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    lib = out_dir / f"router_row-{key}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        run = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
-                             capture_output=True, text=True, timeout=120)
-        if run.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return cached_library(SOURCE, FLAGS, "router_row", out_dir, cc)
+
+
+def _compiler() -> str | None:
+    return compiler()
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +145,7 @@ def load() -> Kernel | None:
         if "kernel" not in _STATE:
             try:
                 _STATE["kernel"] = Kernel(build())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            except (OSError, RuntimeError) as exc:
                 log.warning("router features: the C row kernel is unavailable (%s); using the numpy path, "
                             "which gives the same scores ~3x slower", exc)
                 _STATE["kernel"] = None
