@@ -10,12 +10,9 @@
  * (rows = n * group: a kv head's query heads for each of the n query tokens, token-major), mask is
  * the group's additive mask [B, n, nb * bs] (0 or -inf).
  *
- * Threads: the (sequence, kv head) pairs split over the threads the caller asks for (its own
- * POSIX threads, started per call: tens of microseconds, so the caller asks for more than one only
- * when the call is long).
+ * One thread: the caller runs one call per step and layer; parallelism is the engine's business.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,17 +203,17 @@ DEFINE_PV(float)
 
 /* scores[r][j] for the rows of one (sequence, kv head); returns 0, or -1 if rows > MAX_ROWS */
 #define DEFINE_KERNEL(NAME, CODE)                                                                     \
-static int NAME##_pairs(const float *q, const CODE *k_codes, const float *k_scale, const CODE *v_codes,\
+int NAME(const float *q, const CODE *k_codes, const float *k_scale, const CODE *v_codes,              \
          const float *v_scale, const int64_t *blocks, const float *mask, int64_t batch, int64_t kvh,   \
          int64_t slots, int64_t n, int64_t group, int64_t hd, int64_t nb, int64_t bs, float scale,     \
-         float *out, float *work, int64_t p0, int64_t p1) {                                            \
+         float *out, float *work) {                                                                    \
     const int64_t rows = n * group, len = nb * bs;                                                     \
     if (rows > MAX_ROWS) return -1;                                                                    \
     float *kf = work, *scores = work + hd;                     /* hd + rows * len floats */          \
-    for (int64_t p = p0; p < p1; p++) {                                                                \
-        const int64_t b = p / kvh, h = p % kvh;                                                        \
+    for (int64_t b = 0; b < batch; b++) {                                                              \
         const int64_t *table = blocks + b * nb;                                                        \
         const float *mb = mask + b * n * len;                                                          \
+        for (int64_t h = 0; h < kvh; h++) {                                                            \
             const float *qh = q + (b * kvh + h) * rows * hd;                                           \
             float *oh = out + (b * kvh + h) * rows * hd;                                               \
             float best[MAX_ROWS], total[MAX_ROWS];                                                     \
@@ -269,67 +266,9 @@ static int NAME##_pairs(const float *q, const CODE *k_codes, const float *k_scal
                 for (int64_t d = 0; d < hd; d++) oh[r * hd + d] *= inv;                                \
             }                                                                                          \
         }                                                                                              \
+    }                                                                                                  \
     return 0;                                                                                          \
 }
 
-DEFINE_KERNEL(decode_int8, int8_t)
-DEFINE_KERNEL(decode_f32, float)
-
-/* The (sequence, kv head) pairs split over `threads` POSIX threads (this call's own: torch's pool
- * is not reachable from here); each thread has its slice of `work`, (hd + rows * len) floats. */
-typedef struct {
-    int code;                                   /* 0: int8 codes, 1: fp32 values */
-    const float *q, *k_scale, *v_scale, *mask;
-    const void *k_codes, *v_codes;
-    const int64_t *blocks;
-    int64_t batch, kvh, slots, n, group, hd, nb, bs, p0, p1;
-    float scale, *out, *work;
-    int rc;
-} job_t;
-
-static void *run_job(void *arg) {
-    job_t *j = arg;
-    j->rc = j->code == 0
-        ? decode_int8_pairs(j->q, j->k_codes, j->k_scale, j->v_codes, j->v_scale, j->blocks, j->mask, j->batch,
-                            j->kvh, j->slots, j->n, j->group, j->hd, j->nb, j->bs, j->scale, j->out, j->work,
-                            j->p0, j->p1)
-        : decode_f32_pairs(j->q, j->k_codes, j->k_scale, j->v_codes, j->v_scale, j->blocks, j->mask, j->batch,
-                           j->kvh, j->slots, j->n, j->group, j->hd, j->nb, j->bs, j->scale, j->out, j->work,
-                           j->p0, j->p1);
-    return NULL;
-}
-
-#define MAX_THREADS 64
-
-/* Returns 0; -1 if rows > MAX_ROWS; -2 if a thread could not start (the caller falls back). */
-int tokenyard_decode(int code, const float *q, const void *k_codes, const float *k_scale, const void *v_codes,
-                     const float *v_scale, const int64_t *blocks, const float *mask, int64_t batch, int64_t kvh,
-                     int64_t slots, int64_t n, int64_t group, int64_t hd, int64_t nb, int64_t bs, float scale,
-                     float *out, float *work, int64_t threads) {
-    int64_t pairs = batch * kvh;
-    if (threads > pairs) threads = pairs;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
-    job_t jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int64_t per = n * group * nb * bs + hd;
-    for (int64_t t = 0; t < threads; t++) {
-        job_t j = {code, q, k_scale, v_scale, mask, k_codes, v_codes, blocks, batch, kvh, slots, n, group, hd, nb, bs,
-                   pairs * t / threads, pairs * (t + 1) / threads, scale, out, work + t * per, 0};
-        jobs[t] = j;
-    }
-    int64_t started = 0;
-    for (int64_t t = 1; t < threads; t++, started++)
-        if (pthread_create(&tids[t], NULL, run_job, &jobs[t]) != 0) break;
-    run_job(&jobs[0]);
-    int rc = jobs[0].rc;
-    for (int64_t t = 1; t <= started; t++) {
-        pthread_join(tids[t], NULL);
-        if (jobs[t].rc) rc = jobs[t].rc;
-    }
-    for (int64_t t = started + 1; t < threads; t++) {      /* threads that did not start: run here */
-        run_job(&jobs[t]);
-        if (jobs[t].rc) rc = jobs[t].rc;
-    }
-    return rc;
-}
+DEFINE_KERNEL(tokenyard_decode_int8, int8_t)
+DEFINE_KERNEL(tokenyard_decode_f32, float)

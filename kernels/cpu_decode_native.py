@@ -29,12 +29,9 @@ from nativelib.build import cached_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-pthread", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC")
 MAX_ROWS = 64            # query rows per kv head (n * group) the C kernel takes
-# Key-row products (pairs x keys x rows) from which a call splits over torch's thread count:
-# batch 1 at 1k keys with 4 query rows per kv head and 2 kv heads is 8,192 (~0.1 ms of work).
-_THREADED_WORK = 8192
 _LOCK = threading.Lock()
 _LOADED: dict[str, "Kernel | None"] = {}
 
@@ -48,14 +45,16 @@ class Kernel:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        self._fn = lib.tokenyard_decode
-        self._fn.argtypes = [ctypes.c_int] + [vp] * 7 + [i64] * 8 + [ctypes.c_float, vp, vp, i64]
-        self._fn.restype = ctypes.c_int
-        self._codes = {torch.int8: 0, torch.float32: 1}
+        args = [vp] * 7 + [i64] * 8 + [ctypes.c_float, vp, vp]
+        self._fns = {}
+        for name, dtype in (("tokenyard_decode_int8", torch.int8), ("tokenyard_decode_f32", torch.float32)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            self._fns[dtype] = fn
 
     def supports(self, k_cache: torch.Tensor | QuantizedCache, q: torch.Tensor, rows: int) -> bool:
         data = k_cache.data if isinstance(k_cache, QuantizedCache) else k_cache
-        return (q.dtype == torch.float32 and data.dtype in self._codes and data.device.type == "cpu"
+        return (q.dtype == torch.float32 and data.dtype in self._fns and data.device.type == "cpu"
                 and rows <= MAX_ROWS and data.is_contiguous())
 
     def attend(self, qd: torch.Tensor, k_cache: torch.Tensor | QuantizedCache, v_cache: torch.Tensor | QuantizedCache,
@@ -71,18 +70,14 @@ class Kernel:
         quantised = isinstance(k_cache, QuantizedCache)
         kd, vd = (k_cache.data, v_cache.data) if quantised else (k_cache, v_cache)
         ks, vs = (k_cache.scale.data_ptr(), v_cache.scale.data_ptr()) if quantised else (None, None)
-        # threads: torch's count, for calls long enough to pay for starting them (~20 us each)
-        threads = min(torch.get_num_threads(), batch * kvh) if batch * kvh * length * rows >= _THREADED_WORK else 1
-        need = (hd + rows * length) * threads
+        need = hd + rows * length
         if work is None or work.numel() < need:
             work = torch.empty(need, dtype=torch.float32)
         qd, blocks, mask = qd.contiguous(), blocks.contiguous().to(torch.int64), mask.contiguous()
         out = torch.empty_like(qd)
-        rc = self._fn(self._codes[kd.dtype], qd.data_ptr(), kd.data_ptr(), ks, vd.data_ptr(), vs, blocks.data_ptr(),
-                      mask.data_ptr(), batch, kvh, kd.shape[1], n, rows // n, hd, nb, bs, scale,
-                      out.data_ptr(), work.data_ptr(), threads)
-        if rc == -2:
-            raise RuntimeError("decode attention: could not start a thread")
+        rc = self._fns[kd.dtype](qd.data_ptr(), kd.data_ptr(), ks, vd.data_ptr(), vs, blocks.data_ptr(),
+                                 mask.data_ptr(), batch, kvh, kd.shape[1], n, rows // n, hd, nb, bs, scale,
+                                 out.data_ptr(), work.data_ptr())
         if rc != 0:
             raise ValueError(f"decode attention: {rows} query rows per kv head; the C kernel takes at most {MAX_ROWS}")
         return out, work
