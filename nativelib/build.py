@@ -9,7 +9,7 @@ Standard library only, so every layer may import it (the GPU box runs kernels/ f
 
 The compiler is $CC, else cc, gcc or clang on PATH. Libraries live in
 $XDG_CACHE_HOME/tokenyard/native (default ~/.cache/tokenyard/native), named by a hash of the
-source, the flags, the compiler and the machine; a build goes to a temporary file first and is
+source, the flags, the compiler, the machine and its CPU's feature flags; a build goes to a temporary file first and is
 renamed into place, so concurrent processes and restarts share one build.
 """
 from __future__ import annotations
@@ -36,6 +36,18 @@ def compiler() -> str | None:
     return None
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux), so a -march=native build is never reused on another CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[-1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def cached_library(source: Path, flags: tuple[str, ...], name: str, out_dir: Path | None = None,
                    cc: str | None = None) -> Path:
     """The library built from `source` with `flags` (compiled now if there is no such build yet);
@@ -44,7 +56,7 @@ def cached_library(source: Path, flags: tuple[str, ...], name: str, out_dir: Pat
     if cc is None:
         raise RuntimeError("no C compiler on PATH (set CC, or install gcc)")
     digest = hashlib.sha256(source.read_bytes())
-    for part in (*flags, cc, platform.machine(), platform.processor()):
+    for part in (*flags, cc, platform.machine(), _cpu_features()):
         digest.update(part.encode() + b"\0")
     target = (out_dir or cache_dir()) / f"{name}-{digest.hexdigest()[:16]}.so"
     if target.is_file():
