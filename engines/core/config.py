@@ -48,6 +48,20 @@ class EngineConfig:
       (bench/RESULTS.md). The environment variable TOKENYARD_CPU_COMPILE (auto, on, off) replaces
       "auto" when set (the test suite sets it to off in tests/conftest.py: it builds dozens of
       short-lived engines).
+    cpu_decode_step: "auto" (default), "on" or "off": decode steps of up to cpu_decode_step_max_batch
+      sequences run as one call into a C kernel (kernels/cpu_decode_step.c: the whole decoder, its
+      own threads, weights read in place; engines/model/native_decoder.py says which models
+      qualify: fp32 on a CPU with an fp32 KV cache, fp32 / int8 / int4 projections). Larger decode
+      batches, prefill and verify steps keep the torch paths (cpu_compile's graph for the larger
+      decode batches when that is on). "auto" uses it for CPU models of at least 20M parameters that
+      qualify and falls back to torch, with a warning, when no C compiler builds it; "on" uses it
+      for any model and makes those errors. The environment variable TOKENYARD_CPU_DECODE_STEP
+      (auto, on, off) replaces "auto" when set. int4 weights are copied once into the kernel's
+      order (0.5 byte a weight plus fp32 scale and minimum per group). Logits match the eager
+      forward to fp32 rounding; for int8/int4 models the kernel keeps fp32 activations where torch's
+      packed ops round them to bf16.
+    cpu_decode_step_max_batch: the largest decode batch (1..16) the C step takes (default 4: past
+      a few sequences the GEMMs of the torch paths are faster; bench/RESULTS.md).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
       Combines with quantization: each rank keeps its slice of the single-process quantised
@@ -90,6 +104,8 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     cuda_graph_max_batch: int = 128
     cpu_compile: str = "off"
+    cpu_decode_step: str = "auto"
+    cpu_decode_step_max_batch: int = 4
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     tp_timeout_s: float = 60.0
@@ -129,6 +145,12 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be auto, on, off or padded, got {self.cuda_graphs!r}")
         if self.cpu_compile not in ("auto", "on", "off"):
             raise ValueError(f"cpu_compile must be auto, on or off, got {self.cpu_compile!r}")
+        if self.cpu_decode_step not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_decode_step must be auto, on or off, got {self.cpu_decode_step!r}")
+        if not isinstance(self.cpu_decode_step_max_batch, int) or isinstance(self.cpu_decode_step_max_batch, bool) \
+                or not 1 <= self.cpu_decode_step_max_batch <= 16:
+            raise ValueError(f"cpu_decode_step_max_batch must be an integer in 1..16, "
+                             f"got {self.cpu_decode_step_max_batch!r}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:

@@ -13,6 +13,7 @@ from engines.model.attention import AttentionMetadata, resolve_backend
 from engines.model.compiled_decoder import CompiledDecoder, compiler_error
 from engines.model.cuda_graph_runner import CudaGraphDecoder
 from engines.model.model import CausalLM
+from engines.model.native_decoder import NativeDecoder, unsupported
 from engines.model.sampler import LogitAdjust, sample
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, attention_backend: str = "torch", cuda_graphs: str = "off",
                  max_model_len: int = 0, cuda_graph_max_batch: int = 0, cpu_compile: str = "off",
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, cpu_decode_step: str = "off", cpu_decode_step_max_batch: int = 4) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -65,11 +66,56 @@ class ModelRunner:
                             exc_info=True)
                 self.graphs = None
         self.compiled: CompiledDecoder | None = None
+        self.native: NativeDecoder | None = None
         self.cpu_compile_mode = "off"
+        self.cpu_decode_step_mode = "off"
         if self.graphs is None:
-            self.compiled = self._compiled_decoder(cpu_compile, max_model_len, max_num_seqs)
+            self.native = self._native_decoder(cpu_decode_step, max_model_len,
+                                               min(cpu_decode_step_max_batch, max_num_seqs or cpu_decode_step_max_batch))
+            # The compiled graph would only serve the batches the C step does not take: skip it when
+            # the C step takes every batch the engine can schedule.
+            if self.native is None or self.native.max_batch < (max_num_seqs or 1):
+                self.compiled = self._compiled_decoder(cpu_compile, max_model_len, max_num_seqs)
         self.num_graph_steps = 0
         self.num_compiled_steps = 0
+        self.num_native_steps = 0
+
+    def _native_decoder(self, mode: str, max_model_len: int, max_batch: int) -> NativeDecoder | None:
+        """The C decode step per the cpu_decode_step knob (EngineConfig); None for the torch paths.
+        "auto" uses it where it applies (see auto_compiles: the same size rule) and says why not, once,
+        when it cannot be built; "on" makes every obstacle an error."""
+        if mode == "auto":
+            env = os.environ.get("TOKENYARD_CPU_DECODE_STEP", "auto").strip().lower()
+            if env in ("on", "off"):
+                mode = env
+            elif env != "auto":
+                log.warning("ignoring TOKENYARD_CPU_DECODE_STEP=%r (expected auto, on or off)", env)
+        self.cpu_decode_step_mode = mode
+        if mode == "off" or (mode == "auto" and not self.auto_compiles()):
+            return None
+        problem = None
+        if self.device.type != "cpu" or self.attention_backend != "torch":
+            problem = "it needs a CPU device and the torch attention backend"
+        elif max_batch < 1:
+            problem = "cpu_decode_step_max_batch is 0"
+        else:
+            problem = unsupported(self.model, self.kv_caches)
+        if problem is not None:
+            if mode == "on":
+                raise ValueError(f"cpu_decode_step is on but {problem}")
+            log.info("decode steps run in torch: the C decode step does not apply (%s)", problem)
+            return None
+        try:
+            native = NativeDecoder(self.model, self.kv_caches, self.block_size, max_model_len, max_batch,
+                                   torch.get_num_threads())
+        except (RuntimeError, ValueError):
+            if mode == "on":
+                raise
+            log.warning("the C decode step is unavailable; decode steps run in torch", exc_info=True)
+            return None
+        log.info("decode steps of 1..%d sequences run in the C decode step (%d threads)", native.max_batch,
+                 native.step.threads)
+        return native
 
     def _compiled_decoder(self, mode: str, max_model_len: int, max_num_seqs: int) -> CompiledDecoder | None:
         """The compiled CPU decode path per the cpu_compile knob (EngineConfig), warmed up; None
@@ -123,6 +169,11 @@ class ModelRunner:
             # Pure decode: one token per sequence, each sampled.
             logits = self.graphs.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
             self.num_graph_steps += 1
+            return self._sample(logits, sampled)
+        if self.native is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
+                and self.native.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
+            logits = self.native.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
+            self.num_native_steps += 1
             return self._sample(logits, sampled)
         if self.compiled is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
                 and self.compiled.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):

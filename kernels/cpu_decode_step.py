@@ -1,0 +1,271 @@
+"""A whole decode step of a Llama-family decoder in C (cpu_decode_step.c), over plain tensors.
+
+    spec = StepModel(..., layers=[StepLayer(...), ...], lm_head=StepLinear.f32(w))
+    step = load().create(spec, max_batch=4, max_len=2048, threads=2)   # None from load(): no kernel
+    logits = step.run(ids, positions, slots, seq_lens, tables)        # fp32 [B, vocab]
+    step.close()
+
+Why and what: see the C file's header. This module only describes the weights to the C side
+(pointers into the tensors, which it keeps alive) and converts int4 weights into the kernel's
+group order (`int4_gguf_order`); it knows nothing of engines (engines/model/native_decoder.py
+builds the description from a model).
+
+Threads: the step runs on `threads` threads, the caller's included; the others are the C pool's
+own and spin for `spin_limit` pause instructions after a step before they sleep, so a decode loop
+never waits for a wake-up while an idle engine costs no CPU.
+
+Build: nativelib (cached in ~/.cache/tokenyard/native), -O3 -march=native, reassociation allowed
+(the vector dot products); TOKENYARD_CPU_DECODE_STEP=off disables the kernel. TOKENYARD_NATIVE_MARCH
+replaces -march=native (tests build an AVX2 and a plain x86-64 variant to check every vector path).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nativelib.build import cached_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode_step.c")
+INCLUDES = (Path(__file__).with_name("cpu_decode_attention.c"),)
+MAX_BATCH = 16
+F32, INT8, INT4 = 0, 1, 2
+_LOCK = threading.Lock()
+_LOADED: dict[str, "Library | None"] = {}
+
+
+def flags() -> tuple[str, ...]:
+    march = os.environ.get("TOKENYARD_NATIVE_MARCH", "native").strip() or "native"
+    return ("-O3", f"-march={march}", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+            "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
+
+
+# ------------------------------------------------------------------ the description
+
+@dataclass(slots=True)
+class StepLinear:
+    """y = x @ W^T + bias for one projection, in one of the kernel's three weight forms."""
+    kind: int
+    n: int
+    k: int
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+    minv: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    group: int = 0
+
+    @classmethod
+    def f32(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "StepLinear":
+        return cls(F32, w.shape[0], w.shape[1], _f32(w), bias=_opt_f32(bias))
+
+    @classmethod
+    def int8(cls, w_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> "StepLinear":
+        """w = w_q[n, k] * scales[n]."""
+        if w_q.dtype != torch.int8:
+            raise ValueError(f"int8 weight expected, got {w_q.dtype}")
+        return cls(INT8, w_q.shape[0], w_q.shape[1], w_q.contiguous(), scale=_f32(scales), bias=_opt_f32(bias))
+
+    @classmethod
+    def int4(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,
+             bias: torch.Tensor | None = None) -> "StepLinear":
+        """w = q * scale + min, q: values in [0, 15] as [n, k] (any integer dtype), scales and mins
+        [n, k / group]. Packed here into the kernel's order (a copy: 0.5 byte a weight)."""
+        n, k = q.shape
+        if group % 32 or k % group:
+            raise ValueError(f"int4 groups must be multiples of 32 dividing K={k}, got {group}")
+        return cls(INT4, n, k, int4_gguf_order(q), scale=_f32(scales), minv=_f32(mins), bias=_opt_f32(bias),
+                   group=group)
+
+
+def int4_gguf_order(q: torch.Tensor) -> torch.Tensor:
+    """q [n, k] in [0, 15] -> uint8 [n, k / 2]: per 32 weights, byte j holds weight j (low nibble)
+    and weight j + 16 (high nibble)."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+@dataclass(slots=True)
+class StepLayer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: StepLinear          # [q + 2 kv, hidden]: q heads, then k heads, then v heads
+    o: StepLinear
+    gate_up: StepLinear      # [2 * inter, hidden]: gate rows, then up rows
+    down: StepLinear
+    k_cache: torch.Tensor    # fp32 [kv_heads, slots, head_dim], written in place
+    v_cache: torch.Tensor
+
+
+@dataclass(slots=True)
+class StepModel:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    block_size: int
+    eps: float
+    scale: float
+    embed: torch.Tensor      # fp32 [vocab, hidden]
+    final_norm: torch.Tensor
+    cos: torch.Tensor        # fp32 [positions, head_dim] (half-rotation tables)
+    sin: torch.Tensor
+    lm_head: StepLinear
+    layers: list[StepLayer] = field(default_factory=list)
+    sliding_window: int | None = None
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32).contiguous()
+
+
+def _opt_f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _f32(t)
+
+
+# ------------------------------------------------------------------ ctypes mirror of the C structs
+
+_i64, _ptr, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _CLinear(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("group", _i64), ("w", _ptr), ("scale", _ptr),
+                ("minv", _ptr), ("bias", _ptr)]
+
+
+class _CLayer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr), ("qkv", _CLinear), ("o", _CLinear),
+                ("gate_up", _CLinear), ("down", _CLinear), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _CModel(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("n_layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
+                                          "slots", "block_size", "max_batch", "max_len", "sliding_window")] + \
+               [("eps", _f), ("scale", _f), ("embed", _ptr), ("final_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("lm_head", _CLinear), ("layers", ctypes.POINTER(_CLayer))]
+
+
+class _CJob(ctypes.Structure):
+    _fields_ = [("batch", _i64), ("width", _i64), ("ids", _ptr), ("positions", _ptr), ("slots", _ptr),
+                ("seq_lens", _ptr), ("tables", _ptr), ("logits", _ptr)]
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _c_linear(lin: StepLinear) -> _CLinear:
+    return _CLinear(lin.kind, lin.n, lin.k, lin.group, _ptr_of(lin.w), _ptr_of(lin.scale), _ptr_of(lin.minv),
+                    _ptr_of(lin.bias))
+
+
+# ------------------------------------------------------------------ the library and a step
+
+class Library:
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        lib.tokenyard_step_create.argtypes = [ctypes.POINTER(_CModel), ctypes.c_int, ctypes.c_long]
+        lib.tokenyard_step_create.restype = ctypes.c_void_p
+        lib.tokenyard_step_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_CJob)]
+        lib.tokenyard_step_run.restype = ctypes.c_int
+        lib.tokenyard_step_destroy.argtypes = [ctypes.c_void_p]
+        lib.tokenyard_step_destroy.restype = None
+        self.lib = lib
+        self.path = path
+
+    def create(self, spec: StepModel, max_batch: int, max_len: int, threads: int,
+               spin_limit: int = 200_000) -> "DecodeStep":
+        return DecodeStep(self, spec, max_batch, max_len, threads, spin_limit)
+
+
+class DecodeStep:
+    """One model's decode step with its own thread pool; `close()` (or garbage collection) ends it."""
+
+    def __init__(self, lib: Library, spec: StepModel, max_batch: int, max_len: int, threads: int,
+                 spin_limit: int) -> None:
+        if not 1 <= max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {max_batch}")
+        if max_len > spec.cos.shape[0]:
+            raise ValueError(f"max_len {max_len} exceeds the rotary tables ({spec.cos.shape[0]} positions)")
+        for layer in spec.layers:
+            for cache in (layer.k_cache, layer.v_cache):
+                if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.device.type != "cpu":
+                    raise ValueError("the C decode step needs contiguous fp32 CPU KV caches")
+        self._lib = lib
+        self.spec = spec
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.threads = threads
+        self.vocab = spec.vocab
+        slots = spec.layers[0].k_cache.shape[1] if spec.layers else 0
+        self._layers = (_CLayer * len(spec.layers))(*[
+            _CLayer(_ptr_of(lyr.in_norm), _ptr_of(lyr.post_norm), _c_linear(lyr.qkv), _c_linear(lyr.o),
+                    _c_linear(lyr.gate_up), _c_linear(lyr.down), _ptr_of(lyr.k_cache), _ptr_of(lyr.v_cache))
+            for lyr in spec.layers])
+        self._model = _CModel(len(spec.layers), spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.inter,
+                              spec.vocab, slots, spec.block_size, max_batch, max_len, spec.sliding_window or 0,
+                              spec.eps, spec.scale, _ptr_of(spec.embed), _ptr_of(spec.final_norm), _ptr_of(spec.cos),
+                              _ptr_of(spec.sin), _c_linear(spec.lm_head), self._layers)
+        self._handle = lib.lib.tokenyard_step_create(ctypes.byref(self._model), threads, spin_limit)
+        if not self._handle:
+            raise ValueError("the C decode step refused this model (shapes, thread count or memory)")
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """One new token per sequence at `positions` (its K/V written to `slots`); fp32 logits [B, vocab]."""
+        if self._handle is None:
+            raise RuntimeError("this decode step is closed")
+        batch = len(ids)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        ints = torch.tensor([ids, positions, slots, seq_lens], dtype=torch.int64)
+        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
+        job = _CJob(batch, width, ints[0].data_ptr(), ints[1].data_ptr(), ints[2].data_ptr(), ints[3].data_ptr(),
+                    table.data_ptr(), logits.data_ptr())
+        rc = self._lib.lib.tokenyard_step_run(self._handle, ctypes.byref(job))
+        if rc == -1:
+            raise ValueError(f"decode step: batch {batch} or table width {width} beyond this step's "
+                             f"max_batch {self.max_batch} / max_len {self.max_len}")
+        if rc:
+            raise ValueError("decode step: a token id, position, slot or block outside the model or cache")
+        return logits
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle:
+            self._lib.lib.tokenyard_step_destroy(handle)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn ctypes down
+            pass
+
+
+def compile_library(out_dir: Path | None = None) -> Path:
+    return cached_library(SOURCE, flags(), "decode_step", out_dir, includes=INCLUDES)
+
+
+def load() -> Library | None:
+    """The library, built on first use; None when TOKENYARD_CPU_DECODE_STEP=off or it cannot be
+    built (a warning, once: the torch decode paths serve)."""
+    if os.environ.get("TOKENYARD_CPU_DECODE_STEP", "on").strip().lower() in ("off", "0", "false"):
+        return None
+    key = flags()[1]
+    with _LOCK:
+        if key not in _LOADED:
+            try:
+                _LOADED[key] = Library(compile_library())
+            except (OSError, RuntimeError) as exc:
+                log.warning("CPU decode step: the C kernel is unavailable (%s); torch decodes", exc)
+                _LOADED[key] = None
+        return _LOADED[key]
