@@ -28,6 +28,7 @@ from engines.model.model import CausalLM
 from engines.quant.quantized_linear import QuantLinear
 from kernels import cpu_decode_step
 from kernels.cpu_decode_step import StepLayer, StepLinear, StepModel
+from kernels.hugepage_arena import HugePageArena
 from kernels.quant_layout import unpack_int4, zeros_to_mins
 from kernels.quant_matmul_torch import _decode_int4pack, int4pack_cpu_layout
 
@@ -100,6 +101,45 @@ def describe(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                      step_linear(model.lm_head), layers, cfg.sliding_window)
 
 
+def _slots(spec: StepModel) -> list[tuple[object, str]]:
+    """(object, attribute) of every weight tensor the step streams (not the KV caches or tables)."""
+    out: list[tuple[object, str]] = [(spec, "embed"), (spec, "final_norm")]
+    linears = [spec.lm_head]
+    for layer in spec.layers:
+        out += [(layer, "in_norm"), (layer, "post_norm")]
+        linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    for lin in linears:
+        out += [(lin, name) for name in ("w", "scale", "minv", "bias") if getattr(lin, name) is not None]
+    return out
+
+
+def rehome(spec: StepModel, model: CausalLM) -> HugePageArena:
+    """Move every tensor the step streams into one huge-page arena (kernels/hugepage_arena.py says
+    why) and point the model's own parameters and buffers that shared them at the new copies, so
+    the torch paths read the same memory and nothing is held twice."""
+    def key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), t.dtype
+
+    slots = _slots(spec)
+    unique: dict[tuple, torch.Tensor] = {}
+    for obj, name in slots:
+        t = getattr(obj, name)
+        unique.setdefault(key(t), t)
+    arena = HugePageArena.holding(list(unique.values()))
+    moved = {k: arena.view(i) for i, k in enumerate(unique)}
+    for obj, name in slots:
+        setattr(obj, name, moved[key(getattr(obj, name))])
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and key(p) in moved:
+                    p.data = moved[key(p)]
+            for name, b in module._buffers.items():
+                if b is not None and key(b) in moved:
+                    module._buffers[name] = moved[key(b)]
+    return arena
+
+
 class NativeDecoder:
     """Runs pure-decode steps of up to max_batch sequences through the C step; `can_run` says
     whether a step qualifies."""
@@ -117,7 +157,9 @@ class NativeDecoder:
         self.max_len = min(max_model_len, model.rotary.cos.shape[0])
         self.max_batch = max_batch
         self.width = -(-self.max_len // block_size)
-        self.step = lib.create(describe(model, kv_caches, block_size), max_batch, self.max_len, threads)
+        spec = describe(model, kv_caches, block_size)
+        self.arena = rehome(spec, model)
+        self.step = lib.create(spec, max_batch, self.max_len, threads)
 
     def can_run(self, n: int, max_blocks: int) -> bool:
         return 0 < n <= self.max_batch and max_blocks <= self.width
