@@ -15,7 +15,7 @@ own and spin for `spin_limit` pause instructions after a step before they sleep,
 never waits for a wake-up while an idle engine costs no CPU.
 
 Build: nativelib (cached in ~/.cache/tokenyard/native), -O3 -march=native, reassociation allowed
-(the vector dot products); TOKENYARD_CPU_DECODE_STEP=off disables the kernel. TOKENYARD_NATIVE_MARCH
+(the vector dot products). TOKENYARD_NATIVE_MARCH
 replaces -march=native (tests build an AVX2 and a plain x86-64 variant to check every vector path).
 """
 from __future__ import annotations
@@ -256,10 +256,8 @@ def compile_library(out_dir: Path | None = None) -> Path:
 
 
 def load() -> Library | None:
-    """The library, built on first use; None when TOKENYARD_CPU_DECODE_STEP=off or it cannot be
-    built (a warning, once: the torch decode paths serve)."""
-    if os.environ.get("TOKENYARD_CPU_DECODE_STEP", "on").strip().lower() in ("off", "0", "false"):
-        return None
+    """The library, built on first use; None when it cannot be built (a warning, once: the torch
+    decode paths serve)."""
     key = flags()[1]
     with _LOCK:
         if key not in _LOADED:

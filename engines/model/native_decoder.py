@@ -151,8 +151,8 @@ class NativeDecoder:
             raise ValueError(f"the C decode step cannot run this model: {problem}")
         lib = cpu_decode_step.load()
         if lib is None:
-            raise RuntimeError("the C decode step is unavailable (no C compiler, a failed build, or "
-                               "TOKENYARD_CPU_DECODE_STEP=off)")
+            raise RuntimeError("the C decode step is unavailable (no C compiler, or its build failed: "
+                               "see the warning above)")
         self.block_size = block_size
         self.max_len = min(max_model_len, model.rotary.cos.shape[0])
         self.max_batch = max_batch
