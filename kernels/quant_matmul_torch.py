@@ -98,6 +98,12 @@ def _decode_int4pack(packed: torch.Tensor, n: int, k: int, layout: Int4PackLayou
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def int4pack_codes(packed: torch.Tensor, n: int, k: int, layout: Int4PackLayout) -> torch.Tensor:
+    """The 4-bit codes q in [0, 15] of all n rows (padding included) of torch's packed CPU weight:
+    uint8 [n, K] (w = (q - 8) * scale + zero'; readers such as the C decode step repack them)."""
+    return (_decode_int4pack(packed, n, k, layout, 0, n).t() + 8).to(torch.uint8)
+
+
 @functools.cache
 def int4pack_cpu_layout() -> Int4PackLayout | None:
     """The layout of torch's CPU int4 packing in this process, or None if it is not one this

@@ -30,7 +30,7 @@ from kernels import cpu_decode_step
 from kernels.cpu_decode_step import StepLayer, StepLinear, StepModel
 from kernels.hugepage_arena import HugePageArena
 from kernels.quant_layout import unpack_int4, zeros_to_mins
-from kernels.quant_matmul_torch import _decode_int4pack, int4pack_cpu_layout
+from kernels.quant_matmul_torch import int4pack_codes
 
 DEFAULT_MAX_BATCH = 4
 
@@ -77,8 +77,7 @@ def step_linear(module: nn.Module) -> StepLinear:
     if module.backend == "cpu":
         # torch's packed op computes w = (q - 8) * scale + zero' (scale_zero: bf16 [K/g, N, 2]),
         # which is q * scale + (zero' - 8 * scale).
-        q = _decode_int4pack(module.packed, module._n_padded, k, module._layout, 0, module._n_padded)
-        q = (q[:, :n].t().to(torch.int16) + 8)
+        q = int4pack_codes(module.packed, module._n_padded, k, module._layout)[:n]
         sz = module.scale_zero[:, :n].float()
         scales = sz[..., 0].t().contiguous()
         mins = (sz[..., 1] - 8.0 * sz[..., 0]).t().contiguous()
