@@ -7,8 +7,11 @@
   (the first W2 prompts): the median over `--steps` engine steps with every sequence decoding,
   per round; rounds alternate eager and compiled; the figure is the median over rounds.
   Batch-1 tok/s = 1000 / step ms (a step is the whole engine step: schedule, forward, sample).
+- w2_step: the C decode step (cpu_decode_step on, up to 16 sequences) against eager and compiled
+  (both with the step off) at batches 1, 2, 4, 8 and 16 (64-token prompts): where it stops paying.
 - smollm2: SmolLM2-135M-Instruct from its Q4_1 GGUF as the engine serves it: int4 (group 32,
-  from the Q4_1 blocks), and the dequantised weights in bf16 and fp32; batch-1 decode the same way.
+  from the Q4_1 blocks), and the dequantised weights in bf16 and fp32; batch-1 decode the same way
+  (eager, compiled, and for the fp32-activation modes the C decode step).
 - attention: one layer's decode attention over a paged cache (W2 shapes: 8 heads, 2 KV heads,
   head_dim 64, 16-token blocks scattered over the cache), batch 1 at 100 and 500 keys, batch 32 and
   96 at contexts 48-511: the eager engine path (gather whole blocks, SDPA), and under torch.compile
@@ -107,11 +110,32 @@ def bench_w2(rounds: int, steps: int) -> tuple[dict, list]:
     from bench.workloads import w2
     from engines import LLM
     path = _w2_model()
-    llms = {name: LLM(path, progress=False, cpu_compile=mode, **W2_OPTIONS)
+    llms = {name: LLM(path, progress=False, cpu_compile=mode, cpu_decode_step="off", **W2_OPTIONS)
             for name, mode in (("eager", "off"), ("compiled", "on"))}
     prompts = [r.prompt_token_ids for r in w2(96)]
     cases = {"batch1": [prompts[0][:64]], "batch32": prompts[:32], "batch96": prompts}
     return interleaved(llms, cases, rounds, steps, "w2")
+
+
+STEP_BATCHES = (1, 2, 4, 8, 16)
+
+
+def bench_w2_step(rounds: int, steps: int) -> tuple[dict, list]:
+    """The C decode step (cpu_decode_step on, taking every batch up to 16) against eager and the
+    compiled graph at small batches: where the step stops paying sets cpu_decode_step_max_batch."""
+    from bench.workloads import w2
+    from engines import LLM
+    path = _w2_model()
+    llms = {"eager": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="off", **W2_OPTIONS),
+            "compiled": LLM(path, progress=False, cpu_compile="on", cpu_decode_step="off", **W2_OPTIONS),
+            "c_step": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="on", cpu_decode_step_max_batch=16,
+                          **W2_OPTIONS)}
+    prompts = [r.prompt_token_ids[:64] for r in w2(96)]
+    figures, runs = interleaved(llms, {f"batch{n}": prompts[:n] for n in STEP_BATCHES}, rounds, steps, "w2 step")
+    for case in figures.values():
+        case["step_vs_compiled"] = case["compiled"]["step_ms_median"] / case["c_step"]["step_ms_median"]
+        case["step_vs_eager"] = case["eager"]["step_ms_median"] / case["c_step"]["step_ms_median"]
+    return figures, runs
 
 
 def bench_smollm2(rounds: int, steps: int, modes: list[str]) -> tuple[dict, list]:
@@ -120,8 +144,10 @@ def bench_smollm2(rounds: int, steps: int, modes: list[str]) -> tuple[dict, list
     path = smollm2_path()
     figures, runs = {}, []
     for mode in modes:
-        llms = {name: LLM(str(path), progress=False, cpu_compile=c, **SMOLLM2_OPTIONS, **SMOLLM2_MODES[mode])
-                for name, c in (("eager", "off"), ("compiled", "on"))}
+        llms = {name: LLM(str(path), progress=False, cpu_compile=c, cpu_decode_step=st, **SMOLLM2_OPTIONS,
+                          **SMOLLM2_MODES[mode])
+                for name, c, st in (("eager", "off", "off"), ("compiled", "on", "off"), ("c_step", "off", "on"))
+                if st == "off" or SMOLLM2_MODES[mode]["dtype"] == "float32"}
         words = ("the lighthouse keeper watched the grey sea while ships passed slowly " * 20).split()
         prompt = next(iter(llms.values())).tokenizer.encode(" ".join(words), add_special_tokens=False)[:64]
         f, r = interleaved(llms, {"batch1": [prompt]}, rounds, steps, f"smollm2 {mode}")
@@ -226,8 +252,8 @@ def bench_start(models: dict[str, tuple[Path, dict]]) -> tuple[dict, list]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["w2", "smollm2", "attention", "start"],
-                    choices=["w2", "smollm2", "attention", "start"])
+    ap.add_argument("--only", nargs="*", default=["w2", "w2_step", "smollm2", "attention", "start"],
+                    choices=["w2", "w2_step", "smollm2", "attention", "start"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=48)
@@ -245,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list = []
     if "w2" in args.only:
         figures["w2"], r = bench_w2(args.rounds, args.steps)
+        runs += r
+    if "w2_step" in args.only:
+        figures["w2_step"], r = bench_w2_step(args.rounds, args.steps)
         runs += r
     if "smollm2" in args.only:
         figures["smollm2"], r = bench_smollm2(args.rounds, args.steps, args.smollm2_modes)

@@ -100,9 +100,13 @@ def main() -> None:
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/w2_throughput.json")
     ap.add_argument("--cpu-compile", default="off", choices=["off", "auto", "on"],
                     help="the engine's cpu_compile knob (EngineConfig)")
+    ap.add_argument("--cpu-decode-step", default="auto", choices=["off", "auto", "on"],
+                    help="the engine's cpu_decode_step knob (EngineConfig; auto: the C step for decode batches of 1-4)")
+    ap.add_argument("--results-name", default=None, help="bench/results/<name>.json (default w2_throughput, "
+                                                         "w2_throughput_compiled with --cpu-compile)")
     args = ap.parse_args()
     from bench.results_io import RunRecorder
-    rec = RunRecorder("w2_throughput" + ("" if args.cpu_compile == "off" else "_compiled"))
+    rec = RunRecorder(args.results_name or ("w2_throughput" + ("" if args.cpu_compile == "off" else "_compiled")))
 
     model_dir = build_random_checkpoint(args.model_dir, "llama", seed=0, std=0.05, **W2_MODEL)
     reqs = w2(args.requests, vocab_size=W2_MODEL["vocab_size"])
@@ -111,7 +115,7 @@ def main() -> None:
     # prefill from run 2 on (the baseline has no cache; W2's random prompts share no prefix).
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=128,
               max_num_batched_tokens=args.max_num_batched_tokens, progress=False, enable_prefix_caching=False,
-              cpu_compile=args.cpu_compile)
+              cpu_compile=args.cpu_compile, cpu_decode_step=args.cpu_decode_step)
     params = sum(p.numel() for p in llm.engine.model.parameters())
     ref = None
     if not args.skip_baseline:
@@ -134,7 +138,8 @@ def main() -> None:
         "useful_output_tokens": useful,
         "engine_seconds": ours, "engine_tok_s": useful / statistics.median(ours),
         "max_num_batched_tokens": args.max_num_batched_tokens, "cpu_compile": args.cpu_compile,
-        "compiled_steps": llm.engine.runner.num_compiled_steps,
+        "compiled_steps": llm.engine.runner.num_compiled_steps, "cpu_decode_step": args.cpu_decode_step,
+        "native_steps": llm.engine.runner.num_native_steps,
     }
     if theirs:
         result["transformers_seconds"] = theirs

@@ -109,6 +109,8 @@ struct ty_pool {
     atomic_int arrived;
     atomic_int sense;
     int caller_sense;
+    atomic_llong *counters;   /* one per phase of a step (next_chunk), zeroed before each step */
+    int64_t n_phases;
     /* sleeping between steps */
     pthread_mutex_t lock;
     pthread_cond_t wake;
@@ -354,6 +356,20 @@ static void share(int64_t n, int t, int threads, int64_t align, int64_t *lo, int
     *hi = b * align < n ? b * align : n;
 }
 
+/* Projections hand their rows out in chunks from one counter per phase of the step (about eight
+ * chunks a thread), so a thread that runs ahead takes more: fixed halves left one core waiting at
+ * every barrier for the other (on this VM one core is often slower, by up to a fifth of a step).
+ * Chunks are whole multiples of `align` and runs of rows stay contiguous in memory. */
+static int next_chunk(ty_pool *p, int64_t phase, int64_t n, int64_t align, int64_t *lo, int64_t *hi) {
+    int64_t chunk = (n + 8 * p->n_threads - 1) / (8 * p->n_threads);
+    chunk = (chunk + align - 1) / align * align;
+    int64_t c = atomic_fetch_add_explicit(&p->counters[phase], 1, memory_order_relaxed);
+    if (c * chunk >= n) return 0;
+    *lo = c * chunk;
+    *hi = *lo + chunk < n ? *lo + chunk : n;
+    return 1;
+}
+
 /* ---------------------------------------------------------------- the step */
 
 static void rmsnorm_rows(const float *h, const float *w, int64_t batch, int64_t dim, float eps, float *out) {
@@ -382,7 +398,7 @@ static void run_step(ty_worker *wk, int *sense) {
     const int t = wk->index, T = p->n_threads;
     const int64_t B = job->batch, D = m->hidden, hd = m->head_dim, H = m->heads, KVH = m->kv_heads;
     const int64_t qs = H * hd, kvs = KVH * hd, QKV = qs + 2 * kvs, I = m->inter, group = H / KVH;
-    int64_t lo, hi;
+    int64_t lo, hi, ph = 0;
 
     share(D, t, T, 16, &lo, &hi);
     for (int64_t b = 0; b < B; b++)
@@ -395,7 +411,7 @@ static void run_step(ty_worker *wk, int *sense) {
         rmsnorm_rows(p->h, L->in_norm, B, D, m->eps, wk->x);
         /* whole heads per thread, so that the thread that computed a head also rotates it and writes
          * it to the cache (no barrier between the projection and the rotation) */
-        share(QKV, t, T, hd, &lo, &hi);
+        while (next_chunk(p, ph, QKV, hd, &lo, &hi)) {
         matvec(&L->qkv, wk->x, D, B, lo, hi, p->qkv, QKV, 0, wk->gsum);
         for (int64_t b = 0; b < B; b++) {
             float *row = p->qkv + b * QKV;
@@ -409,9 +425,11 @@ static void run_step(ty_worker *wk, int *sense) {
                 }
             }
         }
+        }
+        ph++;
         barrier(p, sense);
         /* attention, one (sequence, kv head) at a time */
-        share(B * KVH, t, T, 1, &lo, &hi);
+        while (next_chunk(p, ph, B * KVH, 1, &lo, &hi))
         for (int64_t u = lo; u < hi; u++) {
             int64_t b = u / KVH, kh = u % KVH, len = job->seq_lens[b];
             int64_t nb = (len + m->block_size - 1) / m->block_size, span = nb * m->block_size;
@@ -422,15 +440,15 @@ static void run_step(ty_worker *wk, int *sense) {
                                  1, 1, m->slots, 1, group, hd, nb, m->block_size, m->scale,
                                  p->attn + b * qs + kh * group * hd, wk->attn_work);
         }
+        ph++;
         barrier(p, sense);
         /* h += o_proj(attn) */
-        share(D, t, T, 16, &lo, &hi);
-        matvec(&L->o, p->attn, qs, B, lo, hi, p->h, D, 1, wk->gsum);
+        while (next_chunk(p, ph, D, 16, &lo, &hi)) matvec(&L->o, p->attn, qs, B, lo, hi, p->h, D, 1, wk->gsum);
+        ph++;
         barrier(p, sense);
         /* a = silu(gate) * up, row i of the gate and of the up projection by the same thread */
         rmsnorm_rows(p->h, L->post_norm, B, D, m->eps, wk->x);
-        share(I, t, T, 16, &lo, &hi);
-        if (lo < hi) {
+        while (next_chunk(p, ph, I, 16, &lo, &hi)) {
             matvec(&L->gate_up, wk->x, D, B, lo, hi, p->act, 2 * I, 0, wk->gsum);
             matvec(&L->gate_up, wk->x, D, B, I + lo, I + hi, p->act, 2 * I, 0, wk->gsum);
             for (int64_t b = 0; b < B; b++) {
@@ -438,15 +456,16 @@ static void run_step(ty_worker *wk, int *sense) {
                 for (int64_t i = lo; i < hi; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
             }
         }
+        ph++;
         barrier(p, sense);
         /* h += down(a) */
-        share(D, t, T, 16, &lo, &hi);
-        matvec(&L->down, p->act, 2 * I, B, lo, hi, p->h, D, 1, wk->gsum);
+        while (next_chunk(p, ph, D, 16, &lo, &hi)) matvec(&L->down, p->act, 2 * I, B, lo, hi, p->h, D, 1, wk->gsum);
+        ph++;
         barrier(p, sense);
     }
     rmsnorm_rows(p->h, m->final_norm, B, D, m->eps, wk->x);
-    share(m->vocab, t, T, 16, &lo, &hi);
-    matvec(&m->lm_head, wk->x, D, B, lo, hi, job->logits, m->vocab, 0, wk->gsum);
+    while (next_chunk(p, ph, m->vocab, 16, &lo, &hi))
+        matvec(&m->lm_head, wk->x, D, B, lo, hi, job->logits, m->vocab, 0, wk->gsum);
 }
 
 /* ---------------------------------------------------------------- the pool */
@@ -489,7 +508,7 @@ static void free_pool(ty_pool *p) {
     for (int t = 0; t < TY_MAX_THREADS; t++) {
         free(p->workers[t].x); free(p->workers[t].gsum); free(p->workers[t].attn_work); free(p->workers[t].mask);
     }
-    free(p->h); free(p->qkv); free(p->attn); free(p->act);
+    free(p->h); free(p->qkv); free(p->attn); free(p->act); free((void *)p->counters);
     free(p);
 }
 
@@ -519,7 +538,9 @@ void *tokenyard_step_create(const ty_model *model, int n_threads, long spin_limi
     p->qkv = malloc(sizeof(float) * (size_t)(B * (qs + 2 * kvs)));
     p->attn = malloc(sizeof(float) * (size_t)(B * qs));
     p->act = malloc(sizeof(float) * (size_t)(B * 2 * I));
-    int ok = p->h && p->qkv && p->attn && p->act;
+    p->n_phases = 5 * m->n_layers + 1;
+    p->counters = calloc((size_t)p->n_phases, sizeof(atomic_llong));
+    int ok = p->h && p->qkv && p->attn && p->act && p->counters;
     for (int t = 0; t < n_threads && ok; t++) {
         ty_worker *wk = &p->workers[t];
         wk->pool = p;
@@ -566,6 +587,7 @@ int tokenyard_step_run(void *handle, const ty_job *job) {
         }
     }
     p->job = *job;
+    for (int64_t i = 0; i < p->n_phases; i++) atomic_store_explicit(&p->counters[i], 0, memory_order_relaxed);
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->generation, 1, memory_order_acq_rel);
     if (atomic_load(&p->sleepers) > 0) {

@@ -113,8 +113,9 @@ class ModelRunner:
                 raise
             log.warning("the C decode step is unavailable; decode steps run in torch", exc_info=True)
             return None
-        log.info("decode steps of 1..%d sequences run in the C decode step (%d threads)", native.max_batch,
-                 native.step.threads)
+        log.info("decode steps of 1..%d sequences run in the C decode step (%d threads; ready in %.1f s, "
+                 "weights in %s pages)", native.max_batch, native.step.threads, native.ready_seconds,
+                 "2 MiB" if native.arena.huge else "ordinary")
         return native
 
     def _compiled_decoder(self, mode: str, max_model_len: int, max_num_seqs: int) -> CompiledDecoder | None:

@@ -21,6 +21,8 @@ why a model does not qualify.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -145,6 +147,7 @@ class NativeDecoder:
 
     def __init__(self, model: CausalLM, kv_caches: list, block_size: int, max_model_len: int, max_batch: int,
                  threads: int) -> None:
+        t0 = time.perf_counter()
         problem = unsupported(model, kv_caches)
         if problem is not None:
             raise ValueError(f"the C decode step cannot run this model: {problem}")
@@ -159,6 +162,8 @@ class NativeDecoder:
         spec = describe(model, kv_caches, block_size)
         self.arena = rehome(spec, model)
         self.step = lib.create(spec, max_batch, self.max_len, threads)
+        # building the library (first use on a machine: a few seconds of gcc, then cached) + the repack
+        self.ready_seconds = time.perf_counter() - t0
 
     def can_run(self, n: int, max_blocks: int) -> bool:
         return 0 < n <= self.max_batch and max_blocks <= self.width
