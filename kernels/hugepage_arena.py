@@ -5,20 +5,21 @@
 
 Why: a batch-1 decode step reads every weight once, and at that rate the page size matters. With
 4 KiB pages a 107 MB read touches 26,000 pages and the TLB misses cost a third of the bandwidth:
-on this project's 2-core EPYC VM, streaming 107 MB of floats took 5.9 ms on one core with 4 KiB
-pages and 3.6 ms with 2 MiB pages (2 cores: 4.4 vs 2.3 ms; bench/RESULTS.md, "Native CPU decode
-step"). torch's allocator gives ordinary pages, and the kernel's default (THP "madvise") gives huge
+on this project's 2-core EPYC VM, summing 107 MB of floats ran about 1.6x faster from 2 MiB pages
+than from 4 KiB ones (bench/page_bandwidth.py; bench/RESULTS.md, "Native CPU decode step"). torch's allocator gives ordinary pages, and the kernel's default (THP "madvise") gives huge
 pages only to memory that asks for them, so the arena is an anonymous mmap that asks
 (madvise(MADV_HUGEPAGE)) before it is first touched.
 
 Where huge pages are not available (another OS, THP "never") the arena is ordinary memory and
-everything works as before. The arena is never freed while a view of it lives: each view holds
+everything works as before; TOKENYARD_HUGE_PAGES=off asks for ordinary pages (to measure the
+difference: bench/page_bandwidth.py). The arena is never freed while a view of it lives: each view holds
 the mmap through torch.frombuffer.
 """
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 import sys
 
 import torch
@@ -34,7 +35,8 @@ class HugePageArena:
         size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE) + HUGE_PAGE   # room to align the start
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge = False
-        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+        wanted = os.environ.get("TOKENYARD_HUGE_PAGES", "on").strip().lower() not in ("off", "0", "false")
+        if wanted and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
                 self.huge = True
