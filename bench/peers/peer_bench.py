@@ -32,7 +32,8 @@ median, min and max):
   prompts, greedy, EOS ignored) over HTTP, streamed, through llama-server's OpenAI-compatible
   /v1/completions (`ignore_eos`, `cache_prompt` off, one server per slot count) and through the
   Tokenyard gateway's /v1/completions (one engine; EOS banned with logit_bias -100, the OpenAI
-  API's way: the gateway has no ignore_eos). Two runs per server and round: every request at once
+  API's way: the gateway has no ignore_eos; prefix caching off on both sides, since the rounds
+  repeat the same prompts). Two runs per server and round: every request at once
   (useful output tok/s) and 32 concurrent streaming clients (TTFT and ITL p50/p99, client side,
   bench/serving_metrics.py definitions). All servers are up for the whole part; the idle ones sleep.
 
@@ -337,6 +338,9 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
     engine = f"peer-{cfg.name}"
     spec = {"type": "torch", "model": str(cfg.tokenyard_model), "kv_cache_memory": cfg.kv_cache_memory,
             "max_num_seqs": 128, "max_num_batched_tokens": 2048, "progress": False,
+            # Off like llama-server's prompt cache (cache_prompt false, --cache-ram 0): the rounds repeat the
+            # same prompts, so a warm prefix cache would skip Tokenyard's prefill from the second run on.
+            "enable_prefix_caching": False,
             "prices": {"input": 0, "cached_input": 0, "output": 0}, **cfg.modes[cfg.served_mode]}
     src["engines"] = {engine: spec}
     src["redis_dir"] = str(pm.ROOT / "bench" / "out" / "peers-redis")
