@@ -7,8 +7,8 @@
   (the first W2 prompts): the median over `--steps` engine steps with every sequence decoding,
   per round; rounds alternate eager and compiled; the figure is the median over rounds.
   Batch-1 tok/s = 1000 / step ms (a step is the whole engine step: schedule, forward, sample).
-- w2_step: the C decode step (cpu_decode_step on, up to 16 sequences) against eager and compiled
-  (both with the step off) at batches 1, 2, 4, 8 and 16 (64-token prompts): where it stops paying.
+- w2_step: the C decode step (cpu_decode_step on, up to 32 sequences) against eager and compiled
+  (both with the step off) at batches 1, 2, 4, 8, 16 and 32 (64-token prompts): where it stops paying.
 - smollm2: SmolLM2-135M-Instruct from its Q4_1 GGUF as the engine serves it: int4 (group 32,
   from the Q4_1 blocks), and the dequantised weights in bf16 and fp32; batch-1 decode the same way
   (eager, compiled, and for the fp32-activation modes the C decode step).
@@ -117,18 +117,18 @@ def bench_w2(rounds: int, steps: int) -> tuple[dict, list]:
     return interleaved(llms, cases, rounds, steps, "w2")
 
 
-STEP_BATCHES = (1, 2, 4, 8, 16)
+STEP_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
 def bench_w2_step(rounds: int, steps: int) -> tuple[dict, list]:
-    """The C decode step (cpu_decode_step on, taking every batch up to 16) against eager and the
+    """The C decode step (cpu_decode_step on, taking every batch up to 32) against eager and the
     compiled graph at small batches: where the step stops paying sets cpu_decode_step_max_batch."""
     from bench.workloads import w2
     from engines import LLM
     path = _w2_model()
     llms = {"eager": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="off", **W2_OPTIONS),
             "compiled": LLM(path, progress=False, cpu_compile="on", cpu_decode_step="off", **W2_OPTIONS),
-            "c_step": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="on", cpu_decode_step_max_batch=16,
+            "c_step": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="on", cpu_decode_step_max_batch=32,
                           **W2_OPTIONS)}
     prompts = [r.prompt_token_ids[:64] for r in w2(96)]
     figures, runs = interleaved(llms, {f"batch{n}": prompts[:n] for n in STEP_BATCHES}, rounds, steps, "w2 step")

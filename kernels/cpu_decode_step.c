@@ -44,7 +44,7 @@
 #define CPU_RELAX() do { } while (0)
 #endif
 
-#define TY_MAX_BATCH 16
+#define TY_MAX_BATCH 64
 #define TY_MAX_THREADS 64
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -170,6 +170,80 @@ static inline v16f widen_i8(v16i8 c) { return __builtin_convertvector(c, v16f); 
 
 /* ---------------------------------------------------------------- matrix-vector products */
 
+/* Several tokens against one weight row: NB accumulators stay in registers while the row streams
+ * past once (NB a constant, so the compiler unrolls the token loop); TILES runs a batch as tiles
+ * of 8, then 4, 2 and 1. The row is read from memory once and from L1 for the later tiles. */
+#define DEFINE_ROWS(NB)                                                                                   \
+static inline void row_f32_##NB(const float *w, int64_t k, const float *x, int64_t ld_x, float *y) {    \
+    const int64_t kv = k & ~(int64_t)15;                                                                \
+    v16f acc[NB];                                                                                        \
+    for (int b = 0; b < NB; b++) acc[b] = splat16(0);                                                   \
+    for (int64_t d = 0; d < kv; d += 16) {                                                              \
+        const v16f wv = load16(w + d);                                                                  \
+        for (int b = 0; b < NB; b++) acc[b] += wv * load16(x + b * ld_x + d);                           \
+    }                                                                                                    \
+    for (int b = 0; b < NB; b++) {                                                                      \
+        float t = hsum16(acc[b]);                                                                        \
+        for (int64_t d = kv; d < k; d++) t += w[d] * x[b * ld_x + d];                                    \
+        y[b] = t;                                                                                        \
+    }                                                                                                    \
+}                                                                                                        \
+static inline void row_int8_##NB(const int8_t *w, int64_t k, const float *x, int64_t ld_x, float *y) {  \
+    const int64_t kv = k & ~(int64_t)15;                                                                \
+    v16f acc[NB];                                                                                        \
+    for (int b = 0; b < NB; b++) acc[b] = splat16(0);                                                   \
+    for (int64_t d = 0; d < kv; d += 16) {                                                              \
+        v16i8 c;                                                                                         \
+        memcpy(&c, w + d, 16);                                                                           \
+        const v16f wv = widen_i8(c);                                                                     \
+        for (int b = 0; b < NB; b++) acc[b] += wv * load16(x + b * ld_x + d);                           \
+    }                                                                                                    \
+    for (int b = 0; b < NB; b++) {                                                                      \
+        float t = hsum16(acc[b]);                                                                        \
+        for (int64_t d = kv; d < k; d++) t += (float)w[d] * x[b * ld_x + d];                             \
+        y[b] = t;                                                                                        \
+    }                                                                                                    \
+}                                                                                                        \
+/* int4: the block's 32 weights are unpacked and scaled once for the NB tokens */                       \
+static inline void row_int4_##NB(const uint8_t *w, const float *sc, int64_t sh, int64_t k,              \
+                                 const float *x, int64_t ld_x, float *y) {                               \
+    const v16u8 low = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};                 \
+    v16f acc[NB];                                                                                        \
+    for (int b = 0; b < NB; b++) acc[b] = splat16(0);                                                   \
+    for (int64_t q = 0; q < k / 32; q++) {                                                              \
+        v16u8 c;                                                                                         \
+        memcpy(&c, w + q * 16, 16);                                                                      \
+        const v16f s = splat16(sc[q >> sh]);                                                             \
+        const v16f lo = widen_u8(c & low) * s, hi = widen_u8(c >> 4) * s;                                \
+        for (int b = 0; b < NB; b++) {                                                                  \
+            const float *xb = x + b * ld_x + q * 32;                                                     \
+            acc[b] += lo * load16(xb) + hi * load16(xb + 16);                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int b = 0; b < NB; b++) y[b] = hsum16(acc[b]);                                                 \
+}
+DEFINE_ROWS(8)
+DEFINE_ROWS(4)
+DEFINE_ROWS(2)
+DEFINE_ROWS(1)
+
+#define TILES(ROW, w, k, x, ld_x, batch, y)                                                               \
+    do {                                                                                                 \
+        int64_t b_ = 0;                                                                                  \
+        for (; b_ + 8 <= (batch); b_ += 8) ROW##_8(w, k, (x) + b_ * (ld_x), ld_x, (y) + b_);            \
+        if ((batch) - b_ >= 4) { ROW##_4(w, k, (x) + b_ * (ld_x), ld_x, (y) + b_); b_ += 4; }           \
+        if ((batch) - b_ >= 2) { ROW##_2(w, k, (x) + b_ * (ld_x), ld_x, (y) + b_); b_ += 2; }           \
+        if ((batch) - b_ >= 1) ROW##_1(w, k, (x) + b_ * (ld_x), ld_x, (y) + b_);                        \
+    } while (0)
+#define TILES4(w, sc, sh, k, x, ld_x, batch, y)                                                           \
+    do {                                                                                                 \
+        int64_t b_ = 0;                                                                                  \
+        for (; b_ + 8 <= (batch); b_ += 8) row_int4_8(w, sc, sh, k, (x) + b_ * (ld_x), ld_x, (y) + b_); \
+        if ((batch) - b_ >= 4) { row_int4_4(w, sc, sh, k, (x) + b_ * (ld_x), ld_x, (y) + b_); b_ += 4; }\
+        if ((batch) - b_ >= 2) { row_int4_2(w, sc, sh, k, (x) + b_ * (ld_x), ld_x, (y) + b_); b_ += 2; }\
+        if ((batch) - b_ >= 1) row_int4_1(w, sc, sh, k, (x) + b_ * (ld_x), ld_x, (y) + b_);             \
+    } while (0)
+
 /* out[b * ld_out + r] (+)= W[r] . x[b * ld_x] for r in [r0, r1), b < batch. accumulate: add to out. */
 static void mv_f32(const ty_linear *L, const float *x, int64_t ld_x, int64_t batch, int64_t r0, int64_t r1,
                    float *out, int64_t ld_out, int accumulate) {
@@ -200,18 +274,12 @@ static void mv_f32(const ty_linear *L, const float *x, int64_t ld_x, int64_t bat
     }
     for (; r < r1; r++) {
         const float *w = W + r * k;
-        v16f acc[TY_MAX_BATCH];
-        for (int64_t b = 0; b < batch; b++) acc[b] = splat16(0);
-        for (int64_t d = 0; d < kv; d += 16) {
-            v16f wv = load16(w + d);
-            for (int64_t b = 0; b < batch; b++) acc[b] += wv * load16(x + b * ld_x + d);
-        }
+        float y[TY_MAX_BATCH];
+        TILES(row_f32, w, k, x, ld_x, batch, y);
         for (int64_t b = 0; b < batch; b++) {
-            float s = hsum16(acc[b]);
-            for (int64_t d = kv; d < k; d++) s += w[d] * x[b * ld_x + d];
-            s += L->bias ? L->bias[r] : 0.0f;
             float *o = out + b * ld_out + r;
-            *o = accumulate ? *o + s : s;
+            float v = y[b] + (L->bias ? L->bias[r] : 0.0f);
+            *o = accumulate ? *o + v : v;
         }
     }
 }
@@ -246,20 +314,12 @@ static void mv_int8(const ty_linear *L, const float *x, int64_t ld_x, int64_t ba
     }
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *w = W + r * k;
-        v16f acc[TY_MAX_BATCH];
-        for (int64_t b = 0; b < batch; b++) acc[b] = splat16(0);
-        for (int64_t d = 0; d < kv; d += 16) {
-            v16i8 c;
-            memcpy(&c, w + d, 16);
-            v16f wv = widen_i8(c);
-            for (int64_t b = 0; b < batch; b++) acc[b] += wv * load16(x + b * ld_x + d);
-        }
+        float y[TY_MAX_BATCH];
+        TILES(row_int8, w, k, x, ld_x, batch, y);
         for (int64_t b = 0; b < batch; b++) {
-            float s = hsum16(acc[b]);
-            for (int64_t d = kv; d < k; d++) s += (float)w[d] * x[b * ld_x + d];
-            s = s * L->scale[r] + (L->bias ? L->bias[r] : 0.0f);
             float *o = out + b * ld_out + r;
-            *o = accumulate ? *o + s : s;
+            float v = y[b] * L->scale[r] + (L->bias ? L->bias[r] : 0.0f);
+            *o = accumulate ? *o + v : v;
         }
     }
 }
@@ -311,31 +371,18 @@ static void mv_int4(const ty_linear *L, const float *x, int64_t ld_x, int64_t ba
         }
         return;
     }
+    const int64_t sh = __builtin_ctzll((unsigned long long)per);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *w = W + r * (k / 2);
         const float *sc = L->scale + r * ng, *mn = L->minv + r * ng;
-        v16f acc[TY_MAX_BATCH];
-        float offs[TY_MAX_BATCH];
-        for (int64_t b = 0; b < batch; b++) { acc[b] = splat16(0); offs[b] = 0.0f; }
-        for (int64_t j = 0; j < ng; j++) {
-            const v16f s = splat16(sc[j]);
-            for (int64_t t = 0; t < per; t++) {
-                v16u8 c;
-                memcpy(&c, w + (j * per + t) * 16, 16);
-                v16f lo = widen_u8(c & low);
-                v16f hi = widen_u8(c >> 4);
-                const int64_t d = j * g + t * 32;
-                for (int64_t b = 0; b < batch; b++) {
-                    const float *xb = x + b * ld_x + d;
-                    acc[b] += (lo * load16(xb) + hi * load16(xb + 16)) * s;
-                }
-            }
-            for (int64_t b = 0; b < batch; b++) offs[b] += mn[j] * gsum[b * ng + j];
-        }
+        float y[TY_MAX_BATCH];
+        TILES4(w, sc, sh, k, x, ld_x, batch, y);
         for (int64_t b = 0; b < batch; b++) {
-            float y = hsum16(acc[b]) + offs[b] + (L->bias ? L->bias[r] : 0.0f);
+            float off = 0.0f;
+            for (int64_t j = 0; j < ng; j++) off += mn[j] * gsum[b * ng + j];
             float *o = out + b * ld_out + r;
-            *o = accumulate ? *o + y : y;
+            float v = y[b] + off + (L->bias ? L->bias[r] : 0.0f);
+            *o = accumulate ? *o + v : v;
         }
     }
 }

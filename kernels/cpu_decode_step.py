@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_step.c")
 INCLUDES = (Path(__file__).with_name("cpu_decode_attention.c"),)
-MAX_BATCH = 16
+MAX_BATCH = 64
 F32, INT8, INT4 = 0, 1, 2
 _LOCK = threading.Lock()
 _LOADED: dict[str, "Library | None"] = {}

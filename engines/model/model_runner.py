@@ -175,7 +175,15 @@ class ModelRunner:
                 and self.native.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
             logits = self.native.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
             self.num_native_steps += 1
-            return self._sample(logits, sampled)
+            # Sample on this thread alone: a parallel torch op here (argmax over [B, vocab] goes parallel
+            # from 32k elements) leaves torch's OpenMP worker spinning for a while after it, on a core the
+            # C step's own threads need for the next step (batch 8 on W2: 20 ms a step instead of 10).
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return self._sample(logits, sampled)
+            finally:
+                torch.set_num_threads(threads)
         if self.compiled is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
                 and self.compiled.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
             try:
