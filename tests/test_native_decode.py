@@ -222,7 +222,7 @@ def test_knob_values_are_checked(checkpoint_dir):
     path = checkpoint_dir("llama")
     with pytest.raises(ValueError, match="cpu_decode_step must be"):
         Engine(path, cpu_decode_step="yes", **OPTIONS)
-    for bad in (0, 65, True):
+    for bad in (-1, 65, True):
         with pytest.raises(ValueError, match="cpu_decode_step_max_batch"):
             Engine(path, cpu_decode_step_max_batch=bad, **OPTIONS)
 
@@ -233,7 +233,15 @@ def test_auto_uses_the_size_rule_and_the_environment_overrides(checkpoint_dir, m
     assert Engine(path, **OPTIONS).runner.native is None                    # auto, a test-sized model
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
     engine = Engine(path, **OPTIONS)
-    assert engine.runner.native is not None and engine.runner.native.max_batch == 4
+    # auto: every batch the engine schedules (max_num_seqs 8 here; up to 32) without the compiled graph
+    assert engine.runner.native is not None and engine.runner.native.max_batch == 8
+    assert Engine(path, cpu_decode_step_max_batch=3, **OPTIONS).runner.native.max_batch == 3
+    # beside the compiled graph (compiling skipped here) auto keeps 1..4, where the C step is faster
+    monkeypatch.setattr(model_runner.CompiledDecoder, "warm_up", lambda self: 0.0)
+    both = Engine(path, cpu_compile="on", **{**OPTIONS, "max_num_seqs": 40}).runner
+    assert both.native.max_batch == 4 and both.compiled is not None
+    # ... and when the C step takes every batch the engine schedules, nothing is compiled
+    assert Engine(path, cpu_compile="on", **OPTIONS).runner.compiled is None
     monkeypatch.setenv("TOKENYARD_CPU_DECODE_STEP", "off")
     assert Engine(path, **OPTIONS).runner.native is None
     assert Engine(path, cpu_decode_step="on", **OPTIONS).runner.native is not None   # the knob wins

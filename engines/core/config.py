@@ -60,8 +60,9 @@ class EngineConfig:
       order (0.5 byte a weight plus fp32 scale and minimum per group). Logits match the eager
       forward to fp32 rounding; for int8/int4 models the kernel keeps fp32 activations where torch's
       packed ops round them to bf16.
-    cpu_decode_step_max_batch: the largest decode batch (1..64) the C step takes (default 4: past
-      a few sequences the GEMMs of the torch paths are faster; bench/RESULTS.md).
+    cpu_decode_step_max_batch: the largest decode batch (1..64) the C step takes; 0 (default): 4 when
+      cpu_compile's graph serves the larger batches (past 4-8 sequences its oneDNN GEMMs are faster),
+      else 32 (the C step beats eager torch at every batch measured up to 32; bench/RESULTS.md).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
       Combines with quantization: each rank keeps its slice of the single-process quantised
@@ -105,7 +106,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 128
     cpu_compile: str = "off"
     cpu_decode_step: str = "auto"
-    cpu_decode_step_max_batch: int = 4
+    cpu_decode_step_max_batch: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     tp_timeout_s: float = 60.0
@@ -148,8 +149,8 @@ class EngineConfig:
         if self.cpu_decode_step not in ("auto", "on", "off"):
             raise ValueError(f"cpu_decode_step must be auto, on or off, got {self.cpu_decode_step!r}")
         if not isinstance(self.cpu_decode_step_max_batch, int) or isinstance(self.cpu_decode_step_max_batch, bool) \
-                or not 1 <= self.cpu_decode_step_max_batch <= 64:
-            raise ValueError(f"cpu_decode_step_max_batch must be an integer in 1..64, "
+                or not 0 <= self.cpu_decode_step_max_batch <= 64:
+            raise ValueError(f"cpu_decode_step_max_batch must be an integer in 0..64 (0: auto), "
                              f"got {self.cpu_decode_step_max_batch!r}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")
