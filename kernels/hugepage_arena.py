@@ -3,12 +3,13 @@
     arena = HugePageArena.holding([w1, w2, ...])     # copies; arena.view(i) is tensor i's new home
     module.weight.data = arena.view(0)
 
-Why: a batch-1 decode step reads every weight once, and at that rate the page size matters. With
-4 KiB pages a 107 MB read touches 26,000 pages and the TLB misses cost a third of the bandwidth:
-on this project's 2-core EPYC VM, summing 107 MB of floats ran about 1.6x faster from 2 MiB pages
-than from 4 KiB ones (bench/page_bandwidth.py; bench/RESULTS.md, "Native CPU decode step"). torch's allocator gives ordinary pages, and the kernel's default (THP "madvise") gives huge
-pages only to memory that asks for them, so the arena is an anonymous mmap that asks
-(madvise(MADV_HUGEPAGE)) before it is first touched.
+Why: a batch-1 decode step reads every weight once, and at that rate the page size matters: a
+107 MB read touches 26,000 pages of 4 KiB and every TLB miss costs a page walk. On this project's
+2-core EPYC VM a sum over 107 MB of floats ran markedly faster from 2 MiB pages than from 4 KiB
+ones (bench/page_bandwidth.py; bench/RESULTS.md, "Native CPU decode step"). torch's allocator
+gives ordinary pages, and the kernel's default (THP "madvise") gives huge pages only to memory that
+asks for them, so the arena is an anonymous mmap that asks (madvise(MADV_HUGEPAGE)) before it is
+first touched.
 
 Where huge pages are not available (another OS, THP "never") the arena is ordinary memory and
 everything works as before; TOKENYARD_HUGE_PAGES=off asks for ordinary pages (to measure the

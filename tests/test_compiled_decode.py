@@ -22,7 +22,9 @@ from kernels import paged_attention_torch as torch_path
 from tests.engine_helpers import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-OPTIONS = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=128, max_num_seqs=8, block_size=8, progress=False)
+# The C decode step (tests/test_native_decode.py) would take every batch these engines schedule.
+OPTIONS = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=128, max_num_seqs=8, block_size=8, progress=False,
+               cpu_decode_step="off")
 
 
 @pytest.fixture(scope="module")
