@@ -211,6 +211,7 @@ class Config:
     describe: str
     vocab_size: int = 8192
     local_modes: list[str] | None = None   # the modes decode/prefill measure (None: all)
+    served_batched_tokens: int = 2048      # the gateway engine's max_num_batched_tokens (tokens a step)
     notes: list[str] = field(default_factory=list)
 
 
@@ -337,7 +338,7 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
     src = yaml.safe_load((pm.ROOT / "deploy" / "bench_w2.yaml").read_text())
     engine = f"peer-{cfg.name}"
     spec = {"type": "torch", "model": str(cfg.tokenyard_model), "kv_cache_memory": cfg.kv_cache_memory,
-            "max_num_seqs": 128, "max_num_batched_tokens": 2048, "progress": False,
+            "max_num_seqs": 128, "max_num_batched_tokens": cfg.served_batched_tokens, "progress": False,
             # Off like llama-server's prompt cache (cache_prompt false, --cache-ram 0): the rounds repeat the
             # same prompts, so a warm prefix cache would skip Tokenyard's prefill from the second run on.
             "enable_prefix_caching": False,
@@ -634,6 +635,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                   "*_step: cpu_decode_step on, the C decode step)")
     ap.add_argument("--served-mode", default=None, help="the Tokenyard mode the gateway serves (default: w2 "
                                                         "fp32_step, smollm2 int4_step)")
+    ap.add_argument("--served-batched-tokens", type=int, default=None,
+                    help="the gateway engine's max_num_batched_tokens in the served part (default 2048, llama-server's "
+                         "-b; 512 is its physical batch -ub: prefill chunks that stall decoding for less time)")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
@@ -674,6 +678,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             cfg.served_mode = args.served_mode
         if args.slots:
             cfg.slots = [int(x) for x in args.slots.split(",") if x.strip()]
+        if args.served_batched_tokens:
+            cfg.served_batched_tokens = args.served_batched_tokens
         import torch
         torch.set_num_threads(args.threads)
         requests = args.requests or cfg.requests
