@@ -102,7 +102,7 @@ def describe(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                      step_linear(model.lm_head), layers, cfg.sliding_window)
 
 
-def _slots(spec: StepModel) -> list[tuple[object, str]]:
+def _streamed(spec: StepModel) -> list[tuple[object, str]]:
     """(object, attribute) of every weight tensor the step streams (not the KV caches or tables)."""
     out: list[tuple[object, str]] = [(spec, "embed"), (spec, "final_norm")]
     linears = [spec.lm_head]
@@ -121,14 +121,14 @@ def rehome(spec: StepModel, model: CausalLM) -> HugePageArena:
     def key(t: torch.Tensor) -> tuple:
         return t.data_ptr(), tuple(t.shape), t.dtype
 
-    slots = _slots(spec)
+    streamed = _streamed(spec)
     unique: dict[tuple, torch.Tensor] = {}
-    for obj, name in slots:
+    for obj, name in streamed:
         t = getattr(obj, name)
         unique.setdefault(key(t), t)
     arena = HugePageArena.holding(list(unique.values()))
     moved = {k: arena.view(i) for i, k in enumerate(unique)}
-    for obj, name in slots:
+    for obj, name in streamed:
         setattr(obj, name, moved[key(getattr(obj, name))])
     with torch.no_grad():
         for module in model.modules():
