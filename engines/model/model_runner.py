@@ -28,6 +28,18 @@ NATIVE_MAX_BATCH_ALONE = 32
 NATIVE_MAX_BATCH_WITH_GRAPH = 4
 
 
+def _env_override(mode: str, variable: str) -> str:
+    """A knob's "auto" replaced by the environment variable's "on" or "off" when that is set."""
+    if mode != "auto":
+        return mode
+    env = os.environ.get(variable, "auto").strip().lower()
+    if env in ("on", "off"):
+        return env
+    if env != "auto":
+        log.warning("ignoring %s=%r (expected auto, on or off)", variable, env)
+    return mode
+
+
 @dataclass(slots=True)
 class StepInputs:
     """One step's flat model inputs as plain lists: cheap to send to tensor-parallel workers."""
@@ -92,12 +104,7 @@ class ModelRunner:
         """The C decode step per the cpu_decode_step knob (EngineConfig); None for the torch paths.
         "auto" uses it where it applies (see auto_compiles: the same size rule) and says why not, once,
         when it cannot be built; "on" makes every obstacle an error."""
-        if mode == "auto":
-            env = os.environ.get("TOKENYARD_CPU_DECODE_STEP", "auto").strip().lower()
-            if env in ("on", "off"):
-                mode = env
-            elif env != "auto":
-                log.warning("ignoring TOKENYARD_CPU_DECODE_STEP=%r (expected auto, on or off)", env)
+        mode = _env_override(mode, "TOKENYARD_CPU_DECODE_STEP")
         self.cpu_decode_step_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
@@ -128,12 +135,7 @@ class ModelRunner:
         """The compiled CPU decode path per the cpu_compile knob (EngineConfig), warmed up; None
         for eager decoding. "auto" compiles where it pays (see auto_compiles); a failure is then a
         warning, and under "on" an error."""
-        if mode == "auto":
-            env = os.environ.get("TOKENYARD_CPU_COMPILE", "auto").strip().lower()
-            if env in ("on", "off"):
-                mode = env
-            elif env != "auto":
-                log.warning("ignoring TOKENYARD_CPU_COMPILE=%r (expected auto, on or off)", env)
+        mode = _env_override(mode, "TOKENYARD_CPU_COMPILE")
         self.cpu_compile_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
