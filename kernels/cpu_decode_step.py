@@ -34,7 +34,7 @@ from nativelib.build import cached_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_step.c")
-INCLUDES = (Path(__file__).with_name("cpu_decode_attention.c"),)
+INCLUDES = (Path(__file__).with_name("cpu_decode_attention.c"), Path(__file__).with_name("cpu_matvec.c"))
 MAX_BATCH = 64
 F32, INT8, INT4 = 0, 1, 2
 _LOCK = threading.Lock()
