@@ -385,4 +385,3 @@ void tokenyard_step_destroy(void *handle) {
     free_pool(p);
 }
 
-int tokenyard_step_max_batch(void) { return TY_MAX_BATCH; }
