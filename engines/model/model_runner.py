@@ -108,7 +108,6 @@ class ModelRunner:
         self.cpu_decode_step_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
-        problem = None
         if self.device.type != "cpu" or self.attention_backend != "torch":
             problem = "it needs a CPU device and the torch attention backend"
         else:
@@ -173,14 +172,15 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> list[int]:
         """Run the batch; return one sampled token per chunk that reaches its sequence's end."""
         inputs, sampled = self.prepare(batch)
-        if self.graphs is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
-                and self.graphs.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
-            # Pure decode: one token per sequence, each sampled.
+        # Pure decode (one token per sequence, each sampled) may take one of the decode-only paths.
+        n = len(inputs.ids)
+        decode = n == len(sampled) == len(batch.chunks)
+        width = max(len(t) for t in inputs.tables) if decode else 0
+        if self.graphs is not None and decode and self.graphs.can_run(n, width):
             logits = self.graphs.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
             self.num_graph_steps += 1
             return self._sample(logits, sampled)
-        if self.native is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
-                and self.native.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
+        if self.native is not None and decode and self.native.can_run(n, width):
             logits = self.native.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
             self.num_native_steps += 1
             # Sample on this thread alone: a parallel torch op here (argmax over [B, vocab] goes parallel
@@ -192,8 +192,7 @@ class ModelRunner:
                 return self._sample(logits, sampled)
             finally:
                 torch.set_num_threads(threads)
-        if self.compiled is not None and len(inputs.ids) == len(sampled) == len(batch.chunks) \
-                and self.compiled.can_run(len(inputs.ids), max(len(t) for t in inputs.tables)):
+        if self.compiled is not None and decode and self.compiled.can_run(n, width):
             try:
                 logits = self.compiled.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
             except Exception:  # noqa: BLE001 - under "auto", a compiled step that fails falls back for good

@@ -8,10 +8,11 @@ call per step: its own threads walk every layer together (bench/RESULTS.md, "Nat
 step", has the measurements against both and against llama.cpp on the same weights).
 
 What runs there: steps in which every scheduled sequence decodes one token, with at most
-`max_batch` sequences (past a few sequences a step is no longer a weight read, and the GEMMs of
-the torch paths win); everything else (prefill chunks, mixed and speculative verify steps, larger
-decode batches) runs as before. The step writes K/V to the same slots and returns the same logits
-as the eager forward, to fp32 rounding (tests/test_native_decode.py).
+`max_batch` sequences (the runner's auto rule: 4 beside the compiled graph, whose GEMMs win past
+a few sequences, else 32, where it still beats eager torch); everything else (prefill chunks,
+mixed and speculative verify steps, larger decode batches) runs as before. The step writes K/V to
+the same slots and returns the same logits as the eager forward, to fp32 rounding
+(tests/test_native_decode.py).
 
 Which models: fp32 on the CPU with plain fp32 KV caches, SiLU MLPs, no tensor or pipeline
 parallelism; projections that are fp32 nn.Linear, or QuantLinear int8 or int4 (groups of 32, 64
