@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_step.c")
 INCLUDES = (Path(__file__).with_name("cpu_decode_attention.c"), Path(__file__).with_name("cpu_matvec.c"))
-MAX_BATCH = 64
+MAX_BATCH = 256
 F32, INT8, INT4 = 0, 1, 2
 _LOCK = threading.Lock()
 _LOADED: dict[str, "Library | None"] = {}
@@ -179,8 +179,30 @@ class Library:
         lib.tokenyard_step_run.restype = ctypes.c_int
         lib.tokenyard_step_destroy.argtypes = [ctypes.c_void_p]
         lib.tokenyard_step_destroy.restype = None
+        lib.tokenyard_matvec.argtypes = [ctypes.POINTER(_CLinear), _ptr, _i64, _i64, _i64, _i64, _ptr, _i64,
+                                         ctypes.c_int]
+        lib.tokenyard_matvec.restype = ctypes.c_int
         self.lib = lib
         self.path = path
+
+    def matvec(self, lin: StepLinear, x: torch.Tensor, rows: tuple[int, int] | None = None,
+               out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """x [B, k] @ W^T (+ bias) for output rows `rows` (default all) with the step's own kernel,
+        into `out` [B, n] (new when None; with accumulate the products are added to it)."""
+        r0, r1 = rows or (0, lin.n)
+        x = _f32(x)
+        if x.dim() != 2 or x.shape[1] != lin.k:
+            raise ValueError(f"x must be [batch, {lin.k}], got {tuple(x.shape)}")
+        if out is None:
+            out = torch.zeros(x.shape[0], lin.n, dtype=torch.float32)
+        if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != (x.shape[0], lin.n):
+            raise ValueError(f"out must be a contiguous fp32 [{x.shape[0]}, {lin.n}] tensor")
+        c = _c_linear(lin)
+        rc = self.lib.tokenyard_matvec(ctypes.byref(c), x.data_ptr(), lin.k, x.shape[0], r0, r1, out.data_ptr(),
+                                       lin.n, int(accumulate))
+        if rc:
+            raise ValueError(f"matvec refused: rows {rows}, batch {x.shape[0]}, weight {lin.n}x{lin.k}")
+        return out
 
     def create(self, spec: StepModel, max_batch: int, max_len: int, threads: int,
                spin_limit: int = 200_000) -> "DecodeStep":

@@ -149,8 +149,8 @@ class EngineConfig:
         if self.cpu_decode_step not in ("auto", "on", "off"):
             raise ValueError(f"cpu_decode_step must be auto, on or off, got {self.cpu_decode_step!r}")
         if not isinstance(self.cpu_decode_step_max_batch, int) or isinstance(self.cpu_decode_step_max_batch, bool) \
-                or not 0 <= self.cpu_decode_step_max_batch <= 64:
-            raise ValueError(f"cpu_decode_step_max_batch must be an integer in 0..64 (0: auto), "
+                or not 0 <= self.cpu_decode_step_max_batch <= 256:
+            raise ValueError(f"cpu_decode_step_max_batch must be an integer in 0..256 (0: auto), "
                              f"got {self.cpu_decode_step_max_batch!r}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cuda_graph_max_batch must be a positive integer, got {self.cuda_graph_max_batch!r}")

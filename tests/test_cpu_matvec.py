@@ -1,0 +1,108 @@
+"""The C decode step's matrix-vector products alone (kernels/cpu_matvec.c via Library.matvec).
+
+Products run in register tiles of rows x tokens with 1-row and 1-token edges and a scalar tail
+along k, over blocks of tokens; quantised weights are widened in the tile or, for larger batches,
+into an fp32 panel. The engine-level tests (test_native_decode.py) use model shapes whose row
+chunks and widths are multiples of 16, so they never reach the edges: here odd row ranges, odd
+batches and k not a multiple of the vector width do, for fp32, int8 and int4 weights, stored and
+accumulated, on each x86 vector path this machine can run (and the AVX-512 one is at least
+compiled), and in a build with tiny token blocks and an early panel. Reference: float64 products
+of the same weights; tolerance 1e-4 relative to the largest output (fp32 sums in another order).
+"""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from kernels import cpu_decode_step
+from kernels.cpu_decode_step import Library, StepLinear
+from nativelib.build import cached_library, compiler
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
+
+MARCHES = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
+# a build whose token blocks hold 2000 bytes of inputs (3 to 12 tokens here) and whose quantised weights go
+# through the fp32 panel from 3 tokens on, so that small shapes cross both boundaries
+SMALL_BLOCKS = ("-DTY_BLOCK_BYTES=2000", "-DTY_DEQUANT_BATCH=3")
+
+
+def _lib(monkeypatch, march: str, extra: tuple[str, ...] = ()):
+    monkeypatch.setenv("TOKENYARD_NATIVE_MARCH", march)
+    if not extra:
+        lib = cpu_decode_step.load()
+        if lib is None:
+            pytest.skip(f"the compiler cannot build -march={march}")
+        return lib
+    path = cached_library(cpu_decode_step.SOURCE, cpu_decode_step.flags() + extra, "decode_step_variant",
+                          includes=cpu_decode_step.INCLUDES)
+    return Library(path)
+
+
+def _weights(kind: str, n: int, k: int, group: int, g: torch.Generator) -> tuple[StepLinear, torch.Tensor]:
+    """A projection in the kernel's form and the exact weight it stands for (float64)."""
+    bias = torch.randn(n, generator=g)
+    if kind == "f32":
+        w = torch.randn(n, k, generator=g)
+        return StepLinear.f32(w, bias), w.double()
+    if kind == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, generator=g) * 0.02 + 0.001
+        return StepLinear.int8(q, s, bias), q.double() * s.double()[:, None]
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    m = torch.randn(n, k // group, generator=g) * 0.1
+    w = (q.double().reshape(n, k // group, group) * s.double()[..., None] + m.double()[..., None]).reshape(n, k)
+    return StepLinear.int4(q, s, m, group, bias), w
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    tol = 1e-4 * max(1.0, want.abs().max().item())
+    assert (got.double() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("march", MARCHES + ["native-small-blocks"])
+@pytest.mark.parametrize("kind", ["f32", "int8", "int4"])
+def test_products_match_float64_on_every_edge(monkeypatch, march, kind):
+    small = march.endswith("-small-blocks")
+    lib = _lib(monkeypatch, march.removesuffix("-small-blocks"), SMALL_BLOCKS if small else ())
+    g = torch.Generator().manual_seed(len(kind) * 7 + len(march))
+    # k: 64 whole vectors; 72 and 37 leave a scalar tail (fp32 and int8; int4 needs whole 32-blocks)
+    shapes = [(23, 64, 32), (37, 128, 64)] + ([(29, 72, 0), (13, 37, 0)] if kind != "int4" else [])
+    for n, k, group in shapes:
+        lin, w = _weights(kind, n, k, group, g)
+        for batch in (1, 2, 3, 4, 5, 7, 13, 20):
+            x = torch.randn(batch, k, generator=g)
+            want = x.double() @ w.T + lin.bias.double()
+            _check(lib.matvec(lin, x), want)
+            # an odd row range (edges of the row tiles) leaves the other rows untouched; accumulate adds
+            start = torch.randn(batch, n, generator=g)
+            out = start.clone()
+            lib.matvec(lin, x, rows=(3, n - 2), out=out, accumulate=True)
+            _check(out[:, 3:n - 2], start[:, 3:n - 2].double() + want[:, 3:n - 2])
+            assert torch.equal(out[:, :3], start[:, :3]) and torch.equal(out[:, n - 2:], start[:, n - 2:])
+
+
+def test_bad_arguments_are_refused(monkeypatch):
+    lib = _lib(monkeypatch, "native")
+    lin, _ = _weights("f32", 8, 16, 0, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"x must be \[batch, 16\]"):
+        lib.matvec(lin, torch.zeros(2, 15))
+    with pytest.raises(ValueError, match="matvec refused"):
+        lib.matvec(lin, torch.zeros(2, 16), rows=(4, 9))
+    with pytest.raises(ValueError, match="out must be"):
+        lib.matvec(lin, torch.zeros(2, 16), out=torch.zeros(2, 7))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector paths")
+def test_the_avx512_path_compiles(tmp_path, monkeypatch):
+    """Machines without AVX-512 cannot run that path; they can at least build it."""
+    monkeypatch.setenv("TOKENYARD_NATIVE_MARCH", "x86-64-v4")
+    try:
+        path = cpu_decode_step.compile_library(tmp_path)
+    except (OSError, RuntimeError) as exc:
+        if "unrecognized" in str(exc) or "x86-64-v4" in str(exc):
+            pytest.skip(f"this compiler has no -march=x86-64-v4: {exc}")
+        raise
+    assert path.exists() and path.stat().st_size > 0
