@@ -117,7 +117,7 @@ def bench_w2(rounds: int, steps: int) -> tuple[dict, list]:
     return interleaved(llms, cases, rounds, steps, "w2")
 
 
-STEP_BATCHES = (1, 2, 4, 8, 16, 32)
+STEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 96)
 
 
 def bench_w2_step(rounds: int, steps: int) -> tuple[dict, list]:
@@ -128,7 +128,7 @@ def bench_w2_step(rounds: int, steps: int) -> tuple[dict, list]:
     path = _w2_model()
     llms = {"eager": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="off", **W2_OPTIONS),
             "compiled": LLM(path, progress=False, cpu_compile="on", cpu_decode_step="off", **W2_OPTIONS),
-            "c_step": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="on", cpu_decode_step_max_batch=32,
+            "c_step": LLM(path, progress=False, cpu_compile="off", cpu_decode_step="on", cpu_decode_step_max_batch=128,
                           **W2_OPTIONS)}
     prompts = [r.prompt_token_ids[:64] for r in w2(96)]
     figures, runs = interleaved(llms, {f"batch{n}": prompts[:n] for n in STEP_BATCHES}, rounds, steps, "w2 step")

@@ -233,15 +233,21 @@ def test_auto_uses_the_size_rule_and_the_environment_overrides(checkpoint_dir, m
     assert Engine(path, **OPTIONS).runner.native is None                    # auto, a test-sized model
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
     engine = Engine(path, **OPTIONS)
-    # auto: every batch the engine schedules (max_num_seqs 8 here; up to 32) without the compiled graph
+    # auto: every batch the engine schedules (max_num_seqs 8 here) without the compiled graph
     assert engine.runner.native is not None and engine.runner.native.max_batch == 8
     assert Engine(path, cpu_decode_step_max_batch=3, **OPTIONS).runner.native.max_batch == 3
-    # beside the compiled graph (compiling skipped here) auto keeps 1..4, where the C step is faster
+    # beside the compiled graph (compiling skipped here) auto keeps 1..16, where the C step is faster
     monkeypatch.setattr(model_runner.CompiledDecoder, "warm_up", lambda self: 0.0)
     both = Engine(path, cpu_compile="on", **{**OPTIONS, "max_num_seqs": 40}).runner
-    assert both.native.max_batch == 4 and both.compiled is not None
-    # ... and when the C step takes every batch the engine schedules, nothing is compiled
+    assert both.native.max_batch == 16 and both.compiled is not None
+    # ... without a compiled graph (cpu_compile off) it takes every batch, 40 here
+    alone = Engine(path, cpu_compile="off", **{**OPTIONS, "max_num_seqs": 40}).runner
+    assert alone.native.max_batch == 40 and alone.compiled is None
+    # ... and when the C step takes every batch the engine schedules, nothing is compiled: auto up to
+    # 16 sequences, or a max_batch that covers max_num_seqs
     assert Engine(path, cpu_compile="on", **OPTIONS).runner.compiled is None
+    assert Engine(path, cpu_compile="on", cpu_decode_step_max_batch=40,
+                  **{**OPTIONS, "max_num_seqs": 40}).runner.compiled is None
     monkeypatch.setenv("TOKENYARD_CPU_DECODE_STEP", "off")
     assert Engine(path, **OPTIONS).runner.native is None
     assert Engine(path, cpu_decode_step="on", **OPTIONS).runner.native is not None   # the knob wins

@@ -60,9 +60,11 @@ class EngineConfig:
       order (0.5 byte a weight plus fp32 scale and minimum per group). Logits match the eager
       forward to fp32 rounding; for int8/int4 models the kernel keeps fp32 activations where torch's
       packed ops round them to bf16.
-    cpu_decode_step_max_batch: the largest decode batch (1..64) the C step takes; 0 (default): 4 when
-      cpu_compile's graph serves the larger batches (past 4-8 sequences its oneDNN GEMMs are faster),
-      else 32 (the C step beats eager torch at every batch measured up to 32; bench/RESULTS.md).
+    cpu_decode_step_max_batch: the largest decode batch (1..256) the C step takes; 0 (default): 16
+      when cpu_compile's graph serves the larger batches (from about 32 sequences its oneDNN GEMMs
+      are faster), else every batch the engine schedules (the C step beats eager torch at every
+      batch measured, up to 96; bench/RESULTS.md). Nothing is compiled when the C step takes every
+      batch (max_num_seqs <= 16 under auto, or a max_batch >= max_num_seqs).
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
       Combines with quantization: each rank keeps its slice of the single-process quantised

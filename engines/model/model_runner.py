@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 # time (tens of seconds cold, a few warm); below this the engines are test and demo models.
 AUTO_COMPILE_MIN_PARAMS = 20_000_000
 # cpu_decode_step_max_batch 0 ("auto"): the C step takes decode batches up to these sizes. Measured
-# on the W2 model, 2 threads (bench/RESULTS.md, native CPU decode step): against eager torch it is
-# faster at every batch up to 32 (1.2x there); against the compiled graph up to 4 (1.4x), level at 8.
-NATIVE_MAX_BATCH_ALONE = 32
-NATIVE_MAX_BATCH_WITH_GRAPH = 4
+# on the W2 model, 2 threads, AMD EPYC Zen 3 (bench/RESULTS.md, native CPU decode step): against
+# eager torch it is faster at every batch measured (1.5x at 96), so alone it takes them all; against
+# the compiled graph it is faster up to 16 (1.9x at 1, 1.1x at 16) and slower from 32 (0.9x).
+NATIVE_MAX_BATCH_ALONE = 256
+NATIVE_MAX_BATCH_WITH_GRAPH = 16
 
 
 def _env_override(mode: str, variable: str) -> str:
@@ -89,9 +90,12 @@ class ModelRunner:
         if self.graphs is None:
             wanted = cpu_decode_step_max_batch or NATIVE_MAX_BATCH_ALONE
             self.native = self._native_decoder(cpu_decode_step, max_model_len, min(wanted, max_num_seqs or wanted))
-            # The compiled graph would only serve the batches the C step does not take: skip it when
-            # the C step takes every batch the engine can schedule.
-            if self.native is None or self.native.max_batch < (max_num_seqs or 1):
+            # The compiled graph serves the batches the C step leaves: none when the C step takes every
+            # batch the engine can schedule and is the faster path for all of them (a set max_batch, or
+            # under auto at most NATIVE_MAX_BATCH_WITH_GRAPH sequences), so nothing is compiled then.
+            covered = self.native is not None and self.native.max_batch >= (max_num_seqs or 1) and (
+                bool(cpu_decode_step_max_batch) or self.native.max_batch <= NATIVE_MAX_BATCH_WITH_GRAPH)
+            if not covered:
                 self.compiled = self._compiled_decoder(cpu_compile, max_model_len, max_num_seqs)
             if self.native is not None and self.compiled is not None and not cpu_decode_step_max_batch:
                 # "auto" (0): beside the compiled graph the C step keeps only the batches where it is faster

@@ -8,8 +8,8 @@ call per step: its own threads walk every layer together (bench/RESULTS.md, "Nat
 step", has the measurements against both and against llama.cpp on the same weights).
 
 What runs there: steps in which every scheduled sequence decodes one token, with at most
-`max_batch` sequences (the runner's auto rule: 4 beside the compiled graph, whose GEMMs win past
-a few sequences, else 32, where it still beats eager torch); everything else (prefill chunks,
+`max_batch` sequences (the runner's auto rule: 16 beside the compiled graph, whose oneDNN GEMMs
+win from about 32 sequences, else every batch, where it beats eager torch); everything else (prefill chunks,
 mixed and speculative verify steps, larger decode batches) runs as before. The step writes K/V to
 the same slots and returns the same logits as the eager forward, to fp32 rounding
 (tests/test_native_decode.py).
@@ -34,8 +34,6 @@ from kernels.cpu_decode_step import StepLayer, StepLinear, StepModel
 from kernels.hugepage_arena import HugePageArena
 from kernels.quant_layout import unpack_int4, zeros_to_mins
 from kernels.quant_matmul_torch import int4pack_codes
-
-DEFAULT_MAX_BATCH = 4
 
 
 def unsupported(model: CausalLM, kv_caches: list) -> str | None:
