@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--cpu-compile", default="off", choices=["off", "auto", "on"],
                     help="the engine's cpu_compile knob (EngineConfig)")
     ap.add_argument("--cpu-decode-step", default="auto", choices=["off", "auto", "on"],
-                    help="the engine's cpu_decode_step knob (EngineConfig; auto: the C step for decode batches of 1-4)")
+                    help="the engine's cpu_decode_step knob (EngineConfig; auto: the C step for every decode batch, or 1-16 "
+                         "beside a compiled graph)")
     ap.add_argument("--results-name", default=None, help="bench/results/<name>.json (default w2_throughput, "
                                                          "w2_throughput_compiled with --cpu-compile)")
     args = ap.parse_args()

@@ -48,6 +48,7 @@ typedef struct {
 typedef struct {
     float *gsum;            /* int4: per-group input sums, [batch, k / 32] */
     float *wbuf;            /* dequantised panel: [TY_TR, k] */
+    float *q8;              /* int4 with int8 inputs: per token, group sums, block scales and codes */
 } ty_scratch;
 
 /* ---------------------------------------------------------------- vectors and tile shapes */
@@ -310,6 +311,105 @@ static void rows_f32_b1(const ty_linear *L, const float *x, int64_t r0, int64_t 
 DEFINE_TILES(int8, TY_TR, TY_TT)
 DEFINE_TILES(int4, TY4_TR, TY4_TT)
 
+/* ---------------------------------------------------------------- int4 with int8 inputs (AVX2) */
+
+/* Without AVX-512 the int4 tiles above spend about twenty instructions widening, scaling and
+ * multiplying each 32 weights in floats, and an int4 step is bound by that arithmetic, not by
+ * memory: SmolLM2 decoded at 0.76x llama.cpp on Zen 3. So for small batches on AVX2 the inputs are
+ * rounded per 32-block to int8 with one fp32 scale (llama.cpp's Q8 activations) and each block is
+ * one integer multiply-add of 32 codes (vpmaddubsw, vpmaddwd) and one scaled float add. The group
+ * minimums still meet the exact fp32 input sums. Error: |x - xq * d| <= d / 2 with d = the block's
+ * max |x| / 127, so a product moves by at most sum_j |w_j| * d_j / 2 (tests/test_cpu_matvec.py
+ * checks that bound). -DTY_INT4_Q8=0 keeps fp32 inputs. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifndef TY_INT4_Q8
+#define TY_INT4_Q8 1
+#endif
+#else
+#undef TY_INT4_Q8
+#define TY_INT4_Q8 0
+#endif
+
+#if TY_INT4_Q8
+/* per token, what the tiles read: [group sums: k / group][block scales: k / 32][codes: k bytes] */
+static inline int64_t q8_stride(const ty_linear *L) { return L->k / L->group + L->k / 32 + L->k / 4; }
+
+static void quantise_q8(const ty_linear *L, const float *x, int64_t ld_x, int64_t batch, float *rec) {
+    const int64_t k = L->k, g = L->group, ng = k / g, nq = k / 32, stride = q8_stride(L);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < batch; b++) {
+        const float *xb = x + b * ld_x;
+        float *gs = rec + b * stride, *xd = gs + ng;
+        int8_t *xq = (int8_t *)(xd + nq);
+        for (int64_t j = 0; j < ng; j++) {
+            vf a = {0};
+            for (int64_t d = 0; d < g; d += TY_VW) a += loadv(xb + j * g + d);
+            gs[j] = hsumv(a);
+        }
+        for (int64_t q = 0; q < nq; q++) {
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + q * 32 + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+            xd[q] = amax / 127.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], inv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], inv));
+            /* the packs work within 128-bit lanes: the permute puts the 4-byte runs back in order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(xq + q * 32), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+}
+
+/* x: token 0's record (q8_stride floats apart: ld_x); gsum unused */
+#define DEFINE_TILE_Q8(R, T)                                                                              \
+static inline void tile_q8_##R##x##T(TILE_ARGS) {                                                        \
+    (void)gsum;                                                                                          \
+    const int64_t k = L->k, ng = k / L->group, nq = k / 32, sh = __builtin_ctzll((unsigned long long)(L->group / 32)); \
+    const uint8_t *w = (const uint8_t *)L->w + r * (k / 2);                                              \
+    const float *sc = L->scale + r * ng;                                                                 \
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                               \
+    __m256 acc[R][T];                                                                                    \
+    for (int i = 0; i < R; i++) for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();             \
+    for (int64_t q = 0; q < nq; q++) {                                                                  \
+        __m256i wv[R];                                                                                   \
+        float s[R];                                                                                      \
+        for (int i = 0; i < R; i++) {                                                                    \
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w + i * (k / 2) + q * 16));             \
+            /* codes 0-15 (low nibbles) in the low half, 16-31 (high nibbles) in the high half */       \
+            wv[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low);                    \
+            s[i] = sc[i * ng + (q >> sh)];                                                               \
+        }                                                                                                \
+        for (int t = 0; t < T; t++) {                                                                    \
+            const float *rec = x + t * ld_x;                                                             \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)(rec + ng + nq) + q * 32)); \
+            const float d = rec[ng + q];                                                                 \
+            for (int i = 0; i < R; i++) {                                                                \
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), ones);            \
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[i] * d), acc[i][t]); \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int t = 0; t < T; t++)                                                                          \
+        for (int i = 0; i < R; i++) {                                                                    \
+            vf a;                                                                                        \
+            memcpy(&a, &acc[i][t], sizeof a);                                                            \
+            finish(TY_INT4, L, r + i, hsumv(a), NULL, x + t * ld_x, out + t * ld_out + r + i, accumulate); \
+        }                                                                                                \
+}
+DEFINE_TILE_Q8(4, 2)
+DEFINE_TILE_Q8(4, 1)
+DEFINE_TILE_Q8(1, 2)
+DEFINE_TILE_Q8(1, 1)
+DEFINE_TILES(q8, 4, 2)
+#endif
+
 /* ---------------------------------------------------------------- products */
 
 /* rows [r, r + rows) of a quantised projection as fp32 [rows, k] (w = q * scale, or q * scale + min) */
@@ -365,6 +465,11 @@ static void matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t bat
         tiles_int8(L, x, ld_x, batch, r0, r1, out, ld_out, accumulate, x, 0);
         return;
     }
+#if TY_INT4_Q8
+    quantise_q8(L, x, ld_x, batch, scratch->q8);
+    tiles_q8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
+    return;
+#endif
     /* int4: sum over groups g of scale[g] * (q_g . x_g) + min[g] * sum(x_g); the sums of x per group
      * are computed once per call. k % 32 == 0 and group % 32 == 0 (checked at creation). */
     const int64_t k = L->k, g = L->group, ng = k / g;

@@ -57,9 +57,20 @@ def _weights(kind: str, n: int, k: int, group: int, g: torch.Generator) -> tuple
     return StepLinear.int4(q, s, m, group, bias), w
 
 
-def _check(got: torch.Tensor, want: torch.Tensor) -> None:
-    tol = 1e-4 * max(1.0, want.abs().max().item())
-    assert (got.double() - want).abs().max().item() <= tol
+def _check(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float = 0.0) -> None:
+    """|got - want| within fp32 rounding (1e-4 of the largest output) plus `bound` per element."""
+    tol = 1e-4 * max(1.0, want.abs().max().item()) + bound
+    assert bool(((got.double() - want).abs() <= tol).all()), float(((got.double() - want).abs() - tol).max())
+
+
+def _int8_input_bound(kind: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | float:
+    """What rounding the inputs to int8 per 32-block (AVX2 int4 builds, cpu_matvec.c) may move a
+    product by: sum over blocks of d / 2 * sum |w| in the block, d = the block's max |x| / 127."""
+    if kind != "int4":
+        return 0.0
+    n, k = w.shape
+    half_step = x.double().abs().reshape(x.shape[0], k // 32, 32).amax(-1) / 254
+    return half_step @ w.abs().reshape(n, k // 32, 32).sum(-1).T
 
 
 @pytest.mark.parametrize("march", MARCHES + ["native-small-blocks"])
@@ -75,12 +86,14 @@ def test_products_match_float64_on_every_edge(monkeypatch, march, kind):
         for batch in (1, 2, 3, 4, 5, 7, 13, 20):
             x = torch.randn(batch, k, generator=g)
             want = x.double() @ w.T + lin.bias.double()
-            _check(lib.matvec(lin, x), want)
+            bound = _int8_input_bound(kind, w, x)
+            _check(lib.matvec(lin, x), want, bound)
             # an odd row range (edges of the row tiles) leaves the other rows untouched; accumulate adds
             start = torch.randn(batch, n, generator=g)
             out = start.clone()
             lib.matvec(lin, x, rows=(3, n - 2), out=out, accumulate=True)
-            _check(out[:, 3:n - 2], start[:, 3:n - 2].double() + want[:, 3:n - 2])
+            _check(out[:, 3:n - 2], start[:, 3:n - 2].double() + want[:, 3:n - 2],
+                   bound if isinstance(bound, float) else bound[:, 3:n - 2])
             assert torch.equal(out[:, :3], start[:, :3]) and torch.equal(out[:, n - 2:], start[:, n - 2:])
 
 
