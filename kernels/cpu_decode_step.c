@@ -405,8 +405,8 @@ int tokenyard_matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t b
     return rc;
 }
 
-/* 1 when this build rounds int4 products' inputs to int8 for small batches (cpu_matvec.c, AVX2) */
-int tokenyard_int4_int8_inputs(void) { return TY_INT4_Q8; }
+/* 1 when this build rounds the inputs of int4 and int8 products to int8 for small batches (cpu_matvec.c, AVX2) */
+int tokenyard_int8_inputs(void) { return TY_Q8_INPUTS; }
 
 void tokenyard_step_destroy(void *handle) {
     ty_pool *p = (ty_pool *)handle;

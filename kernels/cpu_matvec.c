@@ -311,31 +311,33 @@ static void rows_f32_b1(const ty_linear *L, const float *x, int64_t r0, int64_t 
 DEFINE_TILES(int8, TY_TR, TY_TT)
 DEFINE_TILES(int4, TY4_TR, TY4_TT)
 
-/* ---------------------------------------------------------------- int4 with int8 inputs (AVX2) */
+/* ---------------------------------------------------------------- int4 and int8 with int8 inputs (AVX2) */
 
 /* Without AVX-512 the int4 tiles above spend about twenty instructions widening, scaling and
  * multiplying each 32 weights in floats, and an int4 step is bound by that arithmetic, not by
- * memory: SmolLM2 decoded at 0.76x llama.cpp on Zen 3. So for small batches on AVX2 the inputs are
- * rounded per 32-block to int8 with one fp32 scale (llama.cpp's Q8 activations) and each block is
- * one integer multiply-add of 32 codes (vpmaddubsw, vpmaddwd) and one scaled float add. The group
- * minimums still meet the exact fp32 input sums. Error: |x - xq * d| <= d / 2 with d = the block's
+ * memory: SmolLM2 decoded at 0.76x llama.cpp on Zen 3 (its int8 LM head, widened 8 at a time, took
+ * a quarter of the step). So for small batches on AVX2 the inputs are rounded per 32-block to int8
+ * with one fp32 scale (llama.cpp's Q8 activations) and each block of 32 weights (int4 codes or int8;
+ * k a multiple of 32) is one integer multiply-add (vpmaddubsw, vpmaddwd) and one scaled float add.
+ * The int4 group minimums still meet the exact fp32 input sums. Error: |x - xq * d| <= d / 2 with d = the block's
  * max |x| / 127, so a product moves by at most sum_j |w_j| * d_j / 2 (tests/test_cpu_matvec.py
- * checks that bound). -DTY_INT4_Q8=0 keeps fp32 inputs. */
+ * checks that bound). -DTY_Q8_INPUTS=0 keeps fp32 inputs. */
 #if defined(__AVX2__) && !defined(__AVX512F__)
-#ifndef TY_INT4_Q8
-#define TY_INT4_Q8 1
+#ifndef TY_Q8_INPUTS
+#define TY_Q8_INPUTS 1
 #endif
 #else
-#undef TY_INT4_Q8
-#define TY_INT4_Q8 0
+#undef TY_Q8_INPUTS
+#define TY_Q8_INPUTS 0
 #endif
 
-#if TY_INT4_Q8
-/* per token, what the tiles read: [group sums: k / group][block scales: k / 32][codes: k bytes] */
-static inline int64_t q8_stride(const ty_linear *L) { return L->k / L->group + L->k / 32 + L->k / 4; }
+#if TY_Q8_INPUTS
+/* per token, what the tiles read: [group sums: k / group (int4)][block scales: k / 32][codes: k bytes] */
+static inline int64_t q8_groups(const ty_linear *L) { return L->kind == TY_INT4 ? L->k / L->group : 0; }
+static inline int64_t q8_stride(const ty_linear *L) { return q8_groups(L) + L->k / 32 + L->k / 4; }
 
 static void quantise_q8(const ty_linear *L, const float *x, int64_t ld_x, int64_t batch, float *rec) {
-    const int64_t k = L->k, g = L->group, ng = k / g, nq = k / 32, stride = q8_stride(L);
+    const int64_t k = L->k, ng = q8_groups(L), g = ng ? k / ng : 0, nq = k / 32, stride = q8_stride(L);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < batch; b++) {
@@ -403,11 +405,49 @@ static inline void tile_q8_##R##x##T(TILE_ARGS) {                               
             finish(TY_INT4, L, r + i, hsumv(a), NULL, x + t * ld_x, out + t * ld_out + r + i, accumulate); \
         }                                                                                                \
 }
+/* int8 weights against int8 inputs: vpmaddubsw multiplies unsigned by signed bytes, so |w| meets x
+ * with w's sign (|w|, |x| <= 127: a pair sums to at most 32,258, inside int16) */
+#define DEFINE_TILE_Q8I8(R, T)                                                                            \
+static inline void tile_q8i8_##R##x##T(TILE_ARGS) {                                                      \
+    (void)gsum;                                                                                          \
+    const int64_t k = L->k, nq = k / 32;                                                                \
+    const int8_t *w = (const int8_t *)L->w + r * k;                                                      \
+    const __m256i ones = _mm256_set1_epi16(1);                                                           \
+    __m256 acc[R][T];                                                                                    \
+    for (int i = 0; i < R; i++) for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();             \
+    for (int64_t q = 0; q < nq; q++) {                                                                  \
+        __m256i wv[R], wa[R];                                                                            \
+        for (int i = 0; i < R; i++) {                                                                    \
+            wv[i] = _mm256_loadu_si256((const __m256i *)(w + i * k + q * 32));                           \
+            wa[i] = _mm256_abs_epi8(wv[i]);                                                              \
+        }                                                                                                \
+        for (int t = 0; t < T; t++) {                                                                    \
+            const float *rec = x + t * ld_x;                                                             \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)(rec + nq) + q * 32)); \
+            const __m256 d = _mm256_set1_ps(rec[q]);                                                     \
+            for (int i = 0; i < R; i++) {                                                                \
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xv, wv[i])), ones); \
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i][t]);                      \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int t = 0; t < T; t++)                                                                          \
+        for (int i = 0; i < R; i++) {                                                                    \
+            vf a;                                                                                        \
+            memcpy(&a, &acc[i][t], sizeof a);                                                            \
+            finish(TY_INT8, L, r + i, hsumv(a), x + t * ld_x, NULL, out + t * ld_out + r + i, accumulate); \
+        }                                                                                                \
+}
 DEFINE_TILE_Q8(4, 2)
 DEFINE_TILE_Q8(4, 1)
 DEFINE_TILE_Q8(1, 2)
 DEFINE_TILE_Q8(1, 1)
 DEFINE_TILES(q8, 4, 2)
+DEFINE_TILE_Q8I8(4, 2)
+DEFINE_TILE_Q8I8(4, 1)
+DEFINE_TILE_Q8I8(1, 2)
+DEFINE_TILE_Q8I8(1, 1)
+DEFINE_TILES(q8i8, 4, 2)
 #endif
 
 /* ---------------------------------------------------------------- products */
@@ -461,15 +501,20 @@ static void matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t bat
         }
         return;
     }
+#if TY_Q8_INPUTS
+    if (L->k % 32 == 0) {
+        quantise_q8(L, x, ld_x, batch, scratch->q8);
+        if (L->kind == TY_INT8)
+            tiles_q8i8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
+        else
+            tiles_q8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
+        return;
+    }
+#endif
     if (L->kind == TY_INT8) {
         tiles_int8(L, x, ld_x, batch, r0, r1, out, ld_out, accumulate, x, 0);
         return;
     }
-#if TY_INT4_Q8
-    quantise_q8(L, x, ld_x, batch, scratch->q8);
-    tiles_q8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
-    return;
-#endif
     /* int4: sum over groups g of scale[g] * (q_g . x_g) + min[g] * sum(x_g); the sums of x per group
      * are computed once per call. k % 32 == 0 and group % 32 == 0 (checked at creation). */
     const int64_t k = L->k, g = L->group, ng = k / g;

@@ -64,9 +64,10 @@ def _check(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float = 
 
 
 def _int8_input_bound(kind: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | float:
-    """What rounding the inputs to int8 per 32-block (AVX2 int4 builds, cpu_matvec.c) may move a
-    product by: sum over blocks of d / 2 * sum |w| in the block, d = the block's max |x| / 127."""
-    if kind != "int4":
+    """What rounding the inputs to int8 per 32-block (AVX2 builds, int4 and int8 weights with k a
+    multiple of 32, cpu_matvec.c) may move a product by: sum over blocks of d / 2 * sum |w| in the
+    block, d = the block's max |x| / 127 (0 for every other product; applied to all builds alike)."""
+    if kind == "f32" or w.shape[1] % 32:
         return 0.0
     n, k = w.shape
     half_step = x.double().abs().reshape(x.shape[0], k // 32, 32).amax(-1) / 254

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C
 OPTIONS = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=128, max_num_seqs=8, block_size=8, progress=False,
                dtype="float32")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-# int8-rounded inputs of the int4 products (AVX2 builds, small batches): the logits of these random
+# int8-rounded inputs of quantised products (AVX2 builds, small batches): the logits of these random
 # test models (magnitude ~3) move by up to ~0.05 through their layers
-INT4_INT8_INPUTS_ATOL = 0.15
+INT8_INPUTS_ATOL = 0.15
 
 
 def _prefilled(engine: Engine, n: int, seed: int) -> list[Sequence]:
@@ -54,12 +54,11 @@ def _prefilled(engine: Engine, n: int, seed: int) -> list[Sequence]:
 
 def _compare_step(engine: Engine, dec: NativeDecoder, n: int, seed: int, atol: float = 1e-4) -> None:
     """One decode token for n sequences through the C step and through the eager forward: same
-    logits, same K/V in the cache. int4 steps of fewer than 8 sequences on builds that round the
-    products' inputs to int8 (AVX2; tests/test_cpu_matvec.py bounds each product) agree to
-    INT4_INT8_INPUTS_ATOL instead."""
-    if n < 8 and dec.step._lib.int4_int8_inputs and any(
-            isinstance(m, QuantLinear) and m.mode == "int4" for m in engine.model.modules()):
-        atol = max(atol, INT4_INT8_INPUTS_ATOL)
+    logits, same K/V in the cache. Quantised steps of fewer than 8 sequences on builds that round
+    the products' inputs to int8 (AVX2; tests/test_cpu_matvec.py bounds each product) agree to
+    INT8_INPUTS_ATOL instead."""
+    if n < 8 and dec.step._lib.int8_inputs and any(isinstance(m, QuantLinear) for m in engine.model.modules()):
+        atol = max(atol, INT8_INPUTS_ATOL)
     bs = engine.config.block_size
     seqs = _prefilled(engine, n, seed)
     try:
