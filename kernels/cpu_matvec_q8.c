@@ -1,0 +1,146 @@
+/* int4 and int8 products with int8 inputs, for small batches on AVX2: part of cpu_matvec.c, which
+ * #includes this file after its tiles (it uses their TILE_ARGS, finish, DEFINE_TILES and vectors). */
+
+/* ---------------------------------------------------------------- int4 and int8 with int8 inputs (AVX2) */
+
+/* Without AVX-512 the int4 tiles above spend about twenty instructions widening, scaling and
+ * multiplying each 32 weights in floats, and an int4 step is bound by that arithmetic, not by
+ * memory: SmolLM2 decoded at 0.76x llama.cpp on Zen 3 (its int8 LM head, widened 8 at a time, took
+ * a quarter of the step). So for small batches on AVX2 the inputs are rounded per 32-block to int8
+ * with one fp32 scale (llama.cpp's Q8 activations) and each block of 32 weights (int4 codes or int8;
+ * k a multiple of 32) is one integer multiply-add (vpmaddubsw, vpmaddwd) and one scaled float add.
+ * The int4 group minimums still meet the exact fp32 input sums. Error: |x - xq * d| <= d / 2 with d = the block's
+ * max |x| / 127, so a product moves by at most sum_j |w_j| * d_j / 2 (tests/test_cpu_matvec.py
+ * checks that bound). -DTY_Q8_INPUTS=0 keeps fp32 inputs. The tiles prefetch the next tile's rows:
+ * with this much arithmetic per byte the hardware prefetchers alone kept too few reads in flight
+ * (scratch timings, one thread, SmolLM2's int8 LM head from DRAM: 7.4 GB/s without, 14.6 with;
+ * int4 10.5 -> 14.9). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifndef TY_Q8_INPUTS
+#define TY_Q8_INPUTS 1
+#endif
+#else
+#undef TY_Q8_INPUTS
+#define TY_Q8_INPUTS 0
+#endif
+
+#if TY_Q8_INPUTS
+/* per token, what the tiles read: [group sums: k / group (int4)][block scales: k / 32][codes: k bytes] */
+static inline int64_t q8_groups(const ty_linear *L) { return L->kind == TY_INT4 ? L->k / L->group : 0; }
+static inline int64_t q8_stride(const ty_linear *L) { return q8_groups(L) + L->k / 32 + L->k / 4; }
+
+static void quantise_q8(const ty_linear *L, const float *x, int64_t ld_x, int64_t batch, float *rec) {
+    const int64_t k = L->k, ng = q8_groups(L), g = ng ? k / ng : 0, nq = k / 32, stride = q8_stride(L);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < batch; b++) {
+        const float *xb = x + b * ld_x;
+        float *gs = rec + b * stride, *xd = gs + ng;
+        int8_t *xq = (int8_t *)(xd + nq);
+        for (int64_t j = 0; j < ng; j++) {
+            vf a = {0};
+            for (int64_t d = 0; d < g; d += TY_VW) a += loadv(xb + j * g + d);
+            gs[j] = hsumv(a);
+        }
+        for (int64_t q = 0; q < nq; q++) {
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + q * 32 + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+            xd[q] = amax / 127.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], inv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], inv));
+            /* the packs work within 128-bit lanes: the permute puts the 4-byte runs back in order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(xq + q * 32), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+}
+
+/* x: token 0's record (q8_stride floats apart: ld_x); gsum unused */
+#define DEFINE_TILE_Q8(R, T)                                                                              \
+static inline void tile_q8_##R##x##T(TILE_ARGS) {                                                        \
+    (void)gsum;                                                                                          \
+    const int64_t k = L->k, ng = k / L->group, nq = k / 32, sh = __builtin_ctzll((unsigned long long)(L->group / 32)); \
+    const uint8_t *w = (const uint8_t *)L->w + r * (k / 2);                                              \
+    const float *sc = L->scale + r * ng;                                                                 \
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                               \
+    __m256 acc[R][T];                                                                                    \
+    for (int i = 0; i < R; i++) for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();             \
+    for (int64_t q = 0; q < nq; q++) {                                                                  \
+        __m256i wv[R];                                                                                   \
+        float s[R];                                                                                      \
+        for (int i = 0; i < R; i++) {                                                                    \
+            if (q % 4 == 0) _mm_prefetch((const char *)(w + (R + i) * (k / 2) + q * 16), _MM_HINT_T0);   \
+            const __m128i c = _mm_loadu_si128((const __m128i *)(w + i * (k / 2) + q * 16));             \
+            /* codes 0-15 (low nibbles) in the low half, 16-31 (high nibbles) in the high half */       \
+            wv[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), low);                    \
+            s[i] = sc[i * ng + (q >> sh)];                                                               \
+        }                                                                                                \
+        for (int t = 0; t < T; t++) {                                                                    \
+            const float *rec = x + t * ld_x;                                                             \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)(rec + ng + nq) + q * 32)); \
+            const float d = rec[ng + q];                                                                 \
+            for (int i = 0; i < R; i++) {                                                                \
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), ones);            \
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[i] * d), acc[i][t]); \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int t = 0; t < T; t++)                                                                          \
+        for (int i = 0; i < R; i++) {                                                                    \
+            vf a;                                                                                        \
+            memcpy(&a, &acc[i][t], sizeof a);                                                            \
+            finish(TY_INT4, L, r + i, hsumv(a), NULL, x + t * ld_x, out + t * ld_out + r + i, accumulate); \
+        }                                                                                                \
+}
+/* int8 weights against int8 inputs: vpmaddubsw multiplies unsigned by signed bytes, so |w| meets x
+ * with w's sign (|w|, |x| <= 127: a pair sums to at most 32,258, inside int16) */
+#define DEFINE_TILE_Q8I8(R, T)                                                                            \
+static inline void tile_q8i8_##R##x##T(TILE_ARGS) {                                                      \
+    (void)gsum;                                                                                          \
+    const int64_t k = L->k, nq = k / 32;                                                                \
+    const int8_t *w = (const int8_t *)L->w + r * k;                                                      \
+    const __m256i ones = _mm256_set1_epi16(1);                                                           \
+    __m256 acc[R][T];                                                                                    \
+    for (int i = 0; i < R; i++) for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();             \
+    for (int64_t q = 0; q < nq; q++) {                                                                  \
+        __m256i wv[R], wa[R];                                                                            \
+        for (int i = 0; i < R; i++) {                                                                    \
+            _mm_prefetch((const char *)(w + (R + i) * k + q * 32), _MM_HINT_T0);                         \
+            wv[i] = _mm256_loadu_si256((const __m256i *)(w + i * k + q * 32));                           \
+            wa[i] = _mm256_abs_epi8(wv[i]);                                                              \
+        }                                                                                                \
+        for (int t = 0; t < T; t++) {                                                                    \
+            const float *rec = x + t * ld_x;                                                             \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)(rec + nq) + q * 32)); \
+            const __m256 d = _mm256_set1_ps(rec[q]);                                                     \
+            for (int i = 0; i < R; i++) {                                                                \
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xv, wv[i])), ones); \
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i][t]);                      \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int t = 0; t < T; t++)                                                                          \
+        for (int i = 0; i < R; i++) {                                                                    \
+            vf a;                                                                                        \
+            memcpy(&a, &acc[i][t], sizeof a);                                                            \
+            finish(TY_INT8, L, r + i, hsumv(a), x + t * ld_x, NULL, out + t * ld_out + r + i, accumulate); \
+        }                                                                                                \
+}
+DEFINE_TILE_Q8(4, 2)
+DEFINE_TILE_Q8(4, 1)
+DEFINE_TILE_Q8(1, 2)
+DEFINE_TILE_Q8(1, 1)
+DEFINE_TILES(q8, 4, 2)
+DEFINE_TILE_Q8I8(4, 2)
+DEFINE_TILE_Q8I8(4, 1)
+DEFINE_TILE_Q8I8(1, 2)
+DEFINE_TILE_Q8I8(1, 1)
+DEFINE_TILES(q8i8, 4, 2)
+#endif
