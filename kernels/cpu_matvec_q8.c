@@ -62,6 +62,16 @@ static void quantise_q8(const ty_linear *L, const float *x, int64_t ld_x, int64_
     }
 }
 
+/* The tile's sums finished: each token's record stands in for its inputs (read only by the fp32 and
+ * int8 tails along k, which k % 32 == 0 leaves empty) and for its group sums (the record's start). */
+#define Q8_TILE_END(KIND, R, T)                                                                           \
+    for (int t = 0; t < T; t++)                                                                          \
+        for (int i = 0; i < R; i++) {                                                                    \
+            vf a;                                                                                        \
+            memcpy(&a, &acc[i][t], sizeof a);                                                            \
+            finish(KIND, L, r + i, hsumv(a), x + t * ld_x, x + t * ld_x, out + t * ld_out + r + i, accumulate); \
+        }
+
 /* x: token 0's record (q8_stride floats apart: ld_x); gsum unused */
 #define DEFINE_TILE_Q8(R, T)                                                                              \
 static inline void tile_q8_##R##x##T(TILE_ARGS) {                                                        \
@@ -92,12 +102,7 @@ static inline void tile_q8_##R##x##T(TILE_ARGS) {                               
             }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
-    for (int t = 0; t < T; t++)                                                                          \
-        for (int i = 0; i < R; i++) {                                                                    \
-            vf a;                                                                                        \
-            memcpy(&a, &acc[i][t], sizeof a);                                                            \
-            finish(TY_INT4, L, r + i, hsumv(a), NULL, x + t * ld_x, out + t * ld_out + r + i, accumulate); \
-        }                                                                                                \
+    Q8_TILE_END(TY_INT4, R, T)                                                                           \
 }
 /* int8 weights against int8 inputs: vpmaddubsw multiplies unsigned by signed bytes, so |w| meets x
  * with w's sign (|w|, |x| <= 127: a pair sums to at most 32,258, inside int16) */
@@ -126,12 +131,7 @@ static inline void tile_q8i8_##R##x##T(TILE_ARGS) {                             
             }                                                                                            \
         }                                                                                                \
     }                                                                                                    \
-    for (int t = 0; t < T; t++)                                                                          \
-        for (int i = 0; i < R; i++) {                                                                    \
-            vf a;                                                                                        \
-            memcpy(&a, &acc[i][t], sizeof a);                                                            \
-            finish(TY_INT8, L, r + i, hsumv(a), x + t * ld_x, NULL, out + t * ld_out + r + i, accumulate); \
-        }                                                                                                \
+    Q8_TILE_END(TY_INT8, R, T)                                                                           \
 }
 DEFINE_TILE_Q8(4, 2)
 DEFINE_TILE_Q8(4, 1)
