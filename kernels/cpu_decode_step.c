@@ -186,6 +186,7 @@ static void run_step(ty_worker *wk, int *sense) {
     const int64_t qs = H * hd, kvs = KVH * hd, QKV = qs + 2 * kvs, I = m->inter, group = H / KVH;
     int64_t lo, hi, ph = 0;
 
+    wk->scratch.prepared = NULL;
     share(D, t, T, 16, &lo, &hi);
     for (int64_t b = 0; b < B; b++)
         memcpy(p->h + b * D + lo, m->embed + job->ids[b] * D + lo, sizeof(float) * (size_t)(hi - lo));
@@ -214,6 +215,7 @@ static void run_step(ty_worker *wk, int *sense) {
         }
         ph++;
         barrier(p, sense);
+        wk->scratch.prepared = NULL;
         /* attention, one (sequence, kv head) at a time */
         while (next_chunk(p, ph, B * KVH, 1, &lo, &hi))
         for (int64_t u = lo; u < hi; u++) {
@@ -228,10 +230,12 @@ static void run_step(ty_worker *wk, int *sense) {
         }
         ph++;
         barrier(p, sense);
+        wk->scratch.prepared = NULL;
         /* h += o_proj(attn) */
         while (next_chunk(p, ph, D, 16, &lo, &hi)) matvec(&L->o, p->attn, qs, B, lo, hi, p->h, D, 1, &wk->scratch);
         ph++;
         barrier(p, sense);
+        wk->scratch.prepared = NULL;
         /* a = silu(gate) * up, row i of the gate and of the up projection by the same thread */
         rmsnorm_rows(p->h, L->post_norm, B, D, m->eps, wk->x);
         while (next_chunk(p, ph, I, 16, &lo, &hi)) {
@@ -241,10 +245,12 @@ static void run_step(ty_worker *wk, int *sense) {
         }
         ph++;
         barrier(p, sense);
+        wk->scratch.prepared = NULL;
         /* h += down(a) */
         while (next_chunk(p, ph, D, 16, &lo, &hi)) matvec(&L->down, p->act, 2 * I, B, lo, hi, p->h, D, 1, &wk->scratch);
         ph++;
         barrier(p, sense);
+        wk->scratch.prepared = NULL;
     }
     rmsnorm_rows(p->h, m->final_norm, B, D, m->eps, wk->x);
     while (next_chunk(p, ph, m->vocab, 16, &lo, &hi))
@@ -396,7 +402,7 @@ int tokenyard_matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t b
         return -1;
     ty_scratch scratch = {malloc(sizeof(float) * (size_t)(batch * (L->k / 32 + 1))),
                           malloc(sizeof(float) * (size_t)(TY_TR * L->k)),
-                          malloc(sizeof(float) * (size_t)(batch * (L->k / 16 + L->k / 4 + 2)))};
+                          malloc(sizeof(float) * (size_t)(batch * (L->k / 16 + L->k / 4 + 2))), NULL};
     int rc = scratch.gsum && scratch.wbuf && scratch.q8 ? 0 : -1;
     if (!rc) matvec(L, x, ld_x, batch, r0, r1, out, ld_out, accumulate, &scratch);
     free(scratch.gsum);

@@ -49,6 +49,8 @@ typedef struct {
     float *gsum;            /* int4: per-group input sums, [batch, k / 32] */
     float *wbuf;            /* dequantised panel: [TY_TR, k] */
     float *q8;              /* int4 with int8 inputs: per token, group sums, block scales and codes */
+    const float *prepared;  /* the inputs whose int8 form q8 holds (the same for every chunk of a
+                             * phase); NULL when stale: the step clears it after each barrier */
 } ty_scratch;
 
 /* ---------------------------------------------------------------- vectors and tile shapes */
@@ -207,27 +209,21 @@ static inline __attribute__((always_inline)) void finish(int kind, const ty_line
         for (int i = 0; i < R; i++) acc[i][t] += wv[i] * xv;                                             \
     }
 
-#define DEFINE_TILE_F32_INT8(R, T)                                                                        \
-static inline void tile_f32_##R##x##T(TILE_ARGS) {                                                       \
+/* fp32 and int8 tiles differ only in how a vector of weights is loaded (LOAD: from WT *) */
+#define DEFINE_TILE_DENSE(NAME, KIND, WT, LOAD, R, T)                                                     \
+static inline void tile_##NAME##_##R##x##T(TILE_ARGS) {                                                  \
     TILE_BEGIN(R, T)                                                                                     \
-    const float *w = (const float *)L->w + r * k;                                                        \
+    const WT *w = (const WT *)L->w + r * k;                                                              \
     for (int64_t d = 0; d < kv; d += TY_VW) {                                                           \
         vf wv[R];                                                                                        \
-        for (int i = 0; i < R; i++) wv[i] = loadv(w + i * k + d);                                        \
+        for (int i = 0; i < R; i++) wv[i] = LOAD(w + i * k + d);                                         \
         TILE_FMA(R, T, d)                                                                                \
     }                                                                                                    \
-    TILE_END(TY_F32, R, T)                                                                               \
-}                                                                                                        \
-static inline void tile_int8_##R##x##T(TILE_ARGS) {                                                      \
-    TILE_BEGIN(R, T)                                                                                     \
-    const int8_t *w = (const int8_t *)L->w + r * k;                                                      \
-    for (int64_t d = 0; d < kv; d += TY_VW) {                                                           \
-        vf wv[R];                                                                                        \
-        for (int i = 0; i < R; i++) wv[i] = widen_i8v(w + i * k + d);                                    \
-        TILE_FMA(R, T, d)                                                                                \
-    }                                                                                                    \
-    TILE_END(TY_INT8, R, T)                                                                              \
+    TILE_END(KIND, R, T)                                                                                 \
 }
+#define DEFINE_TILE_F32_INT8(R, T)                                                                        \
+    DEFINE_TILE_DENSE(f32, TY_F32, float, loadv, R, T)                                                   \
+    DEFINE_TILE_DENSE(int8, TY_INT8, int8_t, widen_i8v, R, T)
 /* int4: a 32-weight block's codes are unpacked and scaled once per row for the T tokens */
 #define DEFINE_TILE_INT4(R, T)                                                                            \
 static inline void tile_int4_##R##x##T(TILE_ARGS) {                                                      \
@@ -346,7 +342,7 @@ static void dequantise_rows(const ty_linear *L, int64_t r, int64_t rows, float *
 
 /* out[b * ld_out + r] (+)= W[r] . x[b * ld_x] for r in [r0, r1), b < batch. accumulate: add to out. */
 static void matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t batch, int64_t r0, int64_t r1,
-                   float *out, int64_t ld_out, int accumulate, const ty_scratch *scratch) {
+                   float *out, int64_t ld_out, int accumulate, ty_scratch *scratch) {
     if (r0 >= r1) return;
     if (L->kind == TY_F32) {
         if (batch == 1) rows_f32_b1(L, x, r0, r1, out, accumulate);
@@ -366,7 +362,10 @@ static void matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t bat
     }
 #if TY_Q8_INPUTS
     if (L->k % 32 == 0) {
-        quantise_q8(L, x, ld_x, batch, scratch->q8);
+        if (scratch->prepared != x) {   /* once per phase, not once per chunk of rows */
+            quantise_q8(L, x, ld_x, batch, scratch->q8);
+            scratch->prepared = x;
+        }
         if (L->kind == TY_INT8)
             tiles_q8i8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
         else
