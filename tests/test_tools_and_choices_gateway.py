@@ -114,16 +114,19 @@ def test_n_choices_prefill_once_and_differ(srv, client):
     texts = [c.message.content for c in r.choices]
     assert len(set(texts)) > 1, texts    # each choice its own seed
     assert 4 <= r.usage.completion_tokens <= 4 * 16
-    # Seeded: reproducible. Compared between two requests that meet the prefix cache alike: the
-    # first request prefilled the whole prompt, the later ones recompute only its partial block, a
-    # different batch shape, and on an AVX2 CPU torch's int4 kernel rounds those rows differently
-    # enough to move a temperature-1 sample (seen 2026-12-02; on the AVX-512 CPUs before, the first two agreed too).
+    # Seeded n > 1 is best effort (README): choices 1..3 start when choice 0's first token reaches the
+    # gateway, so the decode step they join (and with it the batch shape, and on an AVX2 CPU whether
+    # choice 0's next rows go through the int8-input C step or the mixed torch step) depends on timing;
+    # CI saw choice 0 of two identical requests differ (2026-12-03). Each seed still gives its own text:
     again = client.chat.completions.create(model=MODEL, messages=messages, n=4, max_tokens=16, temperature=1.0, seed=11)
-    third = client.chat.completions.create(model=MODEL, messages=messages, n=4, max_tokens=16, temperature=1.0, seed=11)
-    assert [c.message.content for c in third.choices] == [c.message.content for c in again.choices]
     assert len({c.message.content for c in again.choices}) > 1
     record = srv.records[-1]
-    assert record.prompt_tokens == prompt and record.completion_tokens == third.usage.completion_tokens
+    assert record.prompt_tokens == prompt and record.completion_tokens == again.usage.completion_tokens
+    # n = 1 is reproducible: on an idle engine the same request runs the same steps. (The first
+    # request above prefilled the whole prompt; these two both recompute only its partial block.)
+    one = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=1.0,
+                                          seed=11).choices[0].message.content for _ in range(2)]
+    assert one[0] == one[1], one
 
 
 @pytest.mark.timeout(300)
