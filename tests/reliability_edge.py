@@ -266,9 +266,11 @@ def run_slow_connections(total: int, held: int, max_connections: int = 1024, hea
             resp.read()
             conn.close()
             return resp.status, time.perf_counter() - t0
-        except OSError:
+        except OSError as e:
+            failures.append(f"{path}: {type(e).__name__}: {e} after {time.perf_counter() - t0:.3f} s")
             return 0, time.perf_counter() - t0
 
+    failures: list[str] = []
     try:
         before = [probe("health" if i % 2 else "chat") for i in range(40)]
         attacker = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "attack", str(port), str(total),
@@ -297,7 +299,8 @@ def run_slow_connections(total: int, held: int, max_connections: int = 1024, hea
              probe_p50_ms_during=round(pct([t for _, t in during], 0.5) * 1000, 1),
              probe_p99_ms_during=round(pct([t for _, t in during], 0.99) * 1000, 1),
              probe_max_ms_during=round(max((t for _, t in during), default=0) * 1000, 1),
-             gateway_fds_max=max(fds, default=-1), gateway_stderr_bytes=stderr_bytes)
+             gateway_fds_max=max(fds, default=-1), gateway_stderr_bytes=stderr_bytes,
+             probe_errors=failures[:5] + [f"a probe answered {s}" for s, _ in during if s not in (0, 200)][:5])
     report.check(attack.get("opened", 0) >= min(total, held), f"the attacker could not open its sockets: {attack}")
     report.check(f["probes_failed"] == 0 and all(s == 200 for s, _ in after),
                  f"{f['probes_failed']} of {len(during)} probes failed during the attack")

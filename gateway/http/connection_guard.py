@@ -13,7 +13,10 @@ process and nobody is served. `guarded_protocol(settings)` returns uvicorn's H11
   with 408 if no response has started (the endpoint sees a disconnect);
 * a cap of `max_connections` open connections per process: the connection over the cap closes the
   one that has waited longest for a request head (idle or slow: a connection busy with a request
-  is never taken), or, when every connection is busy, is itself refused with 503 and Retry-After;
+  is never taken), or, when every connection is busy, is itself refused with 503 and Retry-After.
+  The closing waits one turn of the event loop: asyncio accepts a whole burst of sockets before it
+  reads any of them, so a client that connected and sent its request at once would otherwise look
+  idle, and be taken, when a flood of newer connections lands in the same burst;
 * a head over `max_header_bytes` gets 431 (h11 alone answers 400 and closes with the rest of the
   head unread, which the client sees as a connection reset): the answer is written, the write
   side shut, and what the client still sends is read and dropped for a moment, so it reads 431.
@@ -69,6 +72,7 @@ class ConnectionStats:
     head_timeouts: int = 0
     body_timeouts: int = 0
     too_large: int = 0
+    sweep_pending: bool = False         # a trim back to the cap is scheduled for the next loop turn
 
 
 def guarded_protocol(settings: Any) -> type[H11Protocol]:
@@ -88,16 +92,33 @@ class GuardedH11Protocol(H11Protocol):
         self._got_head_bytes = False
         stats = self.stats
         stats.open += 1
-        if stats.open > self.settings.max_connections:
-            if stats.waiting:
-                victim = next(iter(stats.waiting))
-                victim._drop(None)
-                stats.evicted += 1
-            else:
+        over = stats.open - self.settings.max_connections
+        if over > 0:
+            if not stats.waiting:
                 stats.refused += 1
                 self._drop(REFUSED)
                 return
+            if over > BACKLOG:
+                self._evict(over - BACKLOG)   # the fd bound holds even if the loop never turns
+            if not stats.sweep_pending:
+                # call_later(0) runs after the next select has read the sockets that are ready, so
+                # the connections of this burst that already sent a head are busy by then, not idle.
+                stats.sweep_pending = True
+                self.loop.call_later(0, self._sweep)
         self._wait_head()
+
+    def _sweep(self) -> None:
+        self.stats.sweep_pending = False
+        self._evict(self.stats.open - self.settings.max_connections)
+
+    def _evict(self, count: int) -> None:
+        """Close up to `count` connections, those that have waited longest for a head first."""
+        stats = self.stats
+        while count > 0 and stats.waiting:
+            victim = next(iter(stats.waiting))
+            victim._drop(None)
+            stats.evicted += 1
+            count -= 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._uncount()
