@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -213,7 +214,9 @@ class Config:
     describe: str
     vocab_size: int = 8192
     local_modes: list[str] | None = None   # the modes decode/prefill measure (None: all)
-    served_batched_tokens: int = 2048      # the gateway engine's max_num_batched_tokens (tokens a step)
+    # The gateway engine's max_num_batched_tokens (tokens a step); None: the engine's default (512),
+    # what the gateway serves unless the operator sets it.
+    served_batched_tokens: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -337,16 +340,20 @@ def llama_server(gguf: Path, slots: int, threads: int, log_dir: Path) -> Iterato
 def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Server]:
     import yaml
 
+    from engines.core.config import EngineConfig
     from engines.text.tokenizer import Tokenizer
+    default_budget = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_num_batched_tokens")
     eos = list(Tokenizer.from_dir(cfg.tokenyard_model).eos_token_ids)
     src = yaml.safe_load((pm.ROOT / "deploy" / "bench_w2.yaml").read_text())
     engine = f"peer-{cfg.name}"
     spec = {"type": "torch", "model": str(cfg.tokenyard_model), "kv_cache_memory": cfg.kv_cache_memory,
-            "max_num_seqs": 128, "max_num_batched_tokens": cfg.served_batched_tokens, "progress": False,
+            "max_num_seqs": 128, "progress": False,
             # Off like llama-server's prompt cache (cache_prompt false, --cache-ram 0): the rounds repeat the
             # same prompts, so a warm prefix cache would skip Tokenyard's prefill from the second run on.
             "enable_prefix_caching": False,
             "prices": {"input": 0, "cached_input": 0, "output": 0}, **cfg.modes[cfg.served_mode]}
+    if cfg.served_batched_tokens is not None:
+        spec["max_num_batched_tokens"] = cfg.served_batched_tokens
     src["engines"] = {engine: spec}
     src["redis_dir"] = str(pm.ROOT / "bench" / "out" / "peers-redis")
     for key in ("router", "policy", "routing"):
@@ -371,7 +378,8 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
 
             yield Server(f"tokenyard_{cfg.served_mode}", f"http://127.0.0.1:{port}",
                          {"Authorization": f"Bearer {key}"}, body,
-                         {"engine": spec, "eos_banned": eos, "log": str(log_path)})
+                         {"engine": spec, "eos_banned": eos, "log": str(log_path),
+                          "max_num_batched_tokens": spec.get("max_num_batched_tokens", default_budget)})
         finally:
             _stop(proc)
 
@@ -640,8 +648,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--served-mode", default=None, help="the Tokenyard mode the gateway serves (default: w2 "
                                                         "fp32_default, smollm2 int4_step)")
     ap.add_argument("--served-batched-tokens", type=int, default=None,
-                    help="the gateway engine's max_num_batched_tokens in the served part (default 2048, llama-server's "
-                         "-b; 512 is its physical batch -ub: prefill chunks that stall decoding for less time)")
+                    help="the gateway engine's max_num_batched_tokens in the served part (default: the engine's "
+                         "own, 512, as llama-server's physical batch -ub; 2048 is llama-server's logical batch -b: "
+                         "longer prefill chunks that stall decoding for longer)")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
