@@ -1,7 +1,7 @@
 """Where the served ITL tail comes from: the W2 requests at 32 concurrent driven straight into the
 engine (no HTTP, no gateway), every step timed and sorted by what it carried.
 
-    .venv/bin/python -m bench.served_steps [--budgets 2048,512] [--concurrency 32] [--rounds 2]
+    .venv/bin/python -m bench.served_steps [--budgets 512,512:0,2048:0] [--concurrency 32] [--rounds 2]
 
 The peer benchmark's served part (bench/peers/peer_bench.py) measures inter-token latency at the
 client, through the gateway. This one takes the gateway away: a closed loop keeps `--concurrency`
@@ -12,8 +12,9 @@ the step table says which steps make it:
 - decode-only steps (pure decode: the C step), by count and time percentiles;
 - mixed steps (decode rows beside prefill chunks: one eager torch forward), by count, time
   percentiles and prefill tokens carried;
-- per budget (max_num_batched_tokens; each budget an engine of its own, built once, rounds
-  interleaved): ITL p50/p99 and TTFT p50/p99 over all requests, and output tok/s.
+- per budget (`B` or `B:burst`: max_num_batched_tokens B and prefill_burst_tokens burst, the
+  engine's default when left out, 0 off; each an engine of its own, built once, rounds interleaved):
+  ITL p50/p99 and TTFT p50/p99 over all requests, and output tok/s.
 Engine settings are the peer benchmark's fp32_default (bench/peers/peer_bench.py): the W2 checkpoint
 in fp32, 1 GiB KV, max_num_seqs 128, prefix caching off, EOS ignored.
 Raw output: bench/results/<--results-name, default served_steps>.json.
@@ -106,7 +107,8 @@ def closed_loop(llm: LLM, reqs: list, concurrency: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="2048,512", help="max_num_batched_tokens values, comma-separated")
+    ap.add_argument("--budgets", default="512,512:0,2048:0",
+                    help="comma-separated max_num_batched_tokens[:prefill_burst_tokens] (default: the engine's burst)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
@@ -117,12 +119,18 @@ def main() -> None:
     rec = RunRecorder(args.results_name)
     reqs = w2(args.requests, vocab_size=W2_MODEL["vocab_size"])
     model_dir = w2_checkpoint()
-    budgets = [int(b) for b in args.budgets.split(",")]
-    engines = {b: LLM(model_dir, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=128,
-                      max_num_batched_tokens=b, progress=False, enable_prefix_caching=False) for b in budgets}
+    budgets = args.budgets.split(",")
+
+    def engine(spec: str) -> LLM:
+        tokens, _, burst = spec.partition(":")
+        extra = {"prefill_burst_tokens": int(burst)} if burst else {}
+        return LLM(model_dir, dtype="float32", kv_cache_memory=1 << 30, max_num_seqs=128,
+                   max_num_batched_tokens=int(tokens), progress=False, enable_prefix_caching=False, **extra)
+
+    engines = {b: engine(b) for b in budgets}
     for llm in engines.values():   # warm-up: one-time costs stay out of round 1
         closed_loop(llm, reqs[:4], 4)
-    runs: dict[int, list[dict]] = {b: [] for b in budgets}
+    runs: dict[str, list[dict]] = {b: [] for b in budgets}
     for rnd in range(args.rounds):
         for b in budgets:
             r = closed_loop(engines[b], reqs, args.concurrency)
@@ -133,7 +141,7 @@ def main() -> None:
                   f"p50 {r['mixed_step_p50_ms']:.0f} p99 {r['mixed_step_p99_ms']:.0f} max {r['mixed_step_max_ms']:.0f} ms "
                   f"({r['mixed_tokens_p50']:.0f} tokens p50, {r['mixed_tokens_max']} max)", flush=True)
     figures = {"concurrency": args.concurrency, "requests": len(reqs), "threads": args.threads,
-               "by_budget": {str(b): {k: statistics.median(r[k] for r in runs[b]) for k in runs[b][0]}
+               "by_budget": {b: {k: statistics.median(r[k] for r in runs[b]) for k in runs[b][0]}
                              for b in budgets}}
     rec.write(figures, runs=[{"budget": b, **r} for b in budgets for r in runs[b]])
 

@@ -17,7 +17,9 @@ def ckpt(checkpoint_dir):
 
 
 def _engine(ckpt, **kw):
-    opts = dict(kv_cache_memory=16 << 20, progress=False)
+    # prefill_burst_tokens off unless a test asks: several prompts at once would otherwise take the
+    # burst budget, and the small budgets here would not chunk them.
+    opts = dict(kv_cache_memory=16 << 20, progress=False, prefill_burst_tokens=0)
     opts.update(kw)
     return Engine(ckpt, **opts)
 
@@ -48,6 +50,35 @@ def test_chunked_prefill_same_outputs(ckpt, reference, budget):
     eng = _engine(ckpt, enable_prefix_caching=False, max_num_batched_tokens=budget)
     assert _run(eng, reference["prompts"], GREEDY) == reference["greedy"]
     assert _run(eng, reference["prompts"], SEEDED) == reference["seeded"]
+
+
+def test_burst_budget_while_four_prompts_are_pending_then_the_short_one(ckpt, reference):
+    eng = _engine(ckpt, enable_prefix_caching=False, max_num_batched_tokens=32, prefill_burst_tokens=200)
+    prompts = [p for p in reference["prompts"] if len(p) > 60][:4]
+    got: dict[str, list[int]] = {f"b{i}": [] for i in range(4)}
+
+    def step() -> int:
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        return eng.stats().last_step_tokens
+
+    for i, p in enumerate(prompts[:4]):
+        eng.add_request(f"b{i}", p, GREEDY)
+    assert step() == 200                                # four prompts pending: the burst budget
+    while len(eng.scheduler.waiting) + sum(s.num_tokens - s.num_computed_tokens > 1
+                                          for s in eng.scheduler.running) >= 4:
+        step()
+    assert step() <= 32                                 # fewer pending: back to the short budget
+    while eng.has_unfinished():
+        step()
+    # Chunked either way, the outputs are those of one unchunked pass.
+    assert [got[f"b{i}"] for i in range(4)] == [reference["greedy"][reference["prompts"].index(p)] for p in prompts[:4]]
+
+
+@pytest.mark.parametrize("bad", [-1, "2048", 1.5, True])
+def test_prefill_burst_tokens_is_validated(ckpt, bad):
+    with pytest.raises(ValueError, match="prefill_burst_tokens"):
+        _engine(ckpt, prefill_burst_tokens=bad)
 
 
 def test_long_prefill_threshold_caps_chunks(ckpt, reference):

@@ -27,6 +27,11 @@ class EngineConfig:
       blocks of bf16 (3.8x of fp32). A dtype the device cannot store is an error at start-up.
     max_num_seqs: most sequences in one step. max_num_batched_tokens: token budget of one step;
       prefills longer than what is left are split over steps (chunked prefill).
+    prefill_burst_tokens: the step budget instead, while BURST_MIN_PROMPTS (4) or more prompts wait
+      for their prefill (0 or <= max_num_batched_tokens: off). A queue of prompts is waiting time
+      that only prefill throughput shortens, and a step's decode rows cost the same beside a big
+      chunk as beside a small one; with one or two prompts pending, short steps keep the running
+      streams' inter-token gaps short (scheduler.py).
     max_model_len: longest sequence (prompt + output); defaults to the model's
       max_position_embeddings (capped by Mistral's sliding window is not needed: it is masked).
     enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
@@ -96,6 +101,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
+    prefill_burst_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
@@ -136,6 +142,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prefill_burst_tokens, int) or isinstance(self.prefill_burst_tokens, bool) \
+                or self.prefill_burst_tokens < 0:
+            raise ValueError(f"prefill_burst_tokens must be an integer >= 0 (0: off), got {self.prefill_burst_tokens!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.kv_cache_fraction <= 1:

@@ -87,7 +87,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
-                            watermark_blocks=max(1, num_blocks // 100)),
+                            watermark_blocks=max(1, num_blocks // 100), prefill_burst_tokens=cfg.prefill_burst_tokens),
             self.blocks)
         self._dead: str | None = None
         if pipelined:

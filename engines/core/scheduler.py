@@ -6,6 +6,12 @@ rest of any running sequence's unfinished prefill, then new sequences from the w
 whose prompts are split over steps when the budget runs out (chunked prefill). A sequence
 "catches up" when num_computed_tokens reaches its token count, and is then sampled.
 
+The budget grows to prefill_burst_tokens while BURST_MIN_PROMPTS or more prompts wait for their
+prefill (a burst of arrivals, a queue): their waiting is shortened only by prefill throughput, and a
+step's decode rows cost the same beside a 2,048-token chunk as beside a 512-token one. With fewer
+prompts pending the short budget holds, so an arrival stalls the running streams for one short step
+(bench/RESULTS.md, served W2: ITL p99 at 32 clients against 96-at-once throughput).
+
 Blocks are allocated just ahead of use. When a running sequence needs a block and none is free,
 the least urgent running sequence (highest priority value, then latest arrival) is preempted by
 recompute: its blocks are freed and it waits again with its generated tokens kept.
@@ -19,6 +25,11 @@ from dataclasses import dataclass, field
 from engines.core.block_manager import BlockManager
 from engines.core.sequence import Sequence, SequenceStatus
 
+# Prompts pending (waiting, or admitted with prefill left) from which a step takes the burst budget.
+# At 32 streaming clients a new prompt arrives every step or two and is done in one or two steps, so
+# fewer than four pending is the steady state there; a burst of arrivals or a queue is more.
+BURST_MIN_PROMPTS = 4
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -26,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int = 0   # 0: a single request's chunk is capped only by the budget
     watermark_blocks: int = 0               # free blocks kept back when admitting new sequences
+    prefill_burst_tokens: int = 0           # the budget while BURST_MIN_PROMPTS prompts are pending (0: off)
 
 
 @dataclass(slots=True)
@@ -80,7 +92,7 @@ class Scheduler:
         engines/pp/micro_batches.py): they are neither scheduled nor preempted this step.
         max_chunks > 0: at most that many sequences in this batch (so micro-batches share them)."""
         out = SchedulerOutput()
-        budget = self.cfg.max_num_batched_tokens
+        budget = self._budget()
         scheduled: dict[int, ScheduledChunk] = {}
         # Decoding sequences first so a long prefill never stalls anyone's stream, then
         # unfinished prefills; within each, most urgent first.
@@ -127,6 +139,16 @@ class Scheduler:
             budget -= n
         out.chunks = list(scheduled.values())
         return out
+
+    def _budget(self) -> int:
+        budget = self.cfg.max_num_batched_tokens
+        if self.cfg.prefill_burst_tokens > budget:
+            pending = len(self.waiting)
+            if pending < BURST_MIN_PROMPTS:
+                pending += sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens > 1)
+            if pending >= BURST_MIN_PROMPTS:
+                return self.cfg.prefill_burst_tokens
+        return budget
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
