@@ -17,9 +17,7 @@ def ckpt(checkpoint_dir):
 
 
 def _engine(ckpt, **kw):
-    # prefill_burst_tokens off unless a test asks: several prompts at once would otherwise take the
-    # burst budget, and the small budgets here would not chunk them.
-    opts = dict(kv_cache_memory=16 << 20, progress=False, prefill_burst_tokens=0)
+    opts = dict(kv_cache_memory=16 << 20, progress=False)
     opts.update(kw)
     return Engine(ckpt, **opts)
 

@@ -31,7 +31,8 @@ class EngineConfig:
       for their prefill (0 or <= max_num_batched_tokens: off). A queue of prompts is waiting time
       that only prefill throughput shortens, and a step's decode rows cost the same beside a big
       chunk as beside a small one; with one or two prompts pending, short steps keep the running
-      streams' inter-token gaps short (scheduler.py).
+      streams' inter-token gaps short (scheduler.py). Off by default: on served W2 it did not
+      measurably beat the plain 512 budget (bench/RESULTS.md).
     max_model_len: longest sequence (prompt + output); defaults to the model's
       max_position_embeddings (capped by Mistral's sliding window is not needed: it is masked).
     enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
@@ -101,7 +102,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
-    prefill_burst_tokens: int = 2048
+    prefill_burst_tokens: int = 0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0

@@ -6,9 +6,10 @@ rest of any running sequence's unfinished prefill, then new sequences from the w
 whose prompts are split over steps when the budget runs out (chunked prefill). A sequence
 "catches up" when num_computed_tokens reaches its token count, and is then sampled.
 
-The budget grows to prefill_burst_tokens while BURST_MIN_PROMPTS or more prompts wait for their
-prefill (a burst of arrivals, a queue): their waiting is shortened only by prefill throughput, and a
-step's decode rows cost the same beside a 2,048-token chunk as beside a 512-token one. With fewer
+When prefill_burst_tokens is set (off by default), the budget grows to it while BURST_MIN_PROMPTS
+or more prompts wait for their prefill (a burst of arrivals, a queue): their waiting is shortened
+only by prefill throughput, and a step's decode rows cost the same beside a 2,048-token chunk as
+beside a 512-token one. With fewer
 prompts pending the short budget holds, so an arrival stalls the running streams for one short step
 (bench/RESULTS.md, served W2: ITL p99 at 32 clients against 96-at-once throughput).
 
