@@ -9,9 +9,9 @@ whose prompts are split over steps when the budget runs out (chunked prefill). A
 When prefill_burst_tokens is set (off by default), the budget grows to it while BURST_MIN_PROMPTS
 or more prompts wait for their prefill (a burst of arrivals, a queue): their waiting is shortened
 only by prefill throughput, and a step's decode rows cost the same beside a 2,048-token chunk as
-beside a 512-token one. With fewer
-prompts pending the short budget holds, so an arrival stalls the running streams for one short step
-(bench/RESULTS.md, served W2: ITL p99 at 32 clients against 96-at-once throughput).
+beside a 512-token one. With fewer prompts pending the short budget holds, so an arrival stalls the
+running streams for one short step (bench/RESULTS.md, served W2: ITL p99 at 32 clients against
+96-at-once throughput).
 
 Blocks are allocated just ahead of use. When a running sequence needs a block and none is free,
 the least urgent running sequence (highest priority value, then latest arrival) is preempted by
