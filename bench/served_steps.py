@@ -1,7 +1,7 @@
 """Where the served ITL tail comes from: the W2 requests at 32 concurrent driven straight into the
 engine (no HTTP, no gateway), every step timed and sorted by what it carried.
 
-    .venv/bin/python -m bench.served_steps [--budgets 512,512:0,2048:0] [--concurrency 32] [--rounds 2]
+    .venv/bin/python -m bench.served_steps [--budgets 512,2048] [--concurrency 32] [--rounds 2]
 
 The peer benchmark's served part (bench/peers/peer_bench.py) measures inter-token latency at the
 client, through the gateway. This one takes the gateway away: a closed loop keeps `--concurrency`
@@ -26,17 +26,13 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from bench.peers.models import w2_checkpoint
 from bench.results_io import RunRecorder
+from bench.serving_metrics import percentile as pct
 from bench.workloads import W2_MODEL, w2
 from engines import LLM, SamplingParams
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def closed_loop(llm: LLM, reqs: list, concurrency: int) -> dict[str, Any]:
@@ -107,8 +103,9 @@ def closed_loop(llm: LLM, reqs: list, concurrency: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="512,512:0,2048:0",
-                    help="comma-separated max_num_batched_tokens[:prefill_burst_tokens] (default: the engine's burst)")
+    ap.add_argument("--budgets", default="512,2048",
+                    help="comma-separated max_num_batched_tokens[:prefill_burst_tokens] (burst left out: the engine's "
+                         "default, off)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
