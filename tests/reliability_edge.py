@@ -304,11 +304,14 @@ def run_slow_connections(total: int, held: int, max_connections: int = 1024, hea
     report.check(attack.get("opened", 0) >= min(total, held), f"the attacker could not open its sockets: {attack}")
     report.check(f["probes_failed"] == 0 and all(s == 200 for s, _ in after),
                  f"{f['probes_failed']} of {len(during)} probes failed during the attack")
-    # "Usual latency": the median stays within 5x the quiet one (or 20 ms), the p99 within 10x (or
-    # 500 ms: the attacker's connection bursts share two cores with the gateway). Before the guard
-    # the probes failed outright once the gateway ran out of file descriptors.
+    # "Usual latency": the median stays within 5x the quiet one (or 20 ms). The p99 stays within 10x
+    # the quiet one or under 1 s, the first SYN retransmit: a probe under it was never dropped from a
+    # full accept queue. Less than that is not a bound here: the attacker, the gateway and the probe
+    # share two cores, and a probe queued behind an accept burst of ~2,000 sockets waited 200-450 ms
+    # on one VM and 580 ms on CI. Before the guard the probes failed outright once the gateway ran
+    # out of file descriptors.
     report.check(f["probe_p50_ms_during"] <= max(5 * f["probe_p50_ms_before"], 20)
-                 and f["probe_p99_ms_during"] <= max(10 * f["probe_p99_ms_before"], 500),
+                 and f["probe_p99_ms_during"] <= max(10 * f["probe_p99_ms_before"], 1000),
                  f"probe p50/p99 {f['probe_p50_ms_during']}/{f['probe_p99_ms_during']} ms during vs "
                  f"{f['probe_p50_ms_before']}/{f['probe_p99_ms_before']} ms before")
     # Bounded by the cap plus one accept burst plus the reserve, and never the whole fd limit.
