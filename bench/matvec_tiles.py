@@ -4,7 +4,9 @@
         [--kinds f32] [--rounds 5] [--name matvec_tiles]
 
 Each tile shape is a build of the step's library with -DTY_TR/-DTY_TT (int4 kinds: -DTY4_TR/-DTY4_TT;
-`--dequant-batches` adds builds with another -DTY_DEQUANT_BATCH). The W2 model's projections (gate_up
+`--dequant-batches` adds builds with another -DTY_DEQUANT_BATCH; `--panel-batches` builds with packed
+panels (kernels/cpu_matvec_panel.c) from another batch, e.g. 100000 for the dot-product tiles at every
+batch, 2 for panels at every batch but 1). The W2 model's projections (gate_up
 2816x512, down 512x1408, lm_head 8192x512) are multiplied by `batch` random inputs through
 Library.matvec; per round every variant runs once in turn (interleaved), best of a few calls per
 shape, and the figure is the median over rounds of the summed milliseconds of the three shapes, as
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also builds with quantised rows widened into an fp32 panel from these batches on")
     ap.add_argument("--block-kib", type=int, nargs="*", default=[],
                     help="also builds with token blocks of at most this many KiB of inputs (-DTY_BLOCK_BYTES)")
+    ap.add_argument("--panel-batches", type=int, nargs="*", default=[],
+                    help="also builds whose fp32 products use packed panels from these batches on (-DTY_PANEL_BATCH)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--name", default="matvec_tiles")
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"block{kib}k"] = _library((f"-DTY_BLOCK_BYTES={kib * 1024}",))
     for b in args.dequant_batches:
         variants[f"dequant{b}"] = _library((f"-DTY_DEQUANT_BATCH={b}",))
+    for b in args.panel_batches:
+        variants[f"panels{b}"] = _library((f"-DTY_PANEL_BATCH={b}",))
     g = torch.Generator().manual_seed(0)
     runs, figures = [], {}
     flops_per_token = 2 * sum(n * k for n, k in SHAPES.values())

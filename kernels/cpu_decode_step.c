@@ -72,7 +72,8 @@ typedef struct {
     int index;
     pthread_t thread;
     float *x;          /* private normalised input, [max_batch, max(hidden, inter)] */
-    ty_scratch scratch;  /* private: per-group input sums [max_batch, max k / 32], an fp32 panel [TY_TR, max k] */
+    ty_scratch scratch;  /* private: per-group input sums [max_batch, max k / 32], widened rows [TY_WBUF_ROWS, max k],
+                          * a packed panel [TY_KC, TY_PR] */
     float *attn_work;  /* head_dim + group * max_len */
     float *mask;       /* [max_len] */
 } ty_worker;
@@ -295,7 +296,7 @@ static int linear_ok(const ty_linear *L, int64_t n, int64_t k) {
 
 static void free_pool(ty_pool *p) {
     for (int t = 0; t < TY_MAX_THREADS; t++) {
-        free(p->workers[t].x); free(p->workers[t].scratch.gsum); free(p->workers[t].scratch.wbuf); free(p->workers[t].scratch.q8); free(p->workers[t].attn_work); free(p->workers[t].mask);
+        free(p->workers[t].x); free(p->workers[t].scratch.gsum); free(p->workers[t].scratch.wbuf); free(p->workers[t].scratch.q8); free(p->workers[t].scratch.panel); free(p->workers[t].attn_work); free(p->workers[t].mask);
     }
     free(p->h); free(p->qkv); free(p->attn); free(p->act); free((void *)p->counters);
     free(p);
@@ -337,11 +338,13 @@ void *tokenyard_step_create(const ty_model *model, int n_threads, long spin_limi
         wk->index = t;
         wk->x = malloc(sizeof(float) * (size_t)(B * widest));
         wk->scratch.gsum = malloc(sizeof(float) * (size_t)(B * most_groups));
-        wk->scratch.wbuf = malloc(sizeof(float) * (size_t)(TY_TR * widest_k));
+        wk->scratch.wbuf = malloc(sizeof(float) * (size_t)(TY_WBUF_ROWS * widest_k));
+        wk->scratch.panel = malloc(sizeof(float) * (size_t)(TY_PR * TY_KC));
         wk->scratch.q8 = malloc(sizeof(float) * (size_t)(B * (widest_k / 16 + widest_k / 4 + 2)));
         wk->attn_work = malloc(sizeof(float) * (size_t)(m->head_dim + (m->heads / m->kv_heads) * span));
         wk->mask = malloc(sizeof(float) * (size_t)span);
-        ok = wk->x && wk->scratch.gsum && wk->scratch.wbuf && wk->scratch.q8 && wk->attn_work && wk->mask;
+        ok = wk->x && wk->scratch.gsum && wk->scratch.wbuf && wk->scratch.q8 && wk->scratch.panel && wk->attn_work
+             && wk->mask;
     }
     if (!ok) { free_pool(p); return NULL; }
     pthread_mutex_init(&p->lock, NULL);
@@ -401,13 +404,15 @@ int tokenyard_matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t b
     if (!linear_ok(L, L->n, L->k) || batch < 1 || r0 < 0 || r0 > r1 || r1 > L->n || ld_x < L->k || ld_out < r1)
         return -1;
     ty_scratch scratch = {malloc(sizeof(float) * (size_t)(batch * (L->k / 32 + 1))),
-                          malloc(sizeof(float) * (size_t)(TY_TR * L->k)),
-                          malloc(sizeof(float) * (size_t)(batch * (L->k / 16 + L->k / 4 + 2))), NULL};
-    int rc = scratch.gsum && scratch.wbuf && scratch.q8 ? 0 : -1;
+                          malloc(sizeof(float) * (size_t)(TY_WBUF_ROWS * L->k)),
+                          malloc(sizeof(float) * (size_t)(batch * (L->k / 16 + L->k / 4 + 2))), NULL,
+                          malloc(sizeof(float) * (size_t)(TY_PR * TY_KC))};
+    int rc = scratch.gsum && scratch.wbuf && scratch.q8 && scratch.panel ? 0 : -1;
     if (!rc) matvec(L, x, ld_x, batch, r0, r1, out, ld_out, accumulate, &scratch);
     free(scratch.gsum);
     free(scratch.wbuf);
     free(scratch.q8);
+    free(scratch.panel);
     return rc;
 }
 

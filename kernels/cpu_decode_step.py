@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode_step.c")
 INCLUDES = tuple(Path(__file__).with_name(name) for name in
-                 ("cpu_decode_attention.c", "cpu_matvec.c", "cpu_matvec_q8.c"))
+                 ("cpu_decode_attention.c", "cpu_matvec.c", "cpu_matvec_q8.c", "cpu_matvec_panel.c"))
 MAX_BATCH = 256
 F32, INT8, INT4 = 0, 1, 2
 _LOCK = threading.Lock()

@@ -13,6 +13,9 @@
  * at the end of the row. Batch 1 is a TR x 1 tile: TR rows stream side by side. Quantised weights
  * are widened inside the tile while the batch is small; from TY_DEQUANT_BATCH tokens on, TR rows at
  * a time are widened once into a small fp32 panel that the fp32 tiles then read for every token.
+ * From TY_PANEL_BATCH tokens on (fp32, and quantised rows once widened) the products leave this form
+ * for packed panels in outer-product form (cpu_matvec_panel.c), which reuse each weight across tokens
+ * better.
  *
  * Why (scratch timings on an AMD EPYC Zen 3, AVX2 with 16 vector registers, one thread, W2 shapes):
  * the forms this replaced (one row against up to eight tokens in 16-float vectors; batch 1 as one
@@ -47,10 +50,11 @@ typedef struct {
 /* a thread's working memory for the products */
 typedef struct {
     float *gsum;            /* int4: per-group input sums, [batch, k / 32] */
-    float *wbuf;            /* dequantised panel: [TY_TR, k] */
+    float *wbuf;            /* dequantised rows: [TY_WBUF_ROWS, k] */
     float *q8;              /* int4 with int8 inputs: per token, group sums, block scales and codes */
     const float *prepared;  /* the inputs whose int8 form q8 holds (the same for every chunk of a
                              * phase); NULL when stale: the step clears it after each barrier */
+    float *panel;           /* packed weights for the outer-product tiles: [TY_KC, TY_PR] (cpu_matvec_panel.c) */
 } ty_scratch;
 
 /* ---------------------------------------------------------------- vectors and tile shapes */
@@ -308,6 +312,8 @@ DEFINE_TILES(int8, TY_TR, TY_TT)
 DEFINE_TILES(int4, TY4_TR, TY4_TT)
 
 #include "cpu_matvec_q8.c"
+#include "cpu_matvec_panel.c"
+#define TY_WBUF_ROWS (TY_PR > TY_TR ? TY_PR : TY_TR)   /* rows of quantised weights widened at a time */
 
 /* ---------------------------------------------------------------- products */
 
@@ -346,7 +352,18 @@ static void matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t bat
     if (r0 >= r1) return;
     if (L->kind == TY_F32) {
         if (batch == 1) rows_f32_b1(L, x, r0, r1, out, accumulate);
+        else if (batch >= TY_PANEL_BATCH) panels_f32(L, x, ld_x, batch, r0, r1, out, ld_out, accumulate, scratch->panel);
         else tiles_f32(L, x, ld_x, batch, r0, r1, out, ld_out, accumulate, x, 0);
+        return;
+    }
+    if (batch >= TY_PANEL_BATCH) {
+        /* TY_PR rows at a time widened into fp32 rows, then packed into panels like fp32 weights */
+        for (int64_t r = r0; r < r1; r += TY_PR) {
+            const int64_t rows = r1 - r < TY_PR ? r1 - r : TY_PR;
+            dequantise_rows(L, r, rows, scratch->wbuf);
+            const ty_linear panel = {TY_F32, rows, L->k, 0, scratch->wbuf, NULL, NULL, L->bias ? L->bias + r : NULL};
+            panels_f32(&panel, x, ld_x, batch, 0, rows, out + r, ld_out, accumulate, scratch->panel);
+        }
         return;
     }
     if (batch >= TY_DEQUANT_BATCH) {

@@ -6,7 +6,8 @@ into an fp32 panel. The engine-level tests (test_native_decode.py) use model sha
 chunks and widths are multiples of 16, so they never reach the edges: here odd row ranges, odd
 batches and k not a multiple of the vector width do, for fp32, int8 and int4 weights, stored and
 accumulated, on each x86 vector path this machine can run (and the AVX-512 one is at least
-compiled), and in a build with tiny token blocks and an early panel. Reference: float64 products
+compiled), in a build with tiny token blocks and an early panel, and in builds whose packed
+panels start at 3 tokens and hold 40 inputs. Reference: float64 products
 of the same weights; tolerance 1e-4 relative to the largest output (fp32 sums in another order).
 """
 from __future__ import annotations
@@ -24,8 +25,13 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C
 
 MARCHES = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
 # a build whose token blocks hold 2000 bytes of inputs (3 to 12 tokens here) and whose quantised weights go
-# through the fp32 panel from 3 tokens on, so that small shapes cross both boundaries
-SMALL_BLOCKS = ("-DTY_BLOCK_BYTES=2000", "-DTY_DEQUANT_BATCH=3")
+# through the fp32 panel from 3 tokens on, so that small shapes cross both boundaries (packed panels
+# from 64 tokens, so that they stay out of the way)
+SMALL_BLOCKS = ("-DTY_BLOCK_BYTES=2000", "-DTY_DEQUANT_BATCH=3", "-DTY_PANEL_BATCH=64")
+# a build with packed panels (cpu_matvec_panel.c) from 3 tokens and 40 inputs a panel, so that k runs
+# over several panels with an odd last one (the default build takes panels from 16 tokens: batch 20)
+EARLY_PANELS = ("-DTY_PANEL_BATCH=3", "-DTY_KC=40")
+VARIANTS = {"-small-blocks": SMALL_BLOCKS, "-early-panels": EARLY_PANELS}
 
 
 def _lib(monkeypatch, march: str, extra: tuple[str, ...] = ()):
@@ -74,11 +80,13 @@ def _int8_input_bound(kind: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tens
     return half_step @ w.abs().reshape(n, k // 32, 32).sum(-1).T
 
 
-@pytest.mark.parametrize("march", MARCHES + ["native-small-blocks"])
+@pytest.mark.parametrize("march", MARCHES + ["native-small-blocks", "native-early-panels", "x86-64-early-panels"])
 @pytest.mark.parametrize("kind", ["f32", "int8", "int4"])
 def test_products_match_float64_on_every_edge(monkeypatch, march, kind):
-    small = march.endswith("-small-blocks")
-    lib = _lib(monkeypatch, march.removesuffix("-small-blocks"), SMALL_BLOCKS if small else ())
+    suffix = next((v for v in VARIANTS if march.endswith(v)), "")
+    if march.startswith("x86-64") and "x86-64" not in MARCHES:
+        pytest.skip("x86 vector paths")
+    lib = _lib(monkeypatch, march.removesuffix(suffix), VARIANTS.get(suffix, ()))
     g = torch.Generator().manual_seed(len(kind) * 7 + len(march))
     # k: 64 whole vectors; 72 and 37 leave a scalar tail (fp32 and int8; int4 needs whole 32-blocks)
     shapes = [(23, 64, 32), (37, 128, 64)] + ([(29, 72, 0), (13, 37, 0)] if kind != "int4" else [])

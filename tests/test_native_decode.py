@@ -93,9 +93,10 @@ def _decoder(engine: Engine, max_batch: int = 4, threads: int = 2) -> NativeDeco
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_step_matches_the_eager_forward(checkpoint_dir, arch):
     engine = _engine(checkpoint_dir(arch))
-    dec = _decoder(engine, max_batch=16)
+    dec = _decoder(engine, max_batch=24)
     try:
-        for n in (1, 3, 4, 15):     # 15 = tiles of 8, 4, 2 and 1 tokens
+        # 15: the dot-product tiles with their 1-token edges; 20: packed panels (cpu_matvec_panel.c)
+        for n in (1, 3, 4, 15, 20):
             _compare_step(engine, dec, n, seed=n)
     finally:
         dec.close()
@@ -108,9 +109,9 @@ def test_quantised_weights_match_the_fp32_reference_backend(checkpoint_dir, monk
     monkeypatch.setenv("TOKENYARD_QUANT_BACKEND", "torch")
     engine = _engine(checkpoint_dir("qwen2" if quant == "int8" else "llama"), quantization=quant, quant_group_size=32)
     assert any(isinstance(m, QuantLinear) and m.backend == "torch" for m in engine.model.modules())
-    dec = _decoder(engine, max_batch=16)
+    dec = _decoder(engine, max_batch=24)
     try:
-        for n in (1, 4, 15):
+        for n in (1, 4, 15, 20):
             _compare_step(engine, dec, n, seed=10 + n)
     finally:
         dec.close()
@@ -144,10 +145,11 @@ def test_every_vector_path_gives_the_same_logits(checkpoint_dir, monkeypatch, ma
         pytest.skip(f"the compiler cannot build -march={march}")
     for path_kw in (dict(), dict(quantization="int4", quant_group_size=32), dict(quantization="int8")):
         engine = _engine(checkpoint_dir("qwen2"), **path_kw)
-        dec = _decoder(engine, max_batch=16)
+        dec = _decoder(engine, max_batch=20)
         try:
             _compare_step(engine, dec, 1, seed=7)
             _compare_step(engine, dec, 15, seed=8)
+            _compare_step(engine, dec, 20, seed=9)
         finally:
             dec.close()
 
