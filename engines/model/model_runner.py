@@ -23,8 +23,11 @@ log = logging.getLogger(__name__)
 AUTO_COMPILE_MIN_PARAMS = 20_000_000
 # cpu_decode_step_max_batch 0 ("auto"): the C step takes decode batches up to these sizes. Measured
 # on the W2 model, 2 threads, AMD EPYC Zen 3 (bench/RESULTS.md, native CPU decode step): against
-# eager torch it is faster at every batch measured (1.3x at 96), so alone it takes them all; against
-# the compiled graph it is faster up to 16 (2.3x at 1, 1.2x at 16) and slower from 32 (0.82-0.97x).
+# eager torch it is faster at every batch measured (1.8x at 96), so alone it takes them all. Against
+# the compiled graph it was faster up to 16 (2.3x at 1, 1.2x at 16) and slower from 32 (0.82-0.97x)
+# until its products of 16+ tokens moved to packed panels (kernels/cpu_matvec_panel.c); since then
+# it is ahead there too (1.07x at 32, 1.23x at 96), so the graph is worth compiling only for larger
+# batches on machines where that has not been measured (AVX-512): beside it the C step keeps 1..16.
 NATIVE_MAX_BATCH_ALONE = 256
 NATIVE_MAX_BATCH_WITH_GRAPH = 16
 
