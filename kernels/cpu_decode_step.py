@@ -12,7 +12,10 @@ builds the description from a model).
 
 Threads: the step runs on `threads` threads, the caller's included; the others are the C pool's
 own and spin for `spin_limit` pause instructions after a step before they sleep, so a decode loop
-never waits for a wake-up while an idle engine costs no CPU.
+never waits for a wake-up while an idle engine costs no CPU. TOKENYARD_STEP_SPIN sets the default
+(200,000; on a Zen 4 core a pause is about 64 cycles, so a few milliseconds of one core after each
+step): lower it where the step shares its cores with other work between steps (a gateway's event
+loop, torch's threads in a mixed step), since a spinning worker takes that core from them.
 
 Build: nativelib (cached in ~/.cache/tokenyard/native), -O3 -march=native, reassociation allowed
 (the vector dot products). TOKENYARD_NATIVE_MARCH
@@ -37,6 +40,7 @@ SOURCE = Path(__file__).with_name("cpu_decode_step.c")
 INCLUDES = tuple(Path(__file__).with_name(name) for name in
                  ("cpu_decode_attention.c", "cpu_matvec.c", "cpu_matvec_q8.c", "cpu_matvec_panel.c"))
 MAX_BATCH = 256
+DEFAULT_SPIN_LIMIT = 200_000
 F32, INT8, INT4 = 0, 1, 2
 _LOCK = threading.Lock()
 _LOADED: dict[str, "Library | None"] = {}
@@ -46,6 +50,20 @@ def flags() -> tuple[str, ...]:
     march = os.environ.get("TOKENYARD_NATIVE_MARCH", "native").strip() or "native"
     return ("-O3", f"-march={march}", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
             "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
+
+
+def default_spin_limit() -> int:
+    """Pause instructions an idle pool worker spins before it sleeps: TOKENYARD_STEP_SPIN, else 200,000."""
+    raw = os.environ.get("TOKENYARD_STEP_SPIN", "").strip()
+    if not raw:
+        return DEFAULT_SPIN_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"TOKENYARD_STEP_SPIN must be a whole number of pause instructions, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"TOKENYARD_STEP_SPIN must be at least 1, got {value}")
+    return value
 
 
 # ------------------------------------------------------------------ the description
@@ -210,8 +228,9 @@ class Library:
         return out
 
     def create(self, spec: StepModel, max_batch: int, max_len: int, threads: int,
-               spin_limit: int = 200_000) -> "DecodeStep":
-        return DecodeStep(self, spec, max_batch, max_len, threads, spin_limit)
+               spin_limit: int | None = None) -> "DecodeStep":
+        return DecodeStep(self, spec, max_batch, max_len, threads,
+                          default_spin_limit() if spin_limit is None else spin_limit)
 
 
 class DecodeStep:

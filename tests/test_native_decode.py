@@ -282,3 +282,29 @@ def test_models_the_step_cannot_run_fall_back_under_auto_and_raise_under_on(chec
     assert len(run_to_completion(engine)["x"]) == 3
     with pytest.raises(RuntimeError, match="unavailable"):
         Engine(path, cpu_decode_step="on", **OPTIONS)
+
+
+def test_spin_limit_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.delenv("TOKENYARD_STEP_SPIN", raising=False)
+    assert cpu_decode_step.default_spin_limit() == cpu_decode_step.DEFAULT_SPIN_LIMIT
+    monkeypatch.setenv("TOKENYARD_STEP_SPIN", " 2000 ")
+    assert cpu_decode_step.default_spin_limit() == 2000
+    for bad in ("0", "-5", "fast", "1e4"):
+        monkeypatch.setenv("TOKENYARD_STEP_SPIN", bad)
+        with pytest.raises(ValueError, match="TOKENYARD_STEP_SPIN"):
+            cpu_decode_step.default_spin_limit()
+
+
+def test_workers_that_sleep_between_steps_give_the_same_tokens(checkpoint_dir, monkeypatch):
+    """Spin limit 1: the pool's worker sleeps after every step and must be woken for the next."""
+    path = checkpoint_dir("llama")
+    prompts = random_prompts(3, 2, 30, Engine(path, cpu_decode_step="off", **OPTIONS).model_config.vocab_size, seed=5)
+    got = {}
+    for spin in ("200000", "1"):
+        monkeypatch.setenv("TOKENYARD_STEP_SPIN", spin)
+        engine = Engine(path, cpu_decode_step="on", **OPTIONS)
+        assert engine.runner.native is not None
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, GREEDY)
+        got[spin] = run_to_completion(engine)
+    assert got["1"] == got["200000"] and all(len(t) == GREEDY.max_tokens for t in got["1"].values())

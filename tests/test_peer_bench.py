@@ -102,3 +102,13 @@ def test_served_runs_per_server():
     assert pb.concurrencies_for(32, 96) == [96, 32]
     assert pb.concurrencies_for(96, 96) == [96]                 # 32 clients on 96 slots = the 32-slot case
     assert pb.concurrencies_for(32, 32) == [32]                 # all at once is 32 clients already
+
+
+def test_served_gap_variants_parse_names_and_environment():
+    from bench.served_gap import parse_variant
+    assert parse_variant("default") == ("default", {})
+    assert parse_variant("spin:TOKENYARD_STEP_SPIN=2000,OMP_WAIT_POLICY=PASSIVE") == (
+        "spin", {"TOKENYARD_STEP_SPIN": "2000", "OMP_WAIT_POLICY": "PASSIVE"})
+    for bad in (":A=1", "x:A", "x:=1"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)

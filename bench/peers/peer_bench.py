@@ -378,7 +378,7 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
 
             yield Server(f"tokenyard_{cfg.served_mode}", f"http://127.0.0.1:{port}",
                          {"Authorization": f"Bearer {key}"}, body,
-                         {"engine": spec, "eos_banned": eos, "log": str(log_path),
+                         {"engine": spec, "eos_banned": eos, "log": str(log_path), "pid": proc.pid,
                           "max_num_batched_tokens": spec.get("max_num_batched_tokens", default_budget)})
         finally:
             _stop(proc)
