@@ -163,6 +163,13 @@ def _metric(text: str, name: str) -> float:
     return float("nan")
 
 
+def _counter(text: str, name: str) -> float:
+    """A labelled Prometheus counter's value; 0 when its line is absent (a labelled child is only
+    exposed once it has been incremented, e.g. no record was spooled)."""
+    value = _metric(text, name)
+    return 0.0 if value != value else value
+
+
 def full_run_selected(config) -> bool:
     """The full-size tests run only when asked for by marker (`pytest -m reliability`)."""
     expr = config.getoption("markexpr") or ""

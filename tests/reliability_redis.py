@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from gateway_helpers import PrivateRedis, mock_deployment, running_gateway, wait_ledger
-from reliability_common import Report, _metric, check_ledger, pct
+from reliability_common import Report, _counter, check_ledger, pct
 
 
 # --- Redis outage ---------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def run_redis_outage(outage_s: float, gap_s: float = 0.02) -> Report:
             report.check(status == 200, f"a valid key unknown to the cache is refused after the outage: {status}")
             for srv in (fopen, fclosed):
                 wait_ledger(srv, timeout=60)
-            spooled = sum(_metric(s.request("GET", "/metrics")[2].decode(), "tokenyard_spend_records_total"
+            spooled = sum(_counter(s.request("GET", "/metrics")[2].decode(), "tokenyard_spend_records_total"
                                   '{outcome="spooled"}') for s in (fopen, fclosed))
             reached = list(seen)   # every 200 reached the engine; refusals never do
             check_ledger(client, prefix, ["acme", "globex", "tight"], reached, seen, report)
