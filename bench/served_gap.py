@@ -11,11 +11,12 @@ Each round runs, interleaved:
   engine's defaults, prefix caching off, EOS banned), started fresh, warmed up with 4 requests, then
   the 96 streamed over HTTP by the same aiohttp client, which runs in this process on the same cores.
 
-For every run: useful output tok/s, TTFT and ITL p50/p99, the machine's busy share, this process's
-CPU seconds (the client; for `engine`, the engine) and the gateway's CPU seconds per thread (the
-main thread runs the event loop; the busiest others are the step thread, the C step's pool worker
-and torch's OpenMP worker, told apart by their CPU). Two cores and four busy threads: the question
-is which of them takes the engine's cores.
+For every run: useful output tok/s, TTFT and ITL p50/p99, the engine's steps and seconds in steps
+(the gateway's /metrics), the machine's busy share, this process's CPU seconds (the client; for
+`engine`, the engine) and per thread of the engine's process its CPU seconds and its seconds
+runnable but waiting for a core (schedstat; the main thread runs the event loop; the busiest others
+are the step thread, the C step's pool worker and torch's OpenMP worker, told apart by their CPU).
+Two cores and four busy threads: the question is which of them takes the engine's cores.
 Raw output: bench/results/<--results-name, default served_gap>.json.
 """
 from __future__ import annotations
@@ -53,19 +54,52 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) of each thread of `pid`, with its kernel name."""
-    out: dict[int, tuple[str, float]] = {}
-    task = Path(f"/proc/{pid}/task")
-    for t in task.iterdir():
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
+    """Per thread of `pid`: its kernel name, seconds on a CPU and seconds runnable but waiting for
+    one (/proc/<pid>/task/<tid>/schedstat). Wall time minus both is time it was blocked (a lock,
+    a futex, I/O, or asleep)."""
+    out: dict[int, tuple[str, float, float]] = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
         try:
-            stat = (t / "stat").read_text()
-        except OSError:
+            comm = (t / "comm").read_text().strip()
+            run_ns, wait_ns, _ = (t / "schedstat").read_text().split()
+        except (OSError, ValueError):
             continue   # the thread ended between listing and reading
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(t.name)] = (comm, (int(fields[11]) + int(fields[12])) / CLK)
+        out[int(t.name)] = (comm, int(run_ns) / 1e9, int(wait_ns) / 1e9)
     return out
+
+
+def thread_deltas(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]],
+                  main_tid: int) -> list[dict[str, Any]]:
+    """The threads that ran in between, busiest first: CPU seconds and run-queue wait seconds."""
+    rows = []
+    for tid, (name, run, wait) in after.items():
+        _, run0, wait0 = before.get(tid, (name, 0.0, 0.0))
+        if run - run0 > 0.01:
+            rows.append({"tid": tid, "name": name, "main": tid == main_tid, "cpu_s": round(run - run0, 3),
+                         "runqueue_s": round(wait - wait0, 3)})
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def engine_counters(server: pb.Server) -> dict[str, float]:
+    """The gateway engine's step counters from /metrics: steps, seconds in steps, prompt tokens computed."""
+    import urllib.request
+    req = urllib.request.Request(server.base_url + "/metrics", headers=server.headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    want = {"tokenyard_engine_batch_size_count": "steps", "tokenyard_engine_busy_seconds_total": "step_s",
+            "tokenyard_engine_prefill_tokens_total": "prefill_tokens"}
+    out = {v: 0.0 for v in want.values()}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in want:
+            out[want[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def describe_threads(threads: list[dict[str, Any]], n: int = 5) -> str:
+    return ", ".join(f"{'main' if t['main'] else t['tid']} {t['cpu_s']:.1f}+{t['runqueue_s']:.1f}q"
+                     for t in threads[:n])
 
 
 def self_cpu() -> float:
@@ -92,26 +126,30 @@ def gateway_run(cfg: pb.Config, env: dict[str, str], reqs: list[tuple[list[int],
     with environment(env), pb.tokenyard_gateway(cfg, log_dir, threads) as server:
         pid = server.info["pid"]
         pb.run_load(server, reqs[:4], 4)                     # warm-up: first-call costs stay out
+        c0 = engine_counters(server)
         before, stat0, client0 = thread_cpu(pid), pb._cpu_stat(), self_cpu()
         figures = pb.run_load(server, reqs, len(reqs))
         after, stat1, client1 = thread_cpu(pid), pb._cpu_stat(), self_cpu()
-    per_thread = sorted(((after[t][1] - before.get(t, (None, 0.0))[1], t, after[t][0]) for t in after),
-                        reverse=True)
-    return {**figures, "busy": pb.cpu_busy_fraction(stat0, stat1), "client_cpu_s": client1 - client0,
-            "gateway_cpu_s": sum(c for c, _, _ in per_thread),
-            "event_loop_cpu_s": next((c for c, t, _ in per_thread if t == pid), 0.0),
-            "threads": [{"tid": t, "name": n, "cpu_s": round(c, 3)} for c, t, n in per_thread if c > 0.01]}
+        c1 = engine_counters(server)
+    threads = thread_deltas(before, after, pid)
+    steps = {k: c1[k] - c0[k] for k in c0}
+    return {**figures, **steps, "step_share": steps["step_s"] / figures["duration_s"],
+            "busy": pb.cpu_busy_fraction(stat0, stat1), "client_cpu_s": client1 - client0,
+            "gateway_cpu_s": sum(t["cpu_s"] for t in threads),
+            "event_loop_cpu_s": next((t["cpu_s"] for t in threads if t["main"]), 0.0), "threads": threads}
 
 
 def engine_run(llm: Any, reqs: list, concurrency: int) -> dict[str, Any]:
-    stat0, cpu0 = pb._cpu_stat(), self_cpu()
+    stat0, cpu0, before = pb._cpu_stat(), self_cpu(), thread_cpu(os.getpid())
     r = closed_loop(llm, reqs, concurrency)
-    stat1, cpu1 = pb._cpu_stat(), self_cpu()
+    stat1, cpu1, after = pb._cpu_stat(), self_cpu(), thread_cpu(os.getpid())
     return {"useful_output_tok_s": r["output_tok_s"], "duration_s": r["wall_s"], "ttft_p50_ms": r["ttft_p50_ms"],
             "ttft_p99_ms": r["ttft_p99_ms"], "itl_p50_ms": r["itl_p50_ms"], "itl_p99_ms": r["itl_p99_ms"],
             "decode_steps": r["decode_steps"], "decode_step_p50_ms": r["decode_step_p50_ms"],
             "mixed_steps": r["mixed_steps"], "mixed_step_p50_ms": r["mixed_step_p50_ms"],
-            "busy": pb.cpu_busy_fraction(stat0, stat1), "engine_cpu_s": cpu1 - cpu0}
+            "steps": r["decode_steps"] + r["mixed_steps"], "step_s": r["step_s"], "step_share": r["step_s"] / r["wall_s"],
+            "busy": pb.cpu_busy_fraction(stat0, stat1), "engine_cpu_s": cpu1 - cpu0,
+            "threads": thread_deltas(before, after, os.getpid())}
 
 
 def main() -> None:
@@ -147,20 +185,23 @@ def main() -> None:
             r = engine_run(llm, workload, len(workload))
             runs.append({"round": rnd, "run": "engine", **r})
             print(f"round {rnd + 1} engine alone: {r['useful_output_tok_s']:.0f} tok/s, busy {r['busy']:.2f}, "
-                  f"engine CPU {r['engine_cpu_s']:.1f} s of {r['duration_s']:.1f} s; decode steps "
+                  f"engine CPU {r['engine_cpu_s']:.1f} s of {r['duration_s']:.1f} s, {r['steps']} steps "
+                  f"{r['step_s']:.1f} s ({describe_threads(r['threads'])}); decode steps "
                   f"{r['decode_steps']} p50 {r['decode_step_p50_ms']:.1f} ms, mixed {r['mixed_steps']} "
                   f"p50 {r['mixed_step_p50_ms']:.0f} ms", flush=True)
         for name, env in variants.items():
             r = gateway_run(cfg, env, reqs, args.threads, log_dir)
             runs.append({"round": rnd, "run": name, "env": env, **r})
-            top = ", ".join(f"{t['name']}/{t['tid']} {t['cpu_s']:.1f}" for t in r["threads"][:5])
+            top = describe_threads(r["threads"])
             print(f"round {rnd + 1} gateway {name}: {r['useful_output_tok_s']:.0f} tok/s in {r['duration_s']:.1f} s, "
                   f"TTFT p50 {r['ttft_p50_ms']:.0f} p99 {r['ttft_p99_ms']:.0f}, ITL p50 {r['itl_p50_ms']:.0f} "
-                  f"p99 {r['itl_p99_ms']:.0f} ms, busy {r['busy']:.2f}, client CPU {r['client_cpu_s']:.1f} s, "
-                  f"gateway CPU {r['gateway_cpu_s']:.1f} s (event loop {r['event_loop_cpu_s']:.1f}; {top})",
+                  f"p99 {r['itl_p99_ms']:.0f} ms, {r['steps']:.0f} steps {r['step_s']:.1f} s ({r['prefill_tokens']:.0f} prompt "
+                  f"tokens), busy {r['busy']:.2f}, client CPU {r['client_cpu_s']:.1f} s, "
+                  f"gateway CPU {r['gateway_cpu_s']:.1f} s (threads, CPU+run-queue s: {top})",
                   flush=True)
     names = (["engine"] if llm is not None else []) + list(variants)
-    keys = ("useful_output_tok_s", "duration_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "busy",
+    keys = ("useful_output_tok_s", "duration_s", "steps", "step_s", "step_share",
+            "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "busy",
             "client_cpu_s", "gateway_cpu_s", "event_loop_cpu_s", "engine_cpu_s")
     figures = {"requests": len(reqs), "threads": args.threads, "variants": variants,
                "median": {n: {k: statistics.median(r[k] for r in runs if r["run"] == n)

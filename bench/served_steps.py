@@ -86,7 +86,7 @@ def closed_loop(llm: LLM, reqs: list, concurrency: int) -> dict[str, Any]:
     decode = [s["s"] for s in steps if s["prefilling"] == 0]
     mixed = [s for s in steps if s["prefilling"] > 0]
     return {
-        "wall_s": wall, "output_tok_s": sum(len(st["times"]) for st in done) / wall,
+        "wall_s": wall, "step_s": sum(s["s"] for s in steps), "output_tok_s": sum(len(st["times"]) for st in done) / wall,
         "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3, "itl_max_ms": max(itl) * 1e3,
         "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
         "decode_steps": len(decode), "decode_step_p50_ms": pct(decode, 50) * 1e3,
@@ -137,7 +137,11 @@ def main() -> None:
                   f"decode steps {r['decode_steps']} p50 {r['decode_step_p50_ms']:.0f} ms, mixed {r['mixed_steps']} "
                   f"p50 {r['mixed_step_p50_ms']:.0f} p99 {r['mixed_step_p99_ms']:.0f} max {r['mixed_step_max_ms']:.0f} ms "
                   f"({r['mixed_tokens_p50']:.0f} tokens p50, {r['mixed_tokens_max']} max)", flush=True)
+    runner = next(iter(engines.values())).engine.runner
     figures = {"concurrency": args.concurrency, "requests": len(reqs), "threads": args.threads,
+               # eager linears on oneDNN's packed weights (cpu_onednn_linear; TOKENYARD_CPU_ONEDNN_LINEAR)
+               "cpu_onednn_linear": {"mode": runner.cpu_onednn_linear_mode, "layers": runner.num_onednn_linears,
+                                     "measured_speedup": runner.onednn_speedup},
                "by_budget": {b: {k: statistics.median(r[k] for r in runs[b]) for k in runs[b][0]}
                              for b in budgets}}
     rec.write(figures, runs=[{"budget": b, **r} for b in budgets for r in runs[b]])

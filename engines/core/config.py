@@ -71,6 +71,15 @@ class EngineConfig:
       are faster), else every batch the engine schedules (the C step beats eager torch at every
       batch measured, up to 96; bench/RESULTS.md). Nothing is compiled when the C step takes every
       batch (max_num_seqs <= 16 under auto, or a max_batch >= max_num_seqs).
+    cpu_onednn_linear: "auto" (default), "on" or "off": the steps torch runs eagerly on a CPU
+      (prefill, mixed prefill + decode, decode batches the C step does not take) multiply fp32
+      linear layers by a copy of their weights packed for oneDNN instead of calling F.linear
+      (MKL); a second copy of those weights in memory (engines/model/onednn_linear.py). "auto"
+      times both products on the model's largest projection at 512 rows at start-up and packs
+      when oneDNN is at least 1.15x faster, for CPU models of at least 20M parameters (on an AVX-512
+      Zen 4 VM it was 1.4x; on an AVX2 Zen 3 VM level; bench/RESULTS.md); "on" packs on any CPU
+      model and raises where it cannot. Quantised layers are left as they are. Results equal
+      F.linear's to fp32 rounding. TOKENYARD_CPU_ONEDNN_LINEAR (auto, on, off) replaces "auto" when set.
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
       Combines with quantization: each rank keeps its slice of the single-process quantised
@@ -116,6 +125,7 @@ class EngineConfig:
     cpu_compile: str = "off"
     cpu_decode_step: str = "auto"
     cpu_decode_step_max_batch: int = 0
+    cpu_onednn_linear: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     tp_timeout_s: float = 60.0
@@ -158,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be auto, on, off or padded, got {self.cuda_graphs!r}")
         if self.cpu_compile not in ("auto", "on", "off"):
             raise ValueError(f"cpu_compile must be auto, on or off, got {self.cpu_compile!r}")
+        if self.cpu_onednn_linear not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_onednn_linear must be auto, on or off, got {self.cpu_onednn_linear!r}")
         if self.cpu_decode_step not in ("auto", "on", "off"):
             raise ValueError(f"cpu_decode_step must be auto, on or off, got {self.cpu_decode_step!r}")
         if not isinstance(self.cpu_decode_step_max_batch, int) or isinstance(self.cpu_decode_step_max_batch, bool) \

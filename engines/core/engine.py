@@ -102,7 +102,7 @@ class Engine:
             self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
                                       cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                                       cfg.cpu_compile, cfg.max_num_seqs, cfg.cpu_decode_step,
-                                      cfg.cpu_decode_step_max_batch)
+                                      cfg.cpu_decode_step_max_batch, cfg.cpu_onednn_linear)
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
         self._grammars: Grammars | None = None   # built at the first response_format request

@@ -9,6 +9,7 @@ import torch
 
 from engines.core.scheduler import SchedulerOutput
 from engines.core.sequence import Sequence
+from engines.model import onednn_linear
 from engines.model.attention import AttentionMetadata, resolve_backend
 from engines.model.compiled_decoder import CompiledDecoder, compiler_error
 from engines.model.cuda_graph_runner import CudaGraphDecoder
@@ -30,6 +31,11 @@ AUTO_COMPILE_MIN_PARAMS = 20_000_000
 # batches on machines where that has not been measured (AVX-512): beside it the C step keeps 1..16.
 NATIVE_MAX_BATCH_ALONE = 256
 NATIVE_MAX_BATCH_WITH_GRAPH = 16
+# cpu_onednn_linear "auto" packs the eager linears when oneDNN's product beats F.linear (MKL) by at
+# least this much on the model's largest projection at ONEDNN_PROBE_ROWS rows (a 512-token step):
+# 1.4x on a Zen 4 VM, level on Zen 3 (bench/RESULTS.md); below it a second weight copy is not worth it.
+ONEDNN_MIN_SPEEDUP = 1.15
+ONEDNN_PROBE_ROWS = 512
 
 
 def _env_override(mode: str, variable: str) -> str:
@@ -61,7 +67,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, attention_backend: str = "torch", cuda_graphs: str = "off",
                  max_model_len: int = 0, cuda_graph_max_batch: int = 0, cpu_compile: str = "off",
-                 max_num_seqs: int = 0, cpu_decode_step: str = "off", cpu_decode_step_max_batch: int = 0) -> None:
+                 max_num_seqs: int = 0, cpu_decode_step: str = "off", cpu_decode_step_max_batch: int = 0,
+                 cpu_onednn_linear: str = "off") -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -103,6 +110,11 @@ class ModelRunner:
             if self.native is not None and self.compiled is not None and not cpu_decode_step_max_batch:
                 # "auto" (0): beside the compiled graph the C step keeps only the batches where it is faster
                 self.native.max_batch = min(self.native.max_batch, NATIVE_MAX_BATCH_WITH_GRAPH)
+        self.cpu_onednn_linear_mode = "off"
+        self.onednn_speedup: float | None = None     # what "auto" measured (None: not measured)
+        self.num_onednn_linears = 0
+        if self.graphs is None:
+            self._pack_linears(cpu_onednn_linear)
         self.num_graph_steps = 0
         self.num_compiled_steps = 0
         self.num_native_steps = 0
@@ -168,6 +180,41 @@ class ModelRunner:
         log.info("CPU decode step compiled in %.1f s (batch 1 and 2..%d; inductor cache %s)", seconds,
                  dec.max_batch, dec.cache_dir)
         return dec
+
+    def _pack_linears(self, mode: str) -> None:
+        """The eager fp32 linears on oneDNN's packed weights per the cpu_onednn_linear knob
+        (EngineConfig; engines/model/onednn_linear.py). "auto" measures first and packs only where
+        it pays; "on" packs or raises."""
+        mode = _env_override(mode, "TOKENYARD_CPU_ONEDNN_LINEAR")
+        self.cpu_onednn_linear_mode = mode
+        if mode == "off":
+            return
+        eligible = [m for m in self.model.modules() if onednn_linear.eligible(m)]
+        problem = None
+        if self.device.type != "cpu" or self.model.layers[0].tp_enabled:
+            problem = "it needs a CPU device and no tensor parallelism"
+        elif not onednn_linear.available():
+            problem = "this torch build has no oneDNN linear ops"
+        elif not eligible:
+            problem = "the model has no fp32 linear layers"
+        if problem is not None:
+            if mode == "on":
+                raise ValueError(f"cpu_onednn_linear is on but {problem}")
+            return
+        if mode == "auto":
+            if sum(p.numel() for p in self.model.parameters()) < AUTO_COMPILE_MIN_PARAMS:
+                return
+            big = max(eligible, key=lambda m: m.weight.numel())
+            self.onednn_speedup = onednn_linear.measured_speedup(big.in_features, big.out_features, ONEDNN_PROBE_ROWS)
+            if self.onednn_speedup < ONEDNN_MIN_SPEEDUP:
+                log.info("eager linears stay on F.linear: oneDNN's packed product was %.2fx on %dx%d at %d rows "
+                         "(auto packs from %.2fx)", self.onednn_speedup, big.out_features, big.in_features,
+                         ONEDNN_PROBE_ROWS, ONEDNN_MIN_SPEEDUP)
+                return
+        self.num_onednn_linears = onednn_linear.pack_linears(self.model, ONEDNN_PROBE_ROWS)
+        log.info("eager linears on oneDNN's packed weights: %d layers, %.0f MiB more memory%s",
+                 self.num_onednn_linears, onednn_linear.packed_bytes(self.model) / 2**20,
+                 "" if self.onednn_speedup is None else f" (measured {self.onednn_speedup:.2f}x F.linear)")
 
     def auto_compiles(self) -> bool:
         """What cpu_compile "auto" decides: compile on a CPU for models of at least
