@@ -32,7 +32,7 @@ AUTO_COMPILE_MIN_PARAMS = 20_000_000
 NATIVE_MAX_BATCH_ALONE = 256
 NATIVE_MAX_BATCH_WITH_GRAPH = 16
 # cpu_onednn_linear "auto" packs the eager linears when oneDNN's product beats F.linear (MKL) by at
-# least this much on the model's largest projection at ONEDNN_PROBE_ROWS rows (a 512-token step):
+# least this much on the decoder's largest projection at ONEDNN_PROBE_ROWS rows (a 512-token step):
 # 1.4x on a Zen 4 VM, level on Zen 3 (bench/RESULTS.md); below it a second weight copy is not worth it.
 ONEDNN_MIN_SPEEDUP = 1.15
 ONEDNN_PROBE_ROWS = 512
@@ -204,7 +204,9 @@ class ModelRunner:
         if mode == "auto":
             if sum(p.numel() for p in self.model.parameters()) < AUTO_COMPILE_MIN_PARAMS:
                 return
-            big = max(eligible, key=lambda m: m.weight.numel())
+            # the decoder's largest projection: every prompt token goes through it (the LM head sees one row a sequence)
+            in_layers = [m for m in self.model.layers.modules() if onednn_linear.eligible(m)]
+            big = max(in_layers or eligible, key=lambda m: m.weight.numel())
             self.onednn_speedup = onednn_linear.measured_speedup(big.in_features, big.out_features, ONEDNN_PROBE_ROWS)
             if self.onednn_speedup < ONEDNN_MIN_SPEEDUP:
                 log.info("eager linears stay on F.linear: oneDNN's packed product was %.2fx on %dx%d at %d rows "

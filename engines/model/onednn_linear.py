@@ -7,7 +7,7 @@ Why: torch's F.linear on a CPU calls MKL's sgemm. On the AMD EPYC Zen 4 VMs of t
 takes its AVX2 path, while oneDNN (also inside torch) uses AVX-512 on any vendor: at the W2
 model's shapes the packed oneDNN product was 1.4x faster at 512 rows and 1.7-2.9x at 8-40
 (bench/RESULTS.md). On an AVX2-only Zen 3 VM the two were level. So the engine's "auto" measures
-both on the model's largest projection before it packs anything, and keeps MKL where oneDNN is not
+both on the decoder's largest projection before it packs anything, and keeps MKL where oneDNN is not
 clearly faster.
 
 The packed weight is a second copy in oneDNN's blocked layout (an opaque mkldnn tensor), kept beside
