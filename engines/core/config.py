@@ -77,7 +77,8 @@ class EngineConfig:
       (MKL); a second copy of those weights in memory (engines/model/onednn_linear.py). "auto"
       times both products on the decoder's largest projection at 512 rows at start-up and packs
       when oneDNN is at least 1.05x faster, for CPU models of at least 20M parameters (on an AVX-512
-      Zen 4 VM it was 1.4x; on an AVX2 Zen 3 VM level; bench/RESULTS.md); "on" packs on any CPU
+      Zen 4 VM the probe said 1.18-1.40x; AVX2-only machines are unmeasured, hence the probe;
+      bench/RESULTS.md); "on" packs on any CPU
       model and raises where it cannot. Quantised layers are left as they are. Results equal
       F.linear's to fp32 rounding. TOKENYARD_CPU_ONEDNN_LINEAR (auto, on, off) replaces "auto" when set.
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the

@@ -3,12 +3,12 @@
     n = pack_linears(model)            # every fp32 CPU nn.Linear of the decoder and its LM head
     speedup = measured_speedup(k, n, m) # packed over plain F.linear, one thread count, this machine
 
-Why: torch's F.linear on a CPU calls MKL's sgemm. On the AMD EPYC Zen 4 VMs of this project MKL
-takes its AVX2 path, while oneDNN (also inside torch) uses AVX-512 on any vendor: at the W2
-model's shapes the packed oneDNN product was 1.4x faster at 512 rows and 1.7-2.9x at 8-40
-(bench/RESULTS.md). On an AVX2-only Zen 3 VM the two were level. So the engine's "auto" measures
-both on the decoder's largest projection before it packs anything, and keeps MKL where oneDNN is not
-clearly faster.
+Why: torch's F.linear on a CPU calls MKL's sgemm, which on AMD CPUs is not known to take its
+AVX-512 path, while oneDNN (also inside torch) picks its kernels by ISA on any vendor. On the Zen 4
+VM of 2026-12-04 the packed oneDNN product was 1.1-1.2x faster than F.linear at 512 rows of W2's
+shapes and 1.2-2.7x at 8-96 rows (bench/RESULTS.md). AVX2-only machines are unmeasured, so the
+engine's "auto" times both on the decoder's largest projection before it packs anything, and
+keeps MKL where oneDNN is not faster.
 
 The packed weight is a second copy in oneDNN's blocked layout (an opaque mkldnn tensor), kept beside
 the original: the C decode step and anything reading `weight` (quantisation, tensor-parallel
