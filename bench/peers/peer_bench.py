@@ -227,7 +227,9 @@ def w2_config() -> Config:
                    "fp32_compiled": dict(dtype="float32", cpu_compile="on", cpu_decode_step="off"),
                    "fp32_step": dict(dtype="float32", cpu_compile="on", cpu_decode_step="on"),
                    # the engine's defaults (cpu_compile off, cpu_decode_step auto): the C step for every decode batch
-                   "fp32_default": dict(dtype="float32")},
+                   "fp32_default": dict(dtype="float32"),
+                   # the defaults with the eager linears on F.linear (MKL) instead of oneDNN's packed weights
+                   "fp32_default_mkl": dict(dtype="float32", cpu_onednn_linear="off")},
                   "fp32_default",
                   requests=96, slots=[32, 96], kv_cache_memory=1 << 30, vocab_size=W2_MODEL["vocab_size"],
                   describe="W2 random Llama 30.9M (d 512, 8 layers, vocab 8192), fp32 both sides; llama.cpp: "
