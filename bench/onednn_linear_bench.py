@@ -11,11 +11,11 @@ bench/results/<--results-name, default onednn_linear>.json.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernel_micro import best_ms
 from bench.results_io import RunRecorder
 from bench.workloads import W2_MODEL
 from engines.model import onednn_linear
@@ -26,16 +26,6 @@ def shapes() -> dict[str, tuple[int, int]]:
     head_dim = d // W2_MODEL["num_attention_heads"]
     kv = W2_MODEL["num_key_value_heads"] * head_dim
     return {"qkv": (d, d + 2 * kv), "o": (d, d), "gate_up": (d, 2 * inter), "down": (inter, d)}
-
-
-def best_of(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -57,9 +47,9 @@ def main() -> None:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_size=512)
             for m in args.rows:
                 x = torch.randn(m, k, generator=g)
-                plain = best_of(lambda: F.linear(x, w), args.rounds)
-                onednn = best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                                 args.rounds)
+                plain = best_ms(lambda: F.linear(x, w), args.rounds) / 1e3
+                onednn = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                                 args.rounds) / 1e3
                 flop = 2 * m * k * n
                 runs.append({"shape": name, "in": k, "out": n, "rows": m, "f_linear_ms": plain * 1e3,
                              "onednn_ms": onednn * 1e3, "f_linear_gflops": flop / plain / 1e9,
