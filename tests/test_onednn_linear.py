@@ -79,6 +79,15 @@ def test_auto_packs_only_large_models_and_only_where_the_measurement_says_so(che
         runner = Engine(path, **OPTIONS).runner
         assert runner.cpu_onednn_linear_mode == "auto" and runner.onednn_speedup == speedup
         assert (runner.num_onednn_linears > 0) is packs
+    # A quantised decoder whose only fp32 layer is the LM head (as when a GGUF's tied embedding stays fp32):
+    # auto leaves it alone, "on" packs it.
+    quantised = Engine(path, quantization="int8", **{**OPTIONS, "cpu_onednn_linear": "off"}).runner
+    head = quantised.model.lm_head
+    quantised.model.lm_head = nn.Linear(head.in_features, head.out_features, bias=False)
+    quantised._pack_linears("auto")
+    assert quantised.num_onednn_linears == 0 and quantised.onednn_speedup is None
+    quantised._pack_linears("on")
+    assert quantised.num_onednn_linears == 1 and isinstance(quantised.model.lm_head, onednn_linear.OneDNNLinear)
     monkeypatch.setenv("TOKENYARD_CPU_ONEDNN_LINEAR", "off")    # the environment replaces auto
     runner = Engine(path, **OPTIONS).runner
     assert runner.cpu_onednn_linear_mode == "off" and runner.num_onednn_linears == 0

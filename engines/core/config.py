@@ -76,11 +76,12 @@ class EngineConfig:
       linear layers by a copy of their weights packed for oneDNN instead of calling F.linear
       (MKL); a second copy of those weights in memory (engines/model/onednn_linear.py). "auto"
       times both products on the decoder's largest projection at 512 rows at start-up and packs
-      when oneDNN is at least 1.05x faster, for CPU models of at least 20M parameters (on an AVX-512
-      Zen 4 VM the probe said 1.18-1.40x; AVX2-only machines are unmeasured, hence the probe;
-      bench/RESULTS.md); "on" packs on any CPU
-      model and raises where it cannot. Quantised layers are left as they are. Results equal
-      F.linear's to fp32 rounding. TOKENYARD_CPU_ONEDNN_LINEAR (auto, on, off) replaces "auto" when set.
+      when oneDNN is at least 1.05x faster (on an AVX-512 Zen 4 VM the probe said 1.18-1.40x;
+      AVX2-only machines are unmeasured, hence the probe; bench/RESULTS.md), for CPU models of at
+      least 20M parameters whose decoder layers are fp32 (a quantised decoder keeps its fp32 LM
+      head on F.linear). "on" packs on any CPU model and raises where it cannot. Quantised layers
+      are left as they are. Results equal F.linear's to fp32 rounding. TOKENYARD_CPU_ONEDNN_LINEAR
+      (auto, on, off) replaces "auto" when set.
     tensor_parallel_size: ranks the model is split over (heads and MLP by rank, vocabulary for the
       embedding and LM head); N > 1 starts N - 1 worker processes (gloo on CPU, nccl on CUDA).
       Combines with quantization: each rank keeps its slice of the single-process quantised

@@ -206,9 +206,13 @@ class ModelRunner:
         if mode == "auto":
             if sum(p.numel() for p in self.model.parameters()) < AUTO_COMPILE_MIN_PARAMS:
                 return
-            # the decoder's largest projection: every prompt token goes through it (the LM head sees one row a sequence)
+            # the decoder's largest projection: every prompt token goes through it. A quantised decoder whose
+            # only fp32 layer is the LM head (one row a sequence in eager steps) is left alone: its copy
+            # would cost more memory than the quantised weights for a small share of a step.
             in_layers = [m for m in self.model.layers.modules() if onednn_linear.eligible(m)]
-            big = max(in_layers or eligible, key=lambda m: m.weight.numel())
+            if not in_layers:
+                return
+            big = max(in_layers, key=lambda m: m.weight.numel())
             self.onednn_speedup = onednn_linear.measured_speedup(big.in_features, big.out_features, ONEDNN_PROBE_ROWS)
             if self.onednn_speedup < ONEDNN_MIN_SPEEDUP:
                 log.info("eager linears stay on F.linear: oneDNN's packed product was %.2fx on %dx%d at %d rows "
