@@ -37,8 +37,6 @@ from bench.results_io import RunRecorder
 from bench.served_steps import closed_loop
 from bench.workloads import W2_MODEL, w2
 
-CLK = os.sysconf("SC_CLK_TCK")
-
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     """`name` or `name:KEY=value,KEY=value` -> (name, environment overrides)."""
@@ -84,16 +82,18 @@ def thread_deltas(before: dict[int, tuple[str, float, float]], after: dict[int, 
 def engine_counters(server: pb.Server) -> dict[str, float]:
     """The gateway engine's step counters from /metrics: steps, seconds in steps, prompt tokens computed."""
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
     req = urllib.request.Request(server.base_url + "/metrics", headers=server.headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
     want = {"tokenyard_engine_batch_size_count": "steps", "tokenyard_engine_busy_seconds_total": "step_s",
             "tokenyard_engine_prefill_tokens_total": "prefill_tokens"}
     out = {v: 0.0 for v in want.values()}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in want:
-            out[want[name]] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in want:
+                out[want[sample.name]] += sample.value
     return out
 
 
