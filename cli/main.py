@@ -18,11 +18,14 @@ import sys
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cli.deployment_arg import load_or_exit
-    from gateway.config.deployment import apply_env
+    from cli.deployment_arg import UsageError, load_or_exit
+    from gateway.config.deployment import DeploymentError, apply_env
     from gateway.http.server import serve
 
-    dep = apply_env(load_or_exit(args.config))
+    try:
+        dep = apply_env(load_or_exit(args.config))
+    except DeploymentError as e:        # a bad value in the environment (TOKENYARD_GIL_SWITCH_MS)
+        raise UsageError(str(e)) from None
     if args.host is not None:
         dep.host = args.host
     if args.port is not None:

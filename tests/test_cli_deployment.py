@@ -2,6 +2,8 @@
 and the problem, exit status 2, no traceback (cli/deployment_arg.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cli.main import main
@@ -25,4 +27,13 @@ def test_a_bad_deployment_is_one_line_and_exit_2(tmp_path, capsys, argv, content
     assert main([a.format(cfg=cfg) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"tokenyard: {cfg}") and problem in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_bad_switch_interval_in_the_environment_is_one_line_and_exit_2(capsys, monkeypatch):
+    cfg = Path(__file__).resolve().parents[1] / "deploy" / "mock.yaml"
+    monkeypatch.setenv("TOKENYARD_GIL_SWITCH_MS", "five")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenyard: TOKENYARD_GIL_SWITCH_MS must be a number of milliseconds") and "five" in err, err
     assert "Traceback" not in err and err.count("\n") == 1

@@ -48,6 +48,8 @@ def test_default_deployment_loads_and_is_safe():
     ({"admission": {"max_queue": 0}}, "admission.max_queue must be a positive integer"),
     ({"admission": {"bogus": 1}}, "unknown key(s) admission.bogus"),
     ({"redis_prefix": "a{b}"}, "redis_prefix must be"),
+    ({"server": {"gil_switch_interval_ms": 0}}, "server.gil_switch_interval_ms must be a number > 0"),
+    ({"server": {"gil_switch_interval_ms": 5000}}, "server.gil_switch_interval_ms must be a number of milliseconds in"),
     ({"engines": {}}, "at least one engine"),
     ({"engines": {"auto": {"type": "mock", "model": "models/demo-small"}}}, "not 'auto'"),
     ({"engines": {"e": {"type": "onnx", "model": "models/demo-small"}}}, "engines.e.type must be one of"),
@@ -66,6 +68,41 @@ def test_deployment_errors_name_the_key(patch, message):
     with pytest.raises(DeploymentError) as e:
         parse_deployment(doc, base_dir=ROOT)
     assert message in str(e.value)
+
+
+def test_gil_switch_interval_from_the_file_then_the_environment():
+    assert parse_deployment(mock_deployment(), base_dir=ROOT).gil_switch_interval_ms == 0.5
+    dep = parse_deployment({**mock_deployment(), "server": {"gil_switch_interval_ms": 2}}, base_dir=ROOT)
+    assert dep.gil_switch_interval_ms == 2.0
+    assert apply_env(dep, {"TOKENYARD_GIL_SWITCH_MS": " 0.25 "}).gil_switch_interval_ms == 0.25
+    assert apply_env(dep, {"TOKENYARD_GIL_SWITCH_MS": ""}).gil_switch_interval_ms == 0.25   # unset: unchanged
+    for bad in ("0", "nan", "-1", "1e9", "fast"):
+        with pytest.raises(DeploymentError, match="TOKENYARD_GIL_SWITCH_MS must be a number of milliseconds"):
+            apply_env(dep, {"TOKENYARD_GIL_SWITCH_MS": bad})
+    assert dep.gil_switch_interval_ms == 0.25      # a rejected value leaves the deployment as it was
+
+
+def test_serve_sets_the_processes_switch_interval(monkeypatch):
+    """serve() applies the knob before anything starts (stopped right after, at the fd limit)."""
+    import sys
+
+    from gateway.http import server
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_a, **_k):
+        raise Stop
+
+    monkeypatch.setattr(server, "raise_fd_limit", stop)
+    before = sys.getswitchinterval()
+    try:
+        dep = parse_deployment({**mock_deployment(), "server": {"gil_switch_interval_ms": 1.5}}, base_dir=ROOT)
+        with pytest.raises(Stop):
+            server.serve(dep)
+        assert sys.getswitchinterval() == pytest.approx(0.0015)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_engine_options_pass_through_to_engine_config():

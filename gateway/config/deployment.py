@@ -111,6 +111,12 @@ class Deployment:
     port: int = 8000
     drain_grace_s: float = 30.0
     access_log: bool = True
+    # How long a thread holding the GIL keeps it once another thread asks (sys.setswitchinterval).
+    # In-process torch engines step on their own thread while the event loop serves HTTP: the step
+    # thread takes the GIL back after every torch op and C step, and with Python's 5 ms it could wait
+    # that long each time behind the event loop (bench/RESULTS.md, "The GIL between the event loop
+    # and the step thread").
+    gil_switch_interval_ms: float = 0.5
     connections: Connections = field(default_factory=Connections)
     redis_url: str | None = None           # None: start an embedded redis-server
     redis_dir: Path = Path(".tokenyard/redis")
@@ -164,13 +170,16 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
                     "router", "policy", "batch", "pools"})
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
-    _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", *Connections.__slots__})
+    _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
+                              *Connections.__slots__})
     dep.host = _typed(server, "server.", "host", str, dep.host)
     dep.port = _typed(server, "server.", "port", int, dep.port)
     if not 0 <= dep.port <= 65535:
         raise DeploymentError(f"server.port must be in 0..65535, got {dep.port}")
     dep.drain_grace_s = _number(server, "server.", "drain_grace_s", dep.drain_grace_s)
     dep.access_log = _typed(server, "server.", "access_log", bool, dep.access_log)
+    dep.gil_switch_interval_ms = _switch_interval(
+        _number(server, "server.", "gil_switch_interval_ms", dep.gil_switch_interval_ms), "server.gil_switch_interval_ms")
     _connections(server, dep.connections)
     dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
     dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)
@@ -276,13 +285,32 @@ def _admission(section: dict[str, Any], adm: AdmissionConfig) -> None:
 
 
 def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
-    """REDIS_URL and TOKENYARD_DEV_KEY from the environment win over the file."""
+    """REDIS_URL, TOKENYARD_DEV_KEY and TOKENYARD_GIL_SWITCH_MS from the environment win over the file."""
     env = os.environ if env is None else env
     if env.get("REDIS_URL"):
         dep.redis_url = env["REDIS_URL"]
     if env.get("TOKENYARD_DEV_KEY"):
         dep.auth.dev_key = env["TOKENYARD_DEV_KEY"]
+    raw = env.get("TOKENYARD_GIL_SWITCH_MS", "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        dep.gil_switch_interval_ms = _switch_interval(value, "TOKENYARD_GIL_SWITCH_MS", raw)
     return dep
+
+
+# Python accepts any positive interval; past these bounds a value is a typo (seconds for milliseconds)
+SWITCH_INTERVAL_MS = (0.01, 100.0)
+
+
+def _switch_interval(value: float, where: str, raw: object = None) -> float:
+    lo, hi = SWITCH_INTERVAL_MS
+    if not lo <= value <= hi:       # NaN fails too
+        raise DeploymentError(f"{where} must be a number of milliseconds in {lo:g}..{hi:g}, "
+                              f"got {raw if raw is not None else value!r}")
+    return value
 
 
 def _engine(name: str, spec: Any, base: Path) -> EngineSpec:

@@ -112,6 +112,8 @@ def _dev_key(dep: Deployment, announce) -> str | None:
 
 def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int:
     setup_logging()
+    # process-wide, so set here, where this process becomes a gateway (Deployment says why)
+    sys.setswitchinterval(dep.gil_switch_interval_ms / 1000.0)
     soft, _ = raise_fd_limit()
     dep.connections.max_connections = fit_max_connections(dep.connections.max_connections, soft)
     embedded = None
