@@ -26,9 +26,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.deployment_arg import load_or_exit
+    from cli.deployment_arg import UsageError, load_or_exit
+    from gateway.config.deployment import DeploymentError, apply_env
 
-    dep = load_or_exit(args.config)
+    try:
+        dep = apply_env(load_or_exit(args.config))
+    except DeploymentError as e:        # a bad value in the environment (TOKENYARD_GIL_SWITCH_MS)
+        raise UsageError(str(e)) from None
     spec = dep.engines.get(args.engine)
     if spec is None:
         print(f"tokenyard: no engine {args.engine!r} in the deployment (known: {', '.join(dep.engines)})",
@@ -38,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from engines.core.async_engine import AsyncEngine
     from engines.serving.replica_server import serve
     from gateway.backends.engine_pool import _build, tokenizer_fingerprint
+    # a replica's event loop and its engine's step thread share the GIL as a gateway's do
+    sys.setswitchinterval(dep.gil_switch_interval_ms / 1000.0)
     engine = AsyncEngine(_build(spec), spec.name)
     grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
     return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model))

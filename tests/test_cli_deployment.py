@@ -37,3 +37,20 @@ def test_a_bad_switch_interval_in_the_environment_is_one_line_and_exit_2(capsys,
     err = capsys.readouterr().err
     assert err.startswith("tokenyard: TOKENYARD_GIL_SWITCH_MS must be a number of milliseconds") and "five" in err, err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_an_engine_replica_sets_the_switch_interval_too(monkeypatch):
+    import sys
+
+    import engines.serving.replica_server as replica_server
+
+    seen = []
+    monkeypatch.setattr(replica_server, "serve", lambda *a, **k: seen.append(sys.getswitchinterval()) or 0)
+    monkeypatch.setenv("TOKENYARD_GIL_SWITCH_MS", "2")
+    before = sys.getswitchinterval()
+    try:
+        cfg = Path(__file__).resolve().parents[1] / "deploy" / "mock.yaml"
+        assert main(["engine", "serve", "--config", str(cfg), "--engine", "mock", "--port", "1"]) == 0
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [pytest.approx(0.002)]
