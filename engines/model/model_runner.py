@@ -204,7 +204,7 @@ class ModelRunner:
                 raise ValueError(f"cpu_onednn_linear is on but {problem}")
             return
         if mode == "auto":
-            if sum(p.numel() for p in self.model.parameters()) < AUTO_COMPILE_MIN_PARAMS:
+            if not self._large_model():
                 return
             # the decoder's largest projection: every prompt token goes through it. A quantised decoder whose
             # only fp32 layer is the LM head (one row a sequence in eager steps) is left alone: its copy
@@ -229,6 +229,10 @@ class ModelRunner:
         AUTO_COMPILE_MIN_PARAMS parameters."""
         if self.device.type != "cpu" or self.attention_backend != "torch":
             return False
+        return self._large_model()
+
+    def _large_model(self) -> bool:
+        """The size from which the "auto" CPU paths (compile, oneDNN packing) are worth their start-up."""
         return sum(p.numel() for p in self.model.parameters()) >= AUTO_COMPILE_MIN_PARAMS
 
     def execute(self, batch: SchedulerOutput) -> list[int]:
