@@ -52,30 +52,49 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float, float]]:
-    """Per thread of `pid`: its kernel name, seconds on a CPU and seconds runnable but waiting for
-    one (/proc/<pid>/task/<tid>/schedstat). Wall time minus both is time it was blocked (a lock,
-    a futex, I/O, or asleep)."""
-    out: dict[int, tuple[str, float, float]] = {}
-    for t in Path(f"/proc/{pid}/task").iterdir():
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (an engine stepped in a child process: server.engine_process)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
         try:
-            comm = (t / "comm").read_text().strip()
-            run_ns, wait_ns, _ = (t / "schedstat").read_text().split()
-        except (OSError, ValueError):
-            continue   # the thread ended between listing and reading
-        out[int(t.name)] = (comm, int(run_ns) / 1e9, int(wait_ns) / 1e9)
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (t / "children").read_text().split())
+        except OSError:
+            continue   # it ended meanwhile
     return out
 
 
-def thread_deltas(before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]],
+def thread_cpu(pid: int) -> dict[int, tuple[str, float, float, int]]:
+    """Per thread of `pid` and its child processes: its kernel name, seconds on a CPU, seconds runnable
+    but waiting for one (/proc/<pid>/task/<tid>/schedstat) and its process. Wall time minus both is
+    time it was blocked (a lock, a futex, I/O, or asleep)."""
+    out: dict[int, tuple[str, float, float, int]] = {}
+    for p in process_tree(pid):
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                comm = (t / "comm").read_text().strip()
+                run_ns, wait_ns, _ = (t / "schedstat").read_text().split()
+            except (OSError, ValueError):
+                continue   # the thread ended between listing and reading
+            out[int(t.name)] = (comm, int(run_ns) / 1e9, int(wait_ns) / 1e9, p)
+    return out
+
+
+def thread_deltas(before: dict[int, tuple[str, float, float, int]], after: dict[int, tuple[str, float, float, int]],
                   main_tid: int) -> list[dict[str, Any]]:
     """The threads that ran in between, busiest first: CPU seconds and run-queue wait seconds."""
     rows = []
-    for tid, (name, run, wait) in after.items():
-        _, run0, wait0 = before.get(tid, (name, 0.0, 0.0))
+    for tid, (name, run, wait, pid) in after.items():
+        _, run0, wait0, _ = before.get(tid, (name, 0.0, 0.0, pid))
         if run - run0 > 0.01:
-            rows.append({"tid": tid, "name": name, "main": tid == main_tid, "cpu_s": round(run - run0, 3),
-                         "runqueue_s": round(wait - wait0, 3)})
+            rows.append({"tid": tid, "pid": pid, "name": name, "main": tid == main_tid,
+                         "cpu_s": round(run - run0, 3), "runqueue_s": round(wait - wait0, 3)})
     return sorted(rows, key=lambda r: -r["cpu_s"])
 
 
@@ -135,7 +154,8 @@ def gateway_run(cfg: pb.Config, env: dict[str, str], reqs: list[tuple[list[int],
     steps = {k: c1[k] - c0[k] for k in c0}
     return {**figures, **steps, "step_share": steps["step_s"] / figures["duration_s"],
             "busy": pb.cpu_busy_fraction(stat0, stat1), "client_cpu_s": client1 - client0,
-            "gateway_cpu_s": sum(t["cpu_s"] for t in threads),
+            "gateway_cpu_s": sum(t["cpu_s"] for t in threads),   # with its engine process, if any
+            "engine_process_cpu_s": sum(t["cpu_s"] for t in threads if t["pid"] != pid),
             "event_loop_cpu_s": next((t["cpu_s"] for t in threads if t["main"]), 0.0), "threads": threads}
 
 

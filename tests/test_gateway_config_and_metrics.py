@@ -82,6 +82,19 @@ def test_gil_switch_interval_from_the_file_then_the_environment():
     assert dep.gil_switch_interval_ms == 0.25      # a rejected value leaves the deployment as it was
 
 
+def test_engine_process_from_the_file_then_the_environment():
+    assert parse_deployment(mock_deployment(), base_dir=ROOT).engine_process is False
+    dep = parse_deployment({**mock_deployment(), "server": {"engine_process": True}}, base_dir=ROOT)
+    assert dep.engine_process is True
+    assert apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": " Off "}).engine_process is False
+    assert apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": "1"}).engine_process is True
+    assert apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": ""}).engine_process is True    # unset: unchanged
+    with pytest.raises(DeploymentError, match="TOKENYARD_ENGINE_PROCESS must be one of"):
+        apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": "maybe"})
+    with pytest.raises(DeploymentError, match="server.engine_process"):
+        parse_deployment({**mock_deployment(), "server": {"engine_process": "yes"}}, base_dir=ROOT)
+
+
 def test_serve_sets_the_processes_switch_interval(monkeypatch):
     """serve() applies the knob before anything starts (stopped right after, at the fd limit)."""
     import sys

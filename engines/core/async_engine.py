@@ -13,7 +13,8 @@ a thread of their own so they never hold up a real one.
 The step thread still shares the GIL with the event loop: it gives the GIL up inside every torch
 op and C step and must get it back after each, and with Python's 5 ms switch interval a busy event
 loop could keep it that long every time. The gateway shortens the interval
-(server.gil_switch_interval_ms; gateway/http/server.py).
+(server.gil_switch_interval_ms; gateway/http/server.py), or steps the engine in a process of its
+own instead (server.engine_process; engines/serving/engine_process.py).
 
 A step that raises fails every in-flight request with an "error" output (the reader sees it at
 once instead of hanging), and aborts them in the engine. After `max_consecutive_failures`

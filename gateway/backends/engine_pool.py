@@ -1,8 +1,9 @@
 """The engines of a deployment, loaded and wrapped for the gateway.
 
-Each engine gets an `EngineHandle`: its AsyncEngine, the tokenizer the gateway encodes prompts
-with, its prices. Engines whose tokenizer files are byte-identical share one Tokenizer object,
-which lets the router reuse a prompt's ids across them (see routing.py).
+Each engine gets an `EngineHandle`: its backend (an AsyncEngine stepping on a thread of this process,
+an EngineProcess stepping in a child process when `server.engine_process` is on, or a replica pool),
+the tokenizer the gateway encodes prompts with, its prices. Engines whose tokenizer files are
+byte-identical share one Tokenizer object, which lets the router reuse a prompt's ids across them (see routing.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.core.async_engine import AsyncEngine
+from engines.core.backend import EngineBackend
+from engines.serving.engine_process import EngineProcess, EngineRecipe
 from engines.text.tokenizer import Tokenizer
 from gateway.config.deployment import EngineSpec, Prices
 
@@ -23,7 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "token
 class EngineHandle:
     name: str
     type: str
-    engine: AsyncEngine
+    engine: EngineBackend
     tokenizer: Tokenizer
     prices: Prices
     model_dir: Path
@@ -45,8 +48,9 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
-    """Load every engine (blocking: model weights are read here). Call from a worker thread."""
+def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> dict[str, EngineHandle]:
+    """Load every engine (blocking: model weights are read here). Call from a worker thread.
+    engine_process: step each engine without replicas in a child process of its own."""
     tokenizers: dict[str, Tokenizer] = {}
     handles: dict[str, EngineHandle] = {}
     for name, spec in specs.items():
@@ -57,6 +61,8 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
         if spec.replicas is not None:   # remote and/or local replicas behind one pool
             from gateway.backends.replica_pool import build_pool
             engine = build_pool(name, spec, _build, fp)
+        elif engine_process:     # restarts its process from the recipe when a step fails
+            engine = EngineProcess(_recipe(spec), name)
         else:
             # A failed engine (a step raised, a tensor-parallel worker died) is rebuilt from its spec.
             engine = AsyncEngine(_build(spec), name, factory=lambda spec=spec: _build(spec))
@@ -64,9 +70,9 @@ def load_engines(specs: dict[str, EngineSpec]) -> dict[str, EngineHandle]:
     return handles
 
 
+def _recipe(spec: EngineSpec) -> EngineRecipe:
+    return EngineRecipe(spec.type, spec.model, spec.options)
+
+
 def _build(spec: EngineSpec):
-    if spec.type == "mock":
-        from engines.serving.mock_engine import MockEngine
-        return MockEngine(spec.model, **spec.options)
-    from engines.core.engine import Engine
-    return Engine(spec.model, **{"progress": False, **spec.options})
+    return _recipe(spec).build()

@@ -117,6 +117,9 @@ class Deployment:
     # that long each time behind the event loop (bench/RESULTS.md, "The GIL between the event loop
     # and the step thread").
     gil_switch_interval_ms: float = 0.5
+    # Step each engine (without replicas) in a child process of its own instead of on a thread of this
+    # one, so the engine and the event loop no longer share the GIL (engines/serving/engine_process.py).
+    engine_process: bool = False
     connections: Connections = field(default_factory=Connections)
     redis_url: str | None = None           # None: start an embedded redis-server
     redis_dir: Path = Path(".tokenyard/redis")
@@ -171,7 +174,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
     _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
-                              *Connections.__slots__})
+                              "engine_process", *Connections.__slots__})
     dep.host = _typed(server, "server.", "host", str, dep.host)
     dep.port = _typed(server, "server.", "port", int, dep.port)
     if not 0 <= dep.port <= 65535:
@@ -180,6 +183,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.access_log = _typed(server, "server.", "access_log", bool, dep.access_log)
     dep.gil_switch_interval_ms = _switch_interval(
         _number(server, "server.", "gil_switch_interval_ms", dep.gil_switch_interval_ms), "server.gil_switch_interval_ms")
+    dep.engine_process = _typed(server, "server.", "engine_process", bool, dep.engine_process)
     _connections(server, dep.connections)
     dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
     dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)
@@ -285,7 +289,8 @@ def _admission(section: dict[str, Any], adm: AdmissionConfig) -> None:
 
 
 def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
-    """REDIS_URL, TOKENYARD_DEV_KEY and TOKENYARD_GIL_SWITCH_MS from the environment win over the file."""
+    """REDIS_URL, TOKENYARD_DEV_KEY, TOKENYARD_GIL_SWITCH_MS and TOKENYARD_ENGINE_PROCESS from the
+    environment win over the file."""
     env = os.environ if env is None else env
     if env.get("REDIS_URL"):
         dep.redis_url = env["REDIS_URL"]
@@ -298,7 +303,15 @@ def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
         except ValueError:
             value = float("nan")
         dep.gil_switch_interval_ms = _switch_interval(value, "TOKENYARD_GIL_SWITCH_MS", raw)
+    raw = env.get("TOKENYARD_ENGINE_PROCESS", "").strip().lower()
+    if raw:
+        if raw not in _SWITCHES:
+            raise DeploymentError(f"TOKENYARD_ENGINE_PROCESS must be one of {', '.join(_SWITCHES)}, got {raw!r}")
+        dep.engine_process = _SWITCHES[raw]
     return dep
+
+
+_SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 # Python accepts any positive interval; past these bounds a value is a typo (seconds for milliseconds)

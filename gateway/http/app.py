@@ -50,7 +50,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         owns_engines = not gw.handles
         if owns_engines:
-            gw.attach_engines(await asyncio.to_thread(load_engines, deployment.engines))
+            gw.attach_engines(await asyncio.to_thread(load_engines, deployment.engines, deployment.engine_process))
         else:
             gw.admission.add_engines({n: h.engine for n, h in gw.handles.items()})
         for h in gw.handles.values():

@@ -1,0 +1,408 @@
+"""An engine stepped in a process of its own (the engine core), driven from the gateway's event loop.
+
+    backend = EngineProcess(EngineRecipe("torch", model_dir, {"dtype": "float32"}), name="w2")  # blocks: loads
+    await backend.start()
+    stream = backend.add_request("r1", prompt_ids, params)     # the interface of AsyncEngine
+    async for out in stream: ...
+    backend.abort("r1"); await backend.stop()
+
+Why a process: an in-process engine (engines/core/async_engine.py) steps on a thread beside the event
+loop, and the two share Python's GIL. The step thread gives the GIL up inside every torch op and C
+step and must win it back after each, while the event loop writes every stream's tokens; on two cores
+the engine's pool threads wait for it too. Here the child process runs one loop and nothing else
+(take the messages that arrived, step, send the step's outputs as one message), and the parent's
+event loop only reads one message per step and sends one per new request or abort.
+
+The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; both
+ends are this module. Parent to child: ("add", request_id, prompt_ids, params, priority, cache_salt)
+and ("abort", request_id). Child to parent: ("ready", max_model_len, stats) once the engine is built,
+("out", outputs, stats) after each step, ("failed", message, exception) when it gives up. The parent
+never blocks on the child: its writes are buffered by asyncio, and the child reads them between
+steps (so a request waits at most one step to be admitted, as with the in-process inbox).
+
+Bad input: the child validates a request when it takes it, so a refusal (a bad grammar, a prompt too
+long) arrives as the stream's first output, finished with finish_reason "error" and bad_request set;
+the gateway answers it with a 400 as it does for a remote replica's refusal.
+
+Failures: a step that raises, an engine that reports itself dead (a tensor-parallel worker died) or a
+child that exits fails every request in flight with an "error" output at once, and the process is
+started again from the same recipe; while that runs new requests raise EngineDeadError (503). A start
+that fails is retried `max_restart_attempts` times with exponential backoff from `restart_backoff_s`
+(capped at 30 s); after that the engine stays dead.
+
+Two engines in process mode step at the same time (in-process engines take turns on one thread,
+engines/core/executor.py): give each its share of the cores (OMP_NUM_THREADS, the engine's threads).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.core.async_engine import RequestStream
+from engines.core.errors import EngineDeadError, RequestError
+from engines.core.outputs import EngineStats, StepOutput
+from engines.core.sampling_params import ParamError, SamplingParams
+from engines.core.structured_output import GrammarError
+
+log = logging.getLogger(__name__)
+
+_ROOT = Path(__file__).resolve().parents[2]    # holds engines/: the child imports it from here
+_HEADER = struct.Struct("!I")
+_RECV_BYTES = 1 << 20
+_STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRecipe:
+    """What an engine is built from, picklable so a fresh process can build it."""
+
+    kind: str                                   # "torch" or "mock"
+    model: Path                                 # checkpoint folder or .gguf file (mock: its tokenizer)
+    options: dict[str, Any] = field(default_factory=dict)   # EngineConfig / MockConfig keys
+
+    def build(self) -> Any:
+        if self.kind == "mock":
+            from engines.serving.mock_engine import MockEngine
+            return MockEngine(self.model, **self.options)
+        from engines.core.engine import Engine
+        return Engine(self.model, **{"progress": False, **self.options})
+
+
+def _frame(msg: tuple) -> bytes:
+    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+class _Link:
+    """The child's end (and the parent's during the start-up handshake): blocking or draining reads."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.closed = False
+
+    def send(self, msg: tuple) -> None:
+        self.sock.setblocking(True)
+        self.sock.sendall(_frame(msg))
+
+    def receive(self, block: bool) -> list[tuple]:
+        """The whole messages that have arrived; when `block`, waits for at least one (or the peer's end)."""
+        msgs: list[tuple] = []
+        while not self.closed:
+            self.sock.setblocking(block and not msgs)
+            try:
+                chunk = self.sock.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.closed = True
+                break
+            self.buf += chunk
+            msgs.extend(self._parse())
+        return msgs
+
+    def _parse(self) -> list[tuple]:
+        out, pos = [], 0
+        while len(self.buf) - pos >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(self.buf, pos)
+            end = pos + _HEADER.size + n
+            if len(self.buf) < end:
+                break
+            out.append(pickle.loads(self.buf[pos + _HEADER.size:end]))
+            pos = end
+        del self.buf[:pos]
+        return out
+
+
+def _refusal(request_id: str, e: Exception) -> StepOutput:
+    """A request the engine would not take, as its stream's only output (the gateway answers 400)."""
+    if isinstance(e, EngineDeadError):
+        return StepOutput(request_id, [], finished=True, finish_reason="error", error=str(e))
+    param = code = None
+    if isinstance(e, GrammarError):
+        param = "grammar"
+    elif isinstance(e, ParamError):
+        param, code = e.param, e.code
+    return StepOutput(request_id, [], finished=True, finish_reason="error", error=str(e), bad_request=True,
+                      error_param=param, error_code=code)
+
+
+def _picklable(e: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - the message still travels
+        return None
+
+
+def _child_main(sock: socket.socket) -> None:
+    """The engine process: take the recipe, build, then take messages, step and send outputs until the
+    parent hangs up."""
+    link = _Link(sock)
+    first = link.receive(block=True)
+    if not first or first[0][0] != "recipe":
+        return
+    recipe: EngineRecipe = first[0][1]
+    try:
+        engine = recipe.build()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        link.send(("failed", f"building the engine raised {type(e).__name__}: {e}", _picklable(e)))
+        return
+    link.send(("ready", engine.max_model_len, engine.stats()))
+    try:
+        while True:
+            refused: list[StepOutput] = []
+            for msg in link.receive(block=not engine.has_unfinished()):
+                if msg[0] == "add":
+                    try:
+                        engine.add_request(*msg[1:])
+                    except (RequestError, EngineDeadError, ValueError, TypeError, KeyError) as e:
+                        refused.append(_refusal(msg[1], e))
+                elif msg[0] == "abort":
+                    engine.abort(msg[1])
+            if link.closed:
+                return
+            outputs: list[StepOutput] = []
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - the parent fails the requests and starts afresh
+                    log.exception("engine process: step failed")
+                    link.send(("failed", f"engine step failed: {type(e).__name__}: {e}", None))
+                    return
+            if outputs or refused:
+                link.send(("out", refused + outputs, engine.stats() if outputs else None))
+            dead = getattr(engine, "dead", None)
+            if dead:
+                link.send(("failed", f"engine failed: {dead}", None))
+                return
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+
+class EngineProcess:
+    """The EngineBackend (engines/core/backend.py) of an engine stepped in a child process."""
+
+    def __init__(self, recipe: EngineRecipe, name: str = "engine", max_restart_attempts: int = 5,
+                 restart_backoff_s: float = 0.5) -> None:
+        self.recipe = recipe
+        self.name = name
+        self.dead: str | None = None
+        self.num_failed_steps = 0         # steps that raised (and engines that reported themselves dead)
+        self.num_restarts = 0             # processes started again after a failure
+        self.num_failed_restarts = 0
+        self._max_restart_attempts = max_restart_attempts
+        self._restart_backoff_s = restart_backoff_s
+        self._streams: dict[str, RequestStream] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._proc, self._sock, self._max_model_len, self._stats = self._spawn()
+
+    # -- the backend interface ----------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def stats(self) -> EngineStats:
+        """As the child sent it after its latest step."""
+        return self._stats
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-process-{self.name}")
+            while self._writer is None and not self._task.done():
+                await asyncio.sleep(0)
+
+    async def stop(self) -> None:
+        """Abort everything in flight, hang up (the child exits) and wait for the process."""
+        self._stopping = True
+        for rid in list(self._streams):
+            self.abort(rid)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await asyncio.get_running_loop().run_in_executor(None, self._reap, self._proc)
+        self._sock.close()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Queue the request in the child; refusals come back as the stream's first output."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
+        if self._writer is None:
+            raise EngineDeadError(f"engine {self.name} is not started")
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._writer.write(_frame(("add", request_id, list(prompt_token_ids), params, priority, cache_salt)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End the stream with an "abort" output now; the child frees the request's blocks at its next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(StepOutput(request_id, [], finished=True, finish_reason="abort"))
+            if self._writer is not None:
+                self._writer.write(_frame(("abort", request_id)))
+
+    # -- the process ----------------------------------------------------------------------------
+    def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int, EngineStats]:
+        """Start a child and wait until its engine is built (blocking: weights load there)."""
+        ours, theirs = socket.socketpair()
+        # A fresh interpreter, not fork (the parent has an event loop and torch's threads, which fork
+        # would copy half-alive) and not multiprocessing's spawn (which imports the parent's __main__).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "engines.serving.engine_process", "--fd",
+                                     str(theirs.fileno()), "--name", self.name], pass_fds=(theirs.fileno(),), env=env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        link = _Link(ours)
+        link.send(("recipe", self.recipe))
+        msgs = link.receive(block=True)
+        if not msgs or msgs[0][0] != "ready":
+            ours.close()
+            self._reap(proc)
+            if msgs and msgs[0][0] == "failed":
+                _, message, exc = msgs[0]
+                if exc is not None:
+                    raise exc
+                raise EngineDeadError(f"engine {self.name}: {message}")
+            raise EngineDeadError(f"engine {self.name}: its process exited while building the engine "
+                                  f"(exit code {proc.returncode})")
+        _, max_model_len, stats = msgs[0]
+        if len(msgs) > 1 or link.buf:
+            raise EngineDeadError(f"engine {self.name}: unexpected messages after ready")
+        return proc, ours, max_model_len, stats
+
+    @staticmethod
+    def _reap(proc: subprocess.Popen) -> None:
+        """Wait for a process told to exit (its socket closed); terminate, then kill, one that does not."""
+        for stop in (None, proc.terminate, proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(_STOP_GRACE_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    async def _run(self) -> None:
+        while True:
+            reader, writer = await asyncio.open_unix_connection(sock=self._sock)
+            self._writer = writer
+            why = await self._pump(reader)
+            if self._stopping:
+                return
+            self._writer = None
+            writer.close()
+            self._fail_all(why)
+            if not await self._restart(why):
+                return
+
+    async def _pump(self, reader: asyncio.StreamReader) -> str:
+        """Deliver the child's outputs until it fails or exits; returns why it stopped."""
+        try:
+            while True:
+                (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+                msg = pickle.loads(await reader.readexactly(n))
+                if msg[0] == "out":
+                    self._deliver(msg[1])
+                    if msg[2] is not None:
+                        self._stats = msg[2]
+                elif msg[0] == "failed":
+                    self.num_failed_steps += 1
+                    return msg[1]
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._proc.wait, 1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            return f"the engine process exited (exit code {self._proc.returncode}; {type(e).__name__})"
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its reader: nobody is listening
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))
+
+    async def _restart(self, why: str) -> bool:
+        """Start a fresh process from the recipe; False when every attempt failed (the engine stays dead)."""
+        loop = asyncio.get_running_loop()
+        self.dead = f"restarting after: {why}"
+        log.error("engine %s failed (%s); starting its process again", self.name, why)
+        await loop.run_in_executor(None, self._reap, self._proc)
+        self._sock.close()
+        for attempt in range(self._max_restart_attempts):
+            try:
+                self._proc, self._sock, self._max_model_len, self._stats = await loop.run_in_executor(None, self._spawn)
+            except Exception:  # noqa: BLE001 - retried with backoff below
+                self.num_failed_restarts += 1
+                log.exception("engine %s: restart attempt %d failed", self.name, attempt + 1)
+                await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** attempt))
+                continue
+            self.num_restarts += 1
+            self.dead = None
+            log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
+            return True
+        self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
+        log.error("engine %s declared dead: %s", self.name, self.dead)
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="an engine process; started by EngineProcess, not by hand")
+    ap.add_argument("--fd", type=int, required=True, help="the inherited end of the parent's socketpair")
+    ap.add_argument("--name", default="engine")
+    args = ap.parse_args()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s engine-process[{args.name}]: %(message)s")
+    _child_main(socket.socket(fileno=args.fd))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""An engine stepped in a child process (engines/serving/engine_process.py), with the mock engine:
+streams, refusals as 400-shaped outputs, aborts, a killed child (requests fail at once, the process
+starts again), a build that fails (its exception reaches the caller), a step that raises inside the
+child, and the gateway serving through it (`server.engine_process`)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+
+import pytest
+from gateway_helpers import ROOT, mock_deployment, running_gateway, sse_events
+
+from engines.core.errors import EngineDeadError, RequestError
+from engines.serving.engine_process import EngineProcess, EngineRecipe, _child_main, _Link
+from engines.serving.mock_engine import MockEngine
+
+MODEL = ROOT / "models" / "demo-small"
+
+
+def recipe(**options) -> EngineRecipe:
+    return EngineRecipe("mock", MODEL, options)
+
+
+async def collect(stream, timeout: float = 10.0) -> list:
+    outs = []
+    while True:
+        out = await asyncio.wait_for(stream.get(), timeout)
+        outs.append(out)
+        if out.finished:
+            return outs
+
+
+def test_streams_tokens_stats_and_stop():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=1, output_len=6), "m")
+        assert ep.pid != os.getpid() and ep.max_model_len == 4096
+        await ep.start()
+        streams = [ep.add_request(f"r{i}", [1, 2, 3], {"max_tokens": 4 + i}) for i in range(3)]
+        assert ep.num_in_flight == 3
+        results = [await collect(s) for s in streams]
+        for i, outs in enumerate(results):
+            assert sum(len(o.new_token_ids) for o in outs) == 4 + i
+            assert outs[-1].finish_reason == "length" and outs[-1].num_prompt_tokens == 3
+        assert ep.num_in_flight == 0
+        assert ep.stats().num_steps > 0          # the child's counters, sent with each step
+        proc = ep._proc
+        await ep.stop()
+        assert proc.returncode == 0               # it exited when the parent hung up, not by a signal
+
+    asyncio.run(main())
+
+
+def test_refusals_arrive_as_bad_request_outputs_and_duplicates_raise():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=1), "m")
+        await ep.start()
+        out, = await collect(ep.add_request("long", [1] * 5000, {"max_tokens": 2}))
+        assert (out.finish_reason, out.bad_request) == ("error", True) and "max_model_len" in out.error
+        out, = await collect(ep.add_request("lp", [1, 2], {"max_tokens": 2, "logprobs": 1}))
+        assert out.bad_request and (out.error_param, out.error_code) == ("logprobs", "unsupported_parameter")
+        out, = await collect(ep.add_request("rf", [1, 2], {"max_tokens": 2, "response_format": {"type": "json_object"}}))
+        assert out.bad_request and out.error_param == "grammar"
+        ep.add_request("dup", [1, 2], {"max_tokens": 200})
+        with pytest.raises(RequestError, match="already in use"):
+            ep.add_request("dup", [1, 2], {"max_tokens": 2})
+        ep.abort("dup")
+        # the child still serves after refusing
+        outs = await collect(ep.add_request("ok", [1, 2], {"max_tokens": 3}))
+        assert outs[-1].finish_reason == "length"
+        await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_abort_ends_the_stream_at_once_and_frees_the_request_in_the_child():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=5, output_len=1000), "m")
+        await ep.start()
+        stream = ep.add_request("a", [1, 2, 3], {"max_tokens": 1000})
+        first = await asyncio.wait_for(stream.get(), 10)
+        assert first.new_token_ids and not first.finished
+        ep.abort("a")
+        while not (out := await asyncio.wait_for(stream.get(), 10)).finished:
+            pass
+        assert out.finish_reason == "abort"
+        for _ in range(500):                      # the child frees it at its next step
+            if ep.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert ep.stats().num_running == 0 and ep.num_in_flight == 0
+        await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_killed_child_fails_in_flight_requests_and_is_started_again():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=5, output_len=1000), "m", restart_backoff_s=0.01)
+        await ep.start()
+        stream = ep.add_request("a", [1, 2, 3], {"max_tokens": 1000})
+        await asyncio.wait_for(stream.get(), 10)
+        old_pid = ep.pid
+        os.kill(old_pid, signal.SIGKILL)
+        outs = await collect(stream)
+        assert outs[-1].finish_reason == "error" and "exited" in outs[-1].error
+        for _ in range(2000):
+            if ep.num_restarts == 1 and ep.dead is None and ep._writer is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert ep.num_restarts == 1 and ep.dead is None and ep.pid != old_pid
+        outs = await collect(ep.add_request("b", [1, 2], {"max_tokens": 3}))
+        assert outs[-1].finish_reason == "length"
+        await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_a_build_that_fails_raises_its_own_error():
+    with pytest.raises(ValueError, match="unknown mock engine option"):
+        EngineProcess(recipe(no_such_option=1), "m")
+
+
+@dataclass(frozen=True)
+class _FailingStepRecipe:
+    """Builds a mock engine whose second step raises (pickled by reference: runs in this process)."""
+
+    def build(self) -> MockEngine:
+        eng = MockEngine(MODEL, token_ms=1, output_len=50)
+        step, calls = eng.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom")
+            return step()
+        eng.step = failing_step
+        return eng
+
+
+@pytest.mark.timeout(60)
+def test_a_step_that_raises_is_reported_and_the_child_ends():
+    """The child's loop, run on a thread here so the engine can be one that fails."""
+    ours, theirs = socket.socketpair()
+    child = threading.Thread(target=_child_main, args=(theirs,), daemon=True)
+    child.start()
+    link = _Link(ours)
+    link.send(("recipe", _FailingStepRecipe()))
+    ready, = link.receive(block=True)
+    assert ready[0] == "ready"
+    link.send(("add", "a", [1, 2, 3], {"max_tokens": 10}, 0, None))
+    got = []
+    while not got or got[-1][0] != "failed":
+        got.extend(link.receive(block=True))
+    assert got[0][0] == "out" and got[0][1][0].request_id == "a"
+    assert "boom" in got[-1][1]
+    child.join(5)
+    assert not child.is_alive()
+    ours.close()
+    theirs.close()
+
+
+def test_stopped_backend_refuses_new_requests():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=1), "m")
+        with pytest.raises(EngineDeadError, match="not started"):
+            ep.add_request("a", [1], {"max_tokens": 1})
+        await ep.start()
+        await ep.stop()
+        with pytest.raises(EngineDeadError):
+            ep.add_request("a", [1], {"max_tokens": 1})
+
+    asyncio.run(main())
+
+
+def test_gateway_serves_through_an_engine_process():
+    doc = mock_deployment(token_ms=1, output_len=5)
+    doc["server"]["engine_process"] = True
+    with running_gateway(doc) as srv:
+        assert isinstance(srv.engine(), EngineProcess)
+        status, _, body = srv.chat({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+        status, _, raw = srv.request("POST", "/v1/chat/completions",
+                                     {"model": "mock", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 3, "stream": True})
+        events = sse_events(raw)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert any(e["choices"] and e["choices"][0].get("finish_reason") == "length" for e in events[:-1])
+        # a refusal the child makes is a 400 naming the parameter, as a remote replica's is
+        status, _, body = srv.chat({"model": "mock", "messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 3, "logprobs": True})
+        assert status == 400 and body["error"]["param"] == "logprobs", body
