@@ -217,6 +217,8 @@ class Config:
     # The gateway engine's max_num_batched_tokens (tokens a step); None: the engine's default (512),
     # what the gateway serves unless the operator sets it.
     served_batched_tokens: int | None = None
+    # server.engine_process for the gateway (None: bench_w2.yaml's, false; TOKENYARD_ENGINE_PROCESS still wins)
+    engine_process: bool | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -357,6 +359,8 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
     if cfg.served_batched_tokens is not None:
         spec["max_num_batched_tokens"] = cfg.served_batched_tokens
     src["engines"] = {engine: spec}
+    if cfg.engine_process is not None:
+        src.setdefault("server", {})["engine_process"] = cfg.engine_process
     src["redis_dir"] = str(pm.ROOT / "bench" / "out" / "peers-redis")
     for key in ("router", "policy", "routing"):
         src.pop(key, None)
@@ -381,7 +385,9 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
             yield Server(f"tokenyard_{cfg.served_mode}", f"http://127.0.0.1:{port}",
                          {"Authorization": f"Bearer {key}"}, body,
                          {"engine": spec, "eos_banned": eos, "log": str(log_path), "pid": proc.pid,
-                          "max_num_batched_tokens": spec.get("max_num_batched_tokens", default_budget)})
+                          "max_num_batched_tokens": spec.get("max_num_batched_tokens", default_budget),
+                          "engine_process": src.get("server", {}).get("engine_process", False),
+                          "env_engine_process": os.environ.get("TOKENYARD_ENGINE_PROCESS")})
         finally:
             _stop(proc)
 
@@ -653,6 +659,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the gateway engine's max_num_batched_tokens in the served part (default: the engine's "
                          "own, 512, as llama-server's physical batch -ub; 2048 is llama-server's logical batch -b: "
                          "longer prefill chunks that stall decoding for longer)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the gateway steps its engine in a child process (server.engine_process), not on a thread")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each measurement wait up to this long for other work to fall below --quiet-below")
     ap.add_argument("--quiet-below", type=float, default=0.25, help="share of all CPUs busy counted as quiet")
@@ -695,6 +703,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             cfg.slots = [int(x) for x in args.slots.split(",") if x.strip()]
         if args.served_batched_tokens:
             cfg.served_batched_tokens = args.served_batched_tokens
+        if args.engine_process:
+            cfg.engine_process = True
         import torch
         torch.set_num_threads(args.threads)
         requests = args.requests or cfg.requests
