@@ -155,6 +155,7 @@ def gateway_run(cfg: pb.Config, env: dict[str, str], reqs: list[tuple[list[int],
     return {**figures, **steps, "step_share": steps["step_s"] / figures["duration_s"],
             "busy": pb.cpu_busy_fraction(stat0, stat1), "client_cpu_s": client1 - client0,
             "gateway_cpu_s": sum(t["cpu_s"] for t in threads),   # with its engine process, if any
+            # its child processes: the engine's with server.engine_process, and the embedded redis-server
             "engine_process_cpu_s": sum(t["cpu_s"] for t in threads if t["pid"] != pid),
             "event_loop_cpu_s": next((t["cpu_s"] for t in threads if t["main"]), 0.0), "threads": threads}
 

@@ -349,6 +349,8 @@ class EngineProcess:
                 elif msg[0] == "failed":
                     self.num_failed_steps += 1
                     return msg[1]
+        except (pickle.UnpicklingError, ValueError, TypeError, IndexError, AttributeError) as e:
+            return f"the engine process sent a message that could not be read: {type(e).__name__}: {e}"
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self._proc.wait, 1.0)
