@@ -40,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engines.core.async_engine import AsyncEngine
+    from engines.serving.engine_process import EngineProcess
     from engines.serving.replica_server import serve
-    from gateway.backends.engine_pool import _build, tokenizer_fingerprint
-    # a replica's event loop and its engine's step thread share the GIL as a gateway's do
+    from gateway.backends.engine_pool import _build, _recipe, tokenizer_fingerprint
+    # a replica's event loop and its engine's step thread share the GIL as a gateway's do; or the
+    # engine steps in a process of its own (server.engine_process), as behind a gateway
     sys.setswitchinterval(dep.gil_switch_interval_ms / 1000.0)
-    engine = AsyncEngine(_build(spec), spec.name)
+    engine = EngineProcess(_recipe(spec), spec.name) if dep.engine_process else AsyncEngine(_build(spec), spec.name)
     grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
     return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model))

@@ -39,6 +39,22 @@ def test_a_bad_switch_interval_in_the_environment_is_one_line_and_exit_2(capsys,
     assert "Traceback" not in err and err.count("\n") == 1
 
 
+def test_an_engine_replica_steps_in_a_process_of_its_own_when_asked(monkeypatch):
+    import engines.serving.replica_server as replica_server
+    from engines.serving.engine_process import EngineProcess
+
+    seen = []
+    monkeypatch.setattr(replica_server, "serve", lambda engine, *a, **k: seen.append(engine) or 0)
+    monkeypatch.setenv("TOKENYARD_ENGINE_PROCESS", "1")
+    cfg = Path(__file__).resolve().parents[1] / "deploy" / "mock.yaml"
+    assert main(["engine", "serve", "--config", str(cfg), "--engine", "mock", "--port", "1"]) == 0
+    engine, = seen
+    assert isinstance(engine, EngineProcess)
+    import asyncio
+    asyncio.run(engine.stop())          # never started: stop() only ends its process
+    assert engine._proc.returncode == 0
+
+
 def test_an_engine_replica_sets_the_switch_interval_too(monkeypatch):
     import sys
 

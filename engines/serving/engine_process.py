@@ -253,8 +253,8 @@ class EngineProcess:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._sock.close()              # the child sees the end of its input and exits
         await asyncio.get_running_loop().run_in_executor(None, self._reap, self._proc)
-        self._sock.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
