@@ -194,3 +194,26 @@ def test_gateway_serves_through_an_engine_process():
         status, _, body = srv.chat({"model": "mock", "messages": [{"role": "user", "content": "hi"}],
                                     "max_tokens": 3, "logprobs": True})
         assert status == 400 and body["error"]["param"] == "logprobs", body
+
+
+def test_several_engines_in_processes_are_warned_about(monkeypatch, caplog):
+    """They step at the same time (in-process engines take turns): the operator is told at start."""
+    import logging
+
+    from gateway.backends import engine_pool
+    from gateway.config.deployment import parse_deployment
+
+    doc = mock_deployment()
+    doc["engines"]["other"] = dict(doc["engines"]["mock"])
+    dep = parse_deployment(doc, base_dir=ROOT)
+    built = []
+    monkeypatch.setattr(engine_pool, "EngineProcess", lambda recipe, name: built.append((recipe, name)) or name)
+    with caplog.at_level(logging.WARNING, logger="gateway.backends.engine_pool"):
+        handles = engine_pool.load_engines(dep.engines, engine_process=True)
+    assert [n for _, n in built] == ["mock", "other"] and handles["other"].engine == "other"
+    assert built[0][0] == EngineRecipe("mock", MODEL, {})
+    assert "mock, other each step in a process of their own" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gateway.backends.engine_pool"):
+        handles = engine_pool.load_engines({"mock": dep.engines["mock"]}, engine_process=True)
+    assert "at the same time" not in caplog.text

@@ -8,6 +8,7 @@ byte-identical share one Tokenizer object, which lets the router reuse a prompt'
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from engines.core.backend import EngineBackend
 from engines.serving.engine_process import EngineProcess, EngineRecipe
 from engines.text.tokenizer import Tokenizer
 from gateway.config.deployment import EngineSpec, Prices
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json",
                    "generation_config.json", "chat_template.jinja")
@@ -53,6 +56,12 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> 
     engine_process: step each engine without replicas in a child process of its own."""
     tokenizers: dict[str, Tokenizer] = {}
     handles: dict[str, EngineHandle] = {}
+    in_processes = [n for n, s in specs.items() if engine_process and s.replicas is None]
+    if len(in_processes) > 1:
+        # In-process engines take turns on one step thread; processes do not (engines/core/executor.py).
+        log.warning("server.engine_process: engines %s each step in a process of their own, at the same time; "
+                    "give each its share of the cores (OMP_NUM_THREADS) or they slow each other down",
+                    ", ".join(in_processes))
     for name, spec in specs.items():
         fp = tokenizer_fingerprint(spec.model)
         tok = tokenizers.get(fp)
