@@ -163,6 +163,30 @@ def test_a_step_that_raises_is_reported_and_the_child_ends():
     theirs.close()
 
 
+@pytest.mark.timeout(60)
+def test_the_child_ends_quietly_when_the_parent_hangs_up_mid_stream():
+    ours, theirs = socket.socketpair()
+    errors = []
+
+    def child():
+        try:
+            _child_main(theirs)
+        except BaseException as e:  # noqa: BLE001 - the assertion below reports it
+            errors.append(e)
+
+    thread = threading.Thread(target=child, daemon=True)
+    thread.start()
+    link = _Link(ours)
+    link.send(("recipe", recipe(token_ms=2, output_len=100000)))
+    assert link.receive(block=True)[0][0] == "ready"
+    link.send(("add", "a", [1, 2, 3], {"max_tokens": 100000}, 0, None))
+    assert link.receive(block=True)[0][0] == "out"
+    ours.close()                          # the gateway went away while the child streams
+    thread.join(10)
+    assert not thread.is_alive() and errors == []
+    theirs.close()
+
+
 def test_stopped_backend_refuses_new_requests():
     async def main():
         ep = EngineProcess(recipe(token_ms=1), "m")

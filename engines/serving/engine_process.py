@@ -189,6 +189,8 @@ def _child_main(sock: socket.socket) -> None:
             if dead:
                 link.send(("failed", f"engine failed: {dead}", None))
                 return
+    except OSError:
+        return       # the parent hung up while a step ran (it stopped, or died): nobody to tell
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
