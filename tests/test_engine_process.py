@@ -241,3 +241,36 @@ def test_several_engines_in_processes_are_warned_about(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="gateway.backends.engine_pool"):
         handles = engine_pool.load_engines({"mock": dep.engines["mock"]}, engine_process=True)
     assert "at the same time" not in caplog.text
+
+
+def test_a_torch_engine_in_a_process_answers_as_it_does_on_a_thread():
+    """The demo model through the gateway both ways: the same greedy text and logprobs, a JSON schema
+    honoured (its grammar compiled in the child) and a schema the grammar library refuses answered 400."""
+    doc = {"server": {"access_log": False},
+           "engines": {"demo": {"type": "torch", "model": str(ROOT / "models" / "demo-small"), "dtype": "float32",
+                                "kv_cache_memory": 8 << 20}}}
+    ask = {"model": "demo", "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8,
+           "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    plain = {k: v for k, v in ask.items() if k not in ("logprobs", "top_logprobs")}
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}}
+    answers = {}
+    for process in (False, True):
+        with running_gateway({**doc, "server": {**doc["server"], "engine_process": process}}) as srv:
+            assert isinstance(srv.engine("demo"), EngineProcess) is process
+            status, _, body = srv.chat(ask)
+            assert status == 200, body
+            status, _, structured = srv.chat({**plain, "max_tokens": 40, "response_format": schema})
+            assert status == 200, structured
+            status, _, refused = srv.chat({**plain, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}})
+            answers[process] = (body, structured, status, refused)
+    (thread, t_struct, t_status, t_refused), (proc, p_struct, p_status, p_refused) = answers[False], answers[True]
+    assert proc["choices"][0]["message"]["content"] == thread["choices"][0]["message"]["content"]
+    lp = [t["logprob"] for t in proc["choices"][0]["logprobs"]["content"]]
+    assert lp == pytest.approx([t["logprob"] for t in thread["choices"][0]["logprobs"]["content"]], abs=1e-5)
+    assert p_struct["choices"][0]["message"]["content"] == t_struct["choices"][0]["message"]["content"]
+    # the grammar held (the demo model's reply may be cut by max_tokens inside the number)
+    assert "".join(p_struct["choices"][0]["message"]["content"].split()).startswith('{"n":')
+    assert p_status == t_status == 400
+    assert p_refused["error"]["param"] == t_refused["error"]["param"] == "response_format"
