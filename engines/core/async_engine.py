@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from engines.core.errors import EngineDeadError
 from engines.core.executor import torch_executor
@@ -93,6 +93,48 @@ class RequestStream:
             yield await self.get()
 
 
+def deliver(streams: dict[str, RequestStream], outputs: list[StepOutput]) -> None:
+    """Hand each output to its request's stream; a finished request leaves `streams`. Outputs of
+    requests no longer there (aborted by their reader: nobody is listening) are dropped."""
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is None:
+            continue
+        if out.finished:
+            del streams[out.request_id]
+        stream.put(out)
+
+
+def fail_streams(streams: dict[str, RequestStream], message: str) -> None:
+    """End every stream with an "error" output (its reader sees it at once instead of hanging)."""
+    for rid, stream in streams.items():
+        stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))
+
+
+async def cancel_task(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
+T = TypeVar("T")
+
+
+async def with_backoff(name: str, attempts: int, backoff_s: float, build: Callable[[], Awaitable[T]]) -> tuple[T | None, int]:
+    """await build() until it works, at most `attempts` times, sleeping backoff_s * 2**i (capped at
+    30 s) after the i-th failure; (its result, or None when every attempt failed; failed attempts)."""
+    for attempt in range(attempts):
+        try:
+            return await build(), attempt
+        except Exception:  # noqa: BLE001 - retried with backoff
+            log.exception("engine %s: restart attempt %d failed", name, attempt + 1)
+            await asyncio.sleep(min(30.0, backoff_s * 2 ** attempt))
+    return None, attempts
+
+
 class AsyncEngine:
     def __init__(self, engine: EngineCore, name: str = "engine", executor: Executor | None = None,
                  max_consecutive_failures: int = 3, factory: Callable[[], EngineCore] | None = None,
@@ -136,13 +178,8 @@ class AsyncEngine:
         """Abort everything in flight and stop the loop (the engine object stays usable)."""
         for rid in list(self._streams):
             self.abort(rid)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -200,13 +237,7 @@ class AsyncEngine:
                     return
                 await asyncio.sleep(0.01 * failures)  # do not spin on a broken engine
                 continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue  # aborted by its reader: nobody is listening
-                if out.finished:
-                    del self._streams[out.request_id]
-                stream.put(out)
+            deliver(self._streams, outputs)
             inner_dead = getattr(self.engine, "dead", None)
             if inner_dead and self._factory is not None:
                 # The engine failed its requests itself (e.g. a tensor-parallel worker died).
@@ -226,23 +257,22 @@ class AsyncEngine:
                 await loop.run_in_executor(self._executor, close)
             except Exception:  # noqa: BLE001 - the old engine is broken anyway
                 log.warning("engine %s: closing the failed engine raised", self.name, exc_info=True)
-        for attempt in range(self._max_restart_attempts):
-            try:
-                fresh = await loop.run_in_executor(self._executor, self._factory)
-                stats = await loop.run_in_executor(self._executor, fresh.stats)
-            except Exception:  # noqa: BLE001 - retried with backoff below
-                self.num_failed_restarts += 1
-                log.exception("engine %s: restart attempt %d failed", self.name, attempt + 1)
-                await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** attempt))
-                continue
-            self.engine, self._stats = fresh, stats
-            self.num_restarts += 1
-            self.dead = None
-            log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
-            return True
-        self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
-        log.error("engine %s declared dead: %s", self.name, self.dead)
-        return False
+
+        async def build() -> tuple[EngineCore, EngineStats]:
+            fresh = await loop.run_in_executor(self._executor, self._factory)
+            return fresh, await loop.run_in_executor(self._executor, fresh.stats)
+
+        built, failures = await with_backoff(self.name, self._max_restart_attempts, self._restart_backoff_s, build)
+        self.num_failed_restarts += failures
+        if built is None:
+            self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
+            log.error("engine %s declared dead: %s", self.name, self.dead)
+            return False
+        self.engine, self._stats = built
+        self.num_restarts += 1
+        self.dead = None
+        log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
+        return True
 
     def _step(self) -> tuple[list[StepOutput], EngineStats]:
         outputs = self.engine.step()
@@ -250,9 +280,9 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
+        for rid in streams:
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the engine is already failing; readers come first
                 pass
-            stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))
+        fail_streams(streams, message)

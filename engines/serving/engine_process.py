@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.core.async_engine import RequestStream
+from engines.core.async_engine import RequestStream, cancel_task, deliver, fail_streams, with_backoff
 from engines.core.errors import EngineDeadError, RequestError
 from engines.core.outputs import EngineStats, StepOutput
 from engines.core.sampling_params import ParamError, SamplingParams
@@ -248,13 +248,8 @@ class EngineProcess:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_task(self._task)
+        self._task = None
         self._sock.close()              # the child sees the end of its input and exits
         await asyncio.get_running_loop().run_in_executor(None, self._reap, self._proc)
 
@@ -334,7 +329,8 @@ class EngineProcess:
                 return
             self._writer = None
             writer.close()
-            self._fail_all(why)
+            streams, self._streams = self._streams, {}
+            fail_streams(streams, why)
             if not await self._restart(why):
                 return
 
@@ -345,7 +341,7 @@ class EngineProcess:
                 (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
                 msg = pickle.loads(await reader.readexactly(n))
                 if msg[0] == "out":
-                    self._deliver(msg[1])
+                    deliver(self._streams, msg[1])
                     if msg[2] is not None:
                         self._stats = msg[2]
                 elif msg[0] == "failed":
@@ -360,20 +356,6 @@ class EngineProcess:
                 pass
             return f"the engine process exited (exit code {self._proc.returncode}; {type(e).__name__})"
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by its reader: nobody is listening
-            if out.finished:
-                del self._streams[out.request_id]
-            stream.put(out)
-
-    def _fail_all(self, message: str) -> None:
-        streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))
-
     async def _restart(self, why: str) -> bool:
         """Start a fresh process from the recipe; False when every attempt failed (the engine stays dead)."""
         loop = asyncio.get_running_loop()
@@ -381,21 +363,21 @@ class EngineProcess:
         log.error("engine %s failed (%s); starting its process again", self.name, why)
         await loop.run_in_executor(None, self._reap, self._proc)
         self._sock.close()
-        for attempt in range(self._max_restart_attempts):
-            try:
-                self._proc, self._sock, self._max_model_len, self._stats = await loop.run_in_executor(None, self._spawn)
-            except Exception:  # noqa: BLE001 - retried with backoff below
-                self.num_failed_restarts += 1
-                log.exception("engine %s: restart attempt %d failed", self.name, attempt + 1)
-                await asyncio.sleep(min(30.0, self._restart_backoff_s * 2 ** attempt))
-                continue
-            self.num_restarts += 1
-            self.dead = None
-            log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
-            return True
-        self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
-        log.error("engine %s declared dead: %s", self.name, self.dead)
-        return False
+
+        async def spawn() -> tuple[subprocess.Popen, socket.socket, int, EngineStats]:
+            return await loop.run_in_executor(None, self._spawn)
+
+        spawned, failures = await with_backoff(self.name, self._max_restart_attempts, self._restart_backoff_s, spawn)
+        self.num_failed_restarts += failures
+        if spawned is None:
+            self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
+            log.error("engine %s declared dead: %s", self.name, self.dead)
+            return False
+        self._proc, self._sock, self._max_model_len, self._stats = spawned
+        self.num_restarts += 1
+        self.dead = None
+        log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
+        return True
 
 
 def main() -> None:
