@@ -203,7 +203,7 @@ class Library:
         lib.tokenyard_matvec.restype = ctypes.c_int
         lib.tokenyard_int8_inputs.restype = ctypes.c_int
         # int4 and int8 products of fewer than 8 tokens (k a multiple of 32) round their inputs to int8
-        # per 32-block on AVX2 builds (cpu_matvec.c says why); fp32 products keep fp32 inputs
+        # per 32-block on AVX2 and AVX-512 builds (cpu_matvec.c says why); fp32 products keep fp32 inputs
         self.int8_inputs = bool(lib.tokenyard_int8_inputs())
         self.lib = lib
         self.path = path

@@ -1,21 +1,24 @@
-/* int4 and int8 products with int8 inputs, for small batches on AVX2: part of cpu_matvec.c, which
- * #includes this file after its tiles (it uses their TILE_ARGS, finish, DEFINE_TILES and vectors). */
+/* int4 and int8 products with int8 inputs, for small batches on AVX2 and AVX-512 machines: part of
+ * cpu_matvec.c, which #includes this file after its tiles (it uses their TILE_ARGS, finish, DEFINE_TILES
+ * and vectors). */
 
-/* ---------------------------------------------------------------- int4 and int8 with int8 inputs (AVX2) */
+/* ---------------------------------------------------------------- int4 and int8 with int8 inputs */
 
-/* Without AVX-512 the int4 tiles above spend about twenty instructions widening, scaling and
- * multiplying each 32 weights in floats, and an int4 step is bound by that arithmetic, not by
- * memory: SmolLM2 decoded at 0.76x llama.cpp on Zen 3 (its int8 LM head, widened 8 at a time, took
- * a quarter of the step). So for small batches on AVX2 the inputs are rounded per 32-block to int8
- * with one fp32 scale (llama.cpp's Q8 activations) and each block of 32 weights (int4 codes or int8;
- * k a multiple of 32) is one integer multiply-add (vpmaddubsw, vpmaddwd) and one scaled float add.
- * The int4 group minimums still meet the exact fp32 input sums. Error: |x - xq * d| <= d / 2 with d = the block's
- * max |x| / 127, so a product moves by at most sum_j |w_j| * d_j / 2 (tests/test_cpu_matvec.py
- * checks that bound). -DTY_Q8_INPUTS=0 keeps fp32 inputs. The tiles prefetch the next tile's rows:
- * with this much arithmetic per byte the hardware prefetchers alone kept too few reads in flight
- * (scratch timings, one thread, SmolLM2's int8 LM head from DRAM: 7.4 GB/s without, 14.6 with;
- * int4 10.5 -> 14.9). */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+/* In floats the int4 tiles above spend about twenty instructions widening, scaling and multiplying
+ * each 32 weights, and an int4 step is bound by that arithmetic, not by memory: SmolLM2 decoded at
+ * 0.76x llama.cpp on Zen 3 (its int8 LM head, widened 8 at a time, took a quarter of the step), and
+ * at 0.48x on an AVX-512 Intel Xeon with AMX (2026-12-04), where this path was first left out on the
+ * guess that 16-float vectors would be enough. So for small batches on every machine with AVX2 the
+ * inputs are rounded per 32-block to int8 with one fp32 scale (llama.cpp's Q8 activations) and each
+ * block of 32 weights (int4 codes or int8; k a multiple of 32) is one integer dot product (vpdpbusd
+ * with VNNI, else vpmaddubsw and vpmaddwd) and one scaled float add, in 8-lane vectors on AVX-512
+ * too (a block is 32 bytes). The int4 group minimums still meet the exact fp32 input sums. Error:
+ * |x - xq * d| <= d / 2 with d = the block's max |x| / 127, so a product moves by at most
+ * sum_j |w_j| * d_j / 2 (tests/test_cpu_matvec.py checks that bound). -DTY_Q8_INPUTS=0 keeps fp32
+ * inputs. The tiles prefetch the next tile's rows: with this much arithmetic per byte the hardware
+ * prefetchers alone kept too few reads in flight (scratch timings, one thread, SmolLM2's int8 LM head
+ * from DRAM: 7.4 GB/s without, 14.6 with; int4 10.5 -> 14.9). */
+#if defined(__AVX2__)
 #ifndef TY_Q8_INPUTS
 #define TY_Q8_INPUTS 1
 #endif
@@ -25,6 +28,23 @@
 #endif
 
 #if TY_Q8_INPUTS
+/* Sums of unsigned by signed byte products, four adjacent pairs of pairs into each of 8 int32 lanes. With
+ * VNNI (AVX512-VNNI with AVX512-VL, or AVX-VNNI) one vpdpbusd; otherwise vpmaddubsw into int16 (a pair
+ * sums to at most 15 * 127 * 2 for int4 codes, 127 * 127 * 2 for int8: inside int16) and vpmaddwd. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
 /* per token, what the tiles read: [group sums: k / group (int4)][block scales: k / 32][codes: k bytes] */
 static inline int64_t q8_groups(const ty_linear *L) { return L->kind == TY_INT4 ? L->k / L->group : 0; }
 static inline int64_t q8_stride(const ty_linear *L) { return q8_groups(L) + L->k / 32 + L->k / 4; }
@@ -66,11 +86,8 @@ static void quantise_q8(const ty_linear *L, const float *x, int64_t ld_x, int64_
  * int8 tails along k, which k % 32 == 0 leaves empty) and for its group sums (the record's start). */
 #define Q8_TILE_END(KIND, R, T)                                                                           \
     for (int t = 0; t < T; t++)                                                                          \
-        for (int i = 0; i < R; i++) {                                                                    \
-            vf a;                                                                                        \
-            memcpy(&a, &acc[i][t], sizeof a);                                                            \
-            finish(KIND, L, r + i, hsumv(a), x + t * ld_x, x + t * ld_x, out + t * ld_out + r + i, accumulate); \
-        }
+        for (int i = 0; i < R; i++)                                                                      \
+            finish(KIND, L, r + i, hsum256(acc[i][t]), x + t * ld_x, x + t * ld_x, out + t * ld_out + r + i, accumulate);
 
 /* x: token 0's record (q8_stride floats apart: ld_x); gsum unused */
 #define DEFINE_TILE_Q8(R, T)                                                                              \
@@ -79,7 +96,7 @@ static inline void tile_q8_##R##x##T(TILE_ARGS) {                               
     const int64_t k = L->k, ng = k / L->group, nq = k / 32, sh = __builtin_ctzll((unsigned long long)(L->group / 32)); \
     const uint8_t *w = (const uint8_t *)L->w + r * (k / 2);                                              \
     const float *sc = L->scale + r * ng;                                                                 \
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                               \
+    const __m256i low = _mm256_set1_epi8(15);                                                            \
     __m256 acc[R][T];                                                                                    \
     for (int i = 0; i < R; i++) for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();             \
     for (int64_t q = 0; q < nq; q++) {                                                                  \
@@ -97,7 +114,7 @@ static inline void tile_q8_##R##x##T(TILE_ARGS) {                               
             const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)(rec + ng + nq) + q * 32)); \
             const float d = rec[ng + q];                                                                 \
             for (int i = 0; i < R; i++) {                                                                \
-                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), ones);            \
+                const __m256i dot = dot_u8s8(wv[i], xv);                                                 \
                 acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[i] * d), acc[i][t]); \
             }                                                                                            \
         }                                                                                                \
@@ -111,7 +128,6 @@ static inline void tile_q8i8_##R##x##T(TILE_ARGS) {                             
     (void)gsum;                                                                                          \
     const int64_t k = L->k, nq = k / 32;                                                                \
     const int8_t *w = (const int8_t *)L->w + r * k;                                                      \
-    const __m256i ones = _mm256_set1_epi16(1);                                                           \
     __m256 acc[R][T];                                                                                    \
     for (int i = 0; i < R; i++) for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();             \
     for (int64_t q = 0; q < nq; q++) {                                                                  \
@@ -126,7 +142,7 @@ static inline void tile_q8i8_##R##x##T(TILE_ARGS) {                             
             const __m256i xv = _mm256_loadu_si256((const __m256i *)((const int8_t *)(rec + nq) + q * 32)); \
             const __m256 d = _mm256_set1_ps(rec[q]);                                                     \
             for (int i = 0; i < R; i++) {                                                                \
-                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xv, wv[i])), ones); \
+                const __m256i dot = dot_u8s8(wa[i], _mm256_sign_epi8(xv, wv[i]));                        \
                 acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[i][t]);                      \
             }                                                                                            \
         }                                                                                                \

@@ -5,14 +5,15 @@ along k, over blocks of tokens; quantised weights are widened in the tile or, fo
 into an fp32 panel. The engine-level tests (test_native_decode.py) use model shapes whose row
 chunks and widths are multiples of 16, so they never reach the edges: here odd row ranges, odd
 batches and k not a multiple of the vector width do, for fp32, int8 and int4 weights, stored and
-accumulated, on each x86 vector path this machine can run (and the AVX-512 one is at least
-compiled), in a build with tiny token blocks and an early panel, and in builds whose packed
+accumulated, on each x86 vector path this machine can run (and the AVX-512 and VNNI ones are at
+least compiled), in a build with tiny token blocks and an early panel, and in builds whose packed
 panels start at 3 tokens and hold 40 inputs. Reference: float64 products
 of the same weights; tolerance 1e-4 relative to the largest output (fp32 sums in another order).
 """
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,19 @@ from nativelib.build import cached_library, compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
 
-MARCHES = ["native"] + (["x86-64-v3", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else [])
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+_X86 = platform.machine() in ("x86_64", "AMD64")
+# x86-64-v4 (AVX-512 without VNNI: vpmaddubsw in the int8-input products) where this CPU runs it; native
+# takes vpdpbusd where the CPU has VNNI
+_V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= _cpu_flags()
+MARCHES = ["native"] + (["x86-64-v3", "x86-64"] if _X86 else []) + (["x86-64-v4"] if _X86 and _V4 else [])
 # a build whose token blocks hold 2000 bytes of inputs (3 to 12 tokens here) and whose quantised weights go
 # through the fp32 panel from 3 tokens on, so that small shapes cross both boundaries (packed panels
 # from 64 tokens, so that they stay out of the way)
@@ -70,7 +83,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float = 
 
 
 def _int8_input_bound(kind: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | float:
-    """What rounding the inputs to int8 per 32-block (AVX2 builds, int4 and int8 weights with k a
+    """What rounding the inputs to int8 per 32-block (AVX2 and AVX-512 builds, int4 and int8 weights with k a
     multiple of 32, cpu_matvec.c) may move a product by: sum over blocks of d / 2 * sum |w| in the
     block, d = the block's max |x| / 127 (0 for every other product; applied to all builds alike)."""
     if kind == "f32" or w.shape[1] % 32:
@@ -117,14 +130,17 @@ def test_bad_arguments_are_refused(monkeypatch):
         lib.matvec(lin, torch.zeros(2, 16), out=torch.zeros(2, 7))
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector paths")
-def test_the_avx512_path_compiles(tmp_path, monkeypatch):
-    """Machines without AVX-512 cannot run that path; they can at least build it."""
-    monkeypatch.setenv("TOKENYARD_NATIVE_MARCH", "x86-64-v4")
+@pytest.mark.skipif(not _X86, reason="x86 vector paths")
+@pytest.mark.parametrize("march, extra", [("x86-64-v4", ()), ("x86-64-v4", ("-mavx512vnni",)),
+                                          ("x86-64-v3", ("-mavxvnni",))])
+def test_the_avx512_and_vnni_paths_compile(tmp_path, monkeypatch, march, extra):
+    """Machines without AVX-512 or VNNI cannot run those paths; they can at least build them."""
+    monkeypatch.setenv("TOKENYARD_NATIVE_MARCH", march)
     try:
-        path = cpu_decode_step.compile_library(tmp_path)
+        path = cached_library(cpu_decode_step.SOURCE, cpu_decode_step.flags() + extra, "decode_step_variant",
+                              tmp_path, includes=cpu_decode_step.INCLUDES)
     except (OSError, RuntimeError) as exc:
-        if "unrecognized" in str(exc) or "x86-64-v4" in str(exc):
-            pytest.skip(f"this compiler has no -march=x86-64-v4: {exc}")
+        if "unrecognized" in str(exc) or march in str(exc) or any(e in str(exc) for e in extra):
+            pytest.skip(f"this compiler cannot build -march={march} {' '.join(extra)}: {exc}")
         raise
     assert path.exists() and path.stat().st_size > 0

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C
 OPTIONS = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=128, max_num_seqs=8, block_size=8, progress=False,
                dtype="float32")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-# int8-rounded inputs of quantised products (AVX2 builds, small batches): the logits of these random
+# int8-rounded inputs of quantised products (AVX2 and AVX-512 builds, small batches): the logits of these random
 # test models (magnitude ~3) move by up to ~0.05 through their layers
 INT8_INPUTS_ATOL = 0.15
 
