@@ -290,7 +290,9 @@ static void *worker_main(void *arg) {
 static int linear_ok(const ty_linear *L, int64_t n, int64_t k) {
     if (L->n != n || L->k != k || !L->w) return 0;
     if (L->kind == TY_INT8) return L->scale != NULL;
-    if (L->kind == TY_INT4) return L->scale && L->minv && L->group % 32 == 0 && L->group > 0 && k % L->group == 0;
+    if (L->kind == TY_INT4 || L->kind == TY_INT4R16)
+        return L->scale && L->minv && L->group % 32 == 0 && L->group > 0 && k % L->group == 0
+               && (L->kind == TY_INT4 || (TY_ROWS16 && n % 16 == 0));
     return L->kind == TY_F32;
 }
 
@@ -416,8 +418,11 @@ int tokenyard_matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t b
     return rc;
 }
 
-/* 1 when this build rounds the inputs of int4 and int8 products to int8 for small batches (cpu_matvec.c, AVX2) */
+/* 1 when this build rounds the inputs of int4 and int8 products to int8 for small batches (cpu_matvec_q8.c, AVX2) */
 int tokenyard_int8_inputs(void) { return TY_Q8_INPUTS; }
+
+/* 1 when this build reads int4 weights in 16-row blocks (TY_INT4R16: AVX-512 with VNNI, cpu_matvec_q8.c) */
+int tokenyard_int4_rows16(void) { return TY_ROWS16; }
 
 void tokenyard_step_destroy(void *handle) {
     ty_pool *p = (ty_pool *)handle;

@@ -41,7 +41,7 @@ INCLUDES = tuple(Path(__file__).with_name(name) for name in
                  ("cpu_decode_attention.c", "cpu_matvec.c", "cpu_matvec_q8.c", "cpu_matvec_panel.c"))
 MAX_BATCH = 256
 DEFAULT_SPIN_LIMIT = 200_000
-F32, INT8, INT4 = 0, 1, 2
+F32, INT8, INT4, INT4_ROWS16 = 0, 1, 2, 3
 _LOCK = threading.Lock()
 _LOADED: dict[str, "Library | None"] = {}
 
@@ -101,6 +101,21 @@ class StepLinear:
             raise ValueError(f"int4 groups must be multiples of 32 dividing K={k}, got {group}")
         return cls(INT4, n, k, int4_gguf_order(q), scale=_f32(scales), minv=_f32(mins), bias=_opt_f32(bias),
                    group=group)
+
+
+def int4_rows16(lin: StepLinear) -> StepLinear:
+    """An int4 projection (n a multiple of 16) in the kernel's 16-row blocks (cpu_matvec_q8.c, TY_INT4R16):
+    per 16 rows and 32-block, [h 4][row 16][i 4] of the rows' GGUF-order bytes (byte 4h + i); scales
+    and minimums per 16 rows and group as 16 floats, one per row. A copy; `lin` is left as it was."""
+    n, k, g = lin.n, lin.k, lin.group
+    if lin.kind != INT4 or n % 16:
+        raise ValueError(f"16-row blocks need an int4 weight with a multiple of 16 rows, got kind {lin.kind}, n={n}")
+    groups, blocks, ng = n // 16, k // 32, k // g
+    w = lin.w.reshape(groups, 16, blocks, 4, 4).permute(0, 2, 3, 1, 4).contiguous().reshape(n, k // 2)
+
+    def by_row(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(groups, 16, ng).transpose(1, 2).contiguous().reshape(n, ng)
+    return StepLinear(INT4_ROWS16, n, k, w, scale=by_row(lin.scale), minv=by_row(lin.minv), bias=lin.bias, group=g)
 
 
 def int4_gguf_order(q: torch.Tensor) -> torch.Tensor:
@@ -205,8 +220,26 @@ class Library:
         # int4 and int8 products of fewer than 8 tokens (k a multiple of 32) round their inputs to int8
         # per 32-block on AVX2 and AVX-512 builds (cpu_matvec.c says why); fp32 products keep fp32 inputs
         self.int8_inputs = bool(lib.tokenyard_int8_inputs())
+        lib.tokenyard_int4_rows16.restype = ctypes.c_int
+        # int4 weights with rows in sixteens are read in 16-row blocks on AVX-512 VNNI builds (prepare)
+        self.int4_rows16 = bool(lib.tokenyard_int4_rows16())
         self.lib = lib
         self.path = path
+
+    def prepare(self, lin: StepLinear) -> StepLinear:
+        """`lin` in the form this build reads fastest: int4 with rows in sixteens in 16-row blocks where
+        the build has them (a copy), anything else as it is."""
+        if lin.kind == INT4 and self.int4_rows16 and lin.n % 16 == 0:
+            return int4_rows16(lin)
+        return lin
+
+    def prepare_model(self, spec: StepModel) -> StepModel:
+        """`spec` with every projection `prepare`d (in place; also returned)."""
+        spec.lm_head = self.prepare(spec.lm_head)
+        for layer in spec.layers:
+            layer.qkv, layer.o = self.prepare(layer.qkv), self.prepare(layer.o)
+            layer.gate_up, layer.down = self.prepare(layer.gate_up), self.prepare(layer.down)
+        return spec
 
     def matvec(self, lin: StepLinear, x: torch.Tensor, rows: tuple[int, int] | None = None,
                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
@@ -220,7 +253,8 @@ class Library:
             out = torch.zeros(x.shape[0], lin.n, dtype=torch.float32)
         if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != (x.shape[0], lin.n):
             raise ValueError(f"out must be a contiguous fp32 [{x.shape[0]}, {lin.n}] tensor")
-        c = _c_linear(lin)
+        prepared = self.prepare(lin)      # held here: its tensors must outlive the call
+        c = _c_linear(prepared)
         rc = self.lib.tokenyard_matvec(ctypes.byref(c), x.data_ptr(), lin.k, x.shape[0], r0, r1, out.data_ptr(),
                                        lin.n, int(accumulate))
         if rc:

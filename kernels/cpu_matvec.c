@@ -37,7 +37,7 @@
 
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 
-enum { TY_F32 = 0, TY_INT8 = 1, TY_INT4 = 2 };
+enum { TY_F32 = 0, TY_INT8 = 1, TY_INT4 = 2, TY_INT4R16 = 3 };   /* R16: int4 in 16-row blocks (cpu_matvec_q8.c) */
 
 typedef struct {
     int64_t kind, n, k, group;
@@ -312,6 +312,9 @@ DEFINE_TILES(int8, TY_TR, TY_TT)
 DEFINE_TILES(int4, TY4_TR, TY4_TT)
 
 #include "cpu_matvec_q8.c"
+#ifndef TY_ROWS16
+#define TY_ROWS16 0
+#endif
 #include "cpu_matvec_panel.c"
 #define TY_WBUF_ROWS (TY_PR > TY_TR ? TY_PR : TY_TR)   /* rows of quantised weights widened at a time */
 
@@ -333,12 +336,19 @@ static void dequantise_rows(const ty_linear *L, int64_t r, int64_t rows, float *
     const v16u8 low = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
     const int64_t ng = k / L->group, sh = __builtin_ctzll((unsigned long long)(L->group / 32));
     for (int64_t i = 0; i < rows; i++) {
-        const uint8_t *w = (const uint8_t *)L->w + (r + i) * (k / 2);
-        const float *sc = L->scale + (r + i) * ng, *mn = L->minv + (r + i) * ng;
+        const int64_t row = r + i;
+        const uint8_t *w = (const uint8_t *)L->w + row * (k / 2);
         for (int64_t q = 0; q < k / 32; q++) {
             v16u8 c;
+            int64_t at = row * ng + (q >> sh);     /* this block's scale and minimum */
+#if TY_ROWS16
+            if (L->kind == TY_INT4R16) {
+                c = r16_row_codes(L, row, q);
+                at = r16_vec(L, row / 16, q >> sh) + row % 16;
+            } else
+#endif
             memcpy(&c, w + q * 16, 16);
-            const vf s = (vf){0} + sc[q >> sh], m = (vf){0} + mn[q >> sh];
+            const vf s = (vf){0} + L->scale[at], m = (vf){0} + L->minv[at];
             float *o = buf + i * k + q * 32;
             for (int j = 0; j < 32 / TY_VW; j++)
                 storev(o + j * TY_VW, widen_u8v(j < 16 / TY_VW ? (c & low) : (c >> 4), j % (16 / TY_VW)) * s + m);
@@ -385,6 +395,10 @@ static void matvec(const ty_linear *L, const float *x, int64_t ld_x, int64_t bat
         }
         if (L->kind == TY_INT8)
             tiles_q8i8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
+#if TY_ROWS16
+        else if (L->kind == TY_INT4R16)
+            rows_r16(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate);
+#endif
         else
             tiles_q8(L, scratch->q8, q8_stride(L), batch, r0, r1, out, ld_out, accumulate, scratch->q8, 0);
         return;

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kernels import cpu_decode_step
-from kernels.cpu_decode_step import Library, StepLinear
+from kernels.cpu_decode_step import INT4, INT4_ROWS16, Library, StepLinear, int4_rows16
 from nativelib.build import cached_library, compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
@@ -102,7 +102,9 @@ def test_products_match_float64_on_every_edge(monkeypatch, march, kind):
     lib = _lib(monkeypatch, march.removesuffix(suffix), VARIANTS.get(suffix, ()))
     g = torch.Generator().manual_seed(len(kind) * 7 + len(march))
     # k: 64 whole vectors; 72 and 37 leave a scalar tail (fp32 and int8; int4 needs whole 32-blocks)
-    shapes = [(23, 64, 32), (37, 128, 64)] + ([(29, 72, 0), (13, 37, 0)] if kind != "int4" else [])
+    # int4 with rows in sixteens (48, 32): 16-row blocks where the build reads them, with part blocks at both
+    # ends of the odd row range below
+    shapes = [(23, 64, 32), (37, 128, 64)] + ([(29, 72, 0), (13, 37, 0)] if kind != "int4" else [(48, 96, 32), (32, 128, 64)])
     for n, k, group in shapes:
         lin, w = _weights(kind, n, k, group, g)
         for batch in (1, 2, 3, 4, 5, 7, 13, 20):
@@ -144,3 +146,36 @@ def test_the_avx512_and_vnni_paths_compile(tmp_path, monkeypatch, march, extra):
             pytest.skip(f"this compiler cannot build -march={march} {' '.join(extra)}: {exc}")
         raise
     assert path.exists() and path.stat().st_size > 0
+
+
+def test_16_row_blocks_hold_the_same_codes_scales_and_minimums():
+    """The repack is a permutation: each row's code at each k, and its scale and minimum per group, found
+    where the layout (cpu_matvec_q8.c, TY_INT4R16) says (pure torch: runs on any machine)."""
+    g = torch.Generator().manual_seed(3)
+    n, k, group = 32, 128, 64
+    lin, _ = _weights("int4", n, k, group, g)
+    q = torch.stack([torch.cat([(row & 15), (row >> 4)], 1).flatten() for row in lin.w.reshape(n, k // 32, 16)])
+    packed = int4_rows16(lin)
+    assert packed.kind == INT4_ROWS16 and lin.kind == INT4 and packed.w.numel() == lin.w.numel()
+    w = packed.w.flatten()
+    for r in (0, 5, 16, 31):
+        for kk in (0, 3, 17, 31, 32, 77, 127):
+            blk, o = divmod(kk, 32)
+            h, i = divmod(o % 16, 4)
+            byte = int(w[((r // 16) * (k // 32) + blk) * 256 + h * 64 + (r % 16) * 4 + i])
+            assert (byte & 15 if o < 16 else byte >> 4) == int(q[r, kk])
+        for j in range(k // group):
+            at = ((r // 16) * (k // group) + j) * 16 + r % 16
+            assert packed.scale.flatten()[at] == lin.scale[r, j] and packed.minv.flatten()[at] == lin.minv[r, j]
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        int4_rows16(_weights("int4", 24, 64, 32, g)[0])
+
+
+@pytest.mark.skipif(not _X86, reason="x86 vector paths")
+def test_a_build_without_16_row_blocks_refuses_them(monkeypatch):
+    lib = _lib(monkeypatch, "x86-64-v3")
+    assert not lib.int4_rows16
+    lin, _ = _weights("int4", 32, 64, 32, torch.Generator().manual_seed(4))
+    assert lib.prepare(lin) is lin
+    with pytest.raises(ValueError, match="matvec refused"):
+        lib.matvec(int4_rows16(lin), torch.zeros(1, 64))

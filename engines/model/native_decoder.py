@@ -158,7 +158,8 @@ class NativeDecoder:
         self.max_len = min(max_model_len, model.rotary.cos.shape[0])
         self.max_batch = max_batch
         self.width = -(-self.max_len // block_size)
-        spec = describe(model, kv_caches, block_size)
+        # int4 in 16-row blocks where the build reads them (a copy made before the arena takes it in)
+        spec = lib.prepare_model(describe(model, kv_caches, block_size))
         self.arena = rehome(spec, model)
         self.step = lib.create(spec, max_batch, self.max_len, threads)
         # building the library (first use on a machine: a few seconds of gcc, then cached) + the repack
