@@ -106,7 +106,7 @@ class StepLinear:
 def int4_rows16(lin: StepLinear) -> StepLinear:
     """An int4 projection (n a multiple of 16) in the kernel's 16-row blocks (cpu_matvec_q8.c, TY_INT4R16):
     per 16 rows and 32-block, [h 4][row 16][i 4] of the rows' GGUF-order bytes (byte 4h + i); scales
-    and minimums per 16 rows and group as 16 floats, one per row. A copy; `lin` is left as it was."""
+    and minimums per 16 rows and group as 16 fp16 values, one per row. A copy; `lin` is left as it was."""
     n, k, g = lin.n, lin.k, lin.group
     if lin.kind != INT4 or n % 16:
         raise ValueError(f"16-row blocks need an int4 weight with a multiple of 16 rows, got kind {lin.kind}, n={n}")
@@ -114,8 +114,16 @@ def int4_rows16(lin: StepLinear) -> StepLinear:
     w = lin.w.reshape(groups, 16, blocks, 4, 4).permute(0, 2, 3, 1, 4).contiguous().reshape(n, k // 2)
 
     def by_row(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, 16, ng).transpose(1, 2).contiguous().reshape(n, ng)
+        return t.reshape(groups, 16, ng).transpose(1, 2).to(torch.float16).contiguous().reshape(n, ng)
     return StepLinear(INT4_ROWS16, n, k, w, scale=by_row(lin.scale), minv=by_row(lin.minv), bias=lin.bias, group=g)
+
+
+def fp16_carries(lin: StepLinear) -> bool:
+    """Whether fp16 holds this int4 projection's scales to 11 bits (normal fp16: 2^-14 <= |s| <= 65504;
+    GGUF's Q4_0/Q4_1 scales are fp16 already, torch's packed ones bf16) and its minimums in range
+    (a minimum below 2^-14 keeps an absolute error under 2^-25)."""
+    s, m = lin.scale.abs(), lin.minv.abs()
+    return bool(((s == 0) | ((s >= 2.0 ** -14) & (s <= 65504.0))).all()) and bool((m <= 65504.0).all())
 
 
 def int4_gguf_order(q: torch.Tensor) -> torch.Tensor:
@@ -227,9 +235,9 @@ class Library:
         self.path = path
 
     def prepare(self, lin: StepLinear) -> StepLinear:
-        """`lin` in the form this build reads fastest: int4 with rows in sixteens in 16-row blocks where
-        the build has them (a copy), anything else as it is."""
-        if lin.kind == INT4 and self.int4_rows16 and lin.n % 16 == 0:
+        """`lin` in the form this build reads fastest: int4 with rows in sixteens in 16-row blocks with fp16
+        scales where the build has them and fp16 carries the scales (a copy), anything else as it is."""
+        if lin.kind == INT4 and self.int4_rows16 and lin.n % 16 == 0 and fp16_carries(lin):
             return int4_rows16(lin)
         return lin
 

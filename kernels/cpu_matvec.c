@@ -340,15 +340,21 @@ static void dequantise_rows(const ty_linear *L, int64_t r, int64_t rows, float *
         const uint8_t *w = (const uint8_t *)L->w + row * (k / 2);
         for (int64_t q = 0; q < k / 32; q++) {
             v16u8 c;
-            int64_t at = row * ng + (q >> sh);     /* this block's scale and minimum */
+            float sv, mv;                        /* this block's scale and minimum */
 #if TY_ROWS16
             if (L->kind == TY_INT4R16) {
                 c = r16_row_codes(L, row, q);
-                at = r16_vec(L, row / 16, q >> sh) + row % 16;
+                const int64_t at = r16_vec(L, row / 16, q >> sh) + row % 16;
+                sv = r16_half(L->scale, at);
+                mv = r16_half(L->minv, at);
             } else
 #endif
-            memcpy(&c, w + q * 16, 16);
-            const vf s = (vf){0} + L->scale[at], m = (vf){0} + L->minv[at];
+            {
+                memcpy(&c, w + q * 16, 16);
+                sv = L->scale[row * ng + (q >> sh)];
+                mv = L->minv[row * ng + (q >> sh)];
+            }
+            const vf s = (vf){0} + sv, m = (vf){0} + mv;
             float *o = buf + i * k + q * 32;
             for (int j = 0; j < 32 / TY_VW; j++)
                 storev(o + j * TY_VW, widen_u8v(j < 16 / TY_VW ? (c & low) : (c >> 4), j % (16 / TY_VW)) * s + m);

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kernels import cpu_decode_step
-from kernels.cpu_decode_step import INT4, INT4_ROWS16, Library, StepLinear, int4_rows16
+from kernels.cpu_decode_step import INT4, INT4_ROWS16, Library, StepLinear, fp16_carries, int4_rows16
 from nativelib.build import cached_library, compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
@@ -76,6 +76,21 @@ def _weights(kind: str, n: int, k: int, group: int, g: torch.Generator) -> tuple
     return StepLinear.int4(q, s, m, group, bias), w
 
 
+def _codes(lin: StepLinear) -> torch.Tensor:
+    """The int4 codes [n, k] of a row-major (GGUF-order) int4 projection."""
+    n, k = lin.n, lin.k
+    return torch.stack([torch.cat([row & 15, row >> 4], 1).flatten() for row in lin.w.reshape(n, k // 32, 16)])
+
+
+def _int4_weight(lin: StepLinear, half: bool) -> torch.Tensor:
+    """The float64 weight an int4 projection stands for; `half`: with its scales and minimums rounded to
+    fp16, as the 16-row blocks store them."""
+    n, k, group = lin.n, lin.k, lin.group
+    s, m = (lin.scale.half(), lin.minv.half()) if half else (lin.scale, lin.minv)
+    q = _codes(lin).double().reshape(n, k // group, group)
+    return (q * s.double()[..., None] + m.double()[..., None]).reshape(n, k)
+
+
 def _check(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float = 0.0) -> None:
     """|got - want| within fp32 rounding (1e-4 of the largest output) plus `bound` per element."""
     tol = 1e-4 * max(1.0, want.abs().max().item()) + bound
@@ -107,6 +122,8 @@ def test_products_match_float64_on_every_edge(monkeypatch, march, kind):
     shapes = [(23, 64, 32), (37, 128, 64)] + ([(29, 72, 0), (13, 37, 0)] if kind != "int4" else [(48, 96, 32), (32, 128, 64)])
     for n, k, group in shapes:
         lin, w = _weights(kind, n, k, group, g)
+        if kind == "int4" and lib.prepare(lin).kind == INT4_ROWS16:
+            w = _int4_weight(lin, half=True)       # the 16-row blocks hold fp16 scales and minimums
         for batch in (1, 2, 3, 4, 5, 7, 13, 20):
             x = torch.randn(batch, k, generator=g)
             want = x.double() @ w.T + lin.bias.double()
@@ -154,7 +171,7 @@ def test_16_row_blocks_hold_the_same_codes_scales_and_minimums():
     g = torch.Generator().manual_seed(3)
     n, k, group = 32, 128, 64
     lin, _ = _weights("int4", n, k, group, g)
-    q = torch.stack([torch.cat([(row & 15), (row >> 4)], 1).flatten() for row in lin.w.reshape(n, k // 32, 16)])
+    q = _codes(lin)
     packed = int4_rows16(lin)
     assert packed.kind == INT4_ROWS16 and lin.kind == INT4 and packed.w.numel() == lin.w.numel()
     w = packed.w.flatten()
@@ -166,7 +183,8 @@ def test_16_row_blocks_hold_the_same_codes_scales_and_minimums():
             assert (byte & 15 if o < 16 else byte >> 4) == int(q[r, kk])
         for j in range(k // group):
             at = ((r // 16) * (k // group) + j) * 16 + r % 16
-            assert packed.scale.flatten()[at] == lin.scale[r, j] and packed.minv.flatten()[at] == lin.minv[r, j]
+            assert packed.scale.flatten()[at] == lin.scale[r, j].half()
+            assert packed.minv.flatten()[at] == lin.minv[r, j].half()
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         int4_rows16(_weights("int4", 24, 64, 32, g)[0])
 
@@ -179,3 +197,15 @@ def test_a_build_without_16_row_blocks_refuses_them(monkeypatch):
     assert lib.prepare(lin) is lin
     with pytest.raises(ValueError, match="matvec refused"):
         lib.matvec(int4_rows16(lin), torch.zeros(1, 64))
+
+
+def test_scales_fp16_would_not_carry_keep_the_row_major_form(monkeypatch):
+    lib = _lib(monkeypatch, "native")
+    g = torch.Generator().manual_seed(5)
+    lin, w = _weights("int4", 32, 64, 32, g)
+    assert fp16_carries(lin)
+    lin.scale[3, 1] = 1e-6                      # below fp16's normal range: 2^-14
+    assert not fp16_carries(lin) and lib.prepare(lin) is lin
+    x = torch.randn(2, 64, generator=g)
+    _check(lib.matvec(lin, x), x.double() @ _int4_weight(lin, half=False).T + lin.bias.double(),
+           _int8_input_bound("int4", _int4_weight(lin, half=False), x))

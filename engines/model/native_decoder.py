@@ -17,7 +17,8 @@ the same slots and returns the same logits as the eager forward, to fp32 roundin
 Which models: fp32 on the CPU with plain fp32 KV caches, SiLU MLPs, no tensor or pipeline
 parallelism; projections that are fp32 nn.Linear, or QuantLinear int8 or int4 (groups of 32, 64
 or 128: the int4 weights are copied once into the kernel's group order, 0.5 byte a weight plus
-fp32 scale and minimum per group, while the torch copy stays for prefill). `unsupported()` says
+fp32 scale and minimum per group, or on AVX-512 VNNI builds into 16-row blocks with fp16 scales and
+minimums (Library.prepare), while the torch copy stays for prefill). `unsupported()` says
 why a model does not qualify.
 """
 from __future__ import annotations
