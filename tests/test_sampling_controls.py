@@ -13,7 +13,7 @@ from gateway_helpers import KEY, running_gateway
 
 from engines import Engine, SamplingParams
 from engines.core.sampling_params import ParamError
-from engines.model.sampler import LogitAdjust, apply_adjustments
+from engines.model.sampler import LogitAdjust, apply_adjustments, greedy_tokens, sample
 from engines.text.tokenizer import Tokenizer
 from tests.engine_helpers import prompt_logits, random_prompts, run_to_completion
 
@@ -272,3 +272,20 @@ def test_bad_values_are_400_naming_the_parameter(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2, extra_body=extra)
     assert e.value.body["param"] == param and param in e.value.body["message"]
+
+
+def test_greedy_tokens_take_the_first_maximum_as_torch_does():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=g)
+    logits[1, 7] = logits[1, 9000] = 50.0                 # a tie: the first index wins
+    logits[2, 123] = float("nan")                         # a NaN counts as the maximum, in both
+    logits[3] = float("-inf")                             # nothing finite: index 0
+    for rows in (logits, logits[1:3], logits.to(torch.bfloat16), logits[:, ::2]):
+        assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits)[1:4] == [7, 123, 0]
+    # the sampler's greedy rows, alone and beside a sampled row
+    n = logits.shape[0]
+    assert sample(logits, [True] * n, [0.0] * n, [0] * n, [1.0] * n, [0] * n, [0] * n) == logits.argmax(-1).tolist()
+    mixed = sample(logits, [True, False, True, True, True], [0.0, 1.0, 0.0, 0.0, 0.0], [0] * n, [1.0] * n,
+                   [1] * n, [0] * n)
+    assert [mixed[i] for i in (0, 2, 3, 4)] == [logits[i].argmax().item() for i in (0, 2, 3, 4)]

@@ -45,6 +45,15 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.softmax(logits, dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's first highest logit. fp32 CPU logits go through numpy: torch's argmax over one row of a
+    49,152-token vocabulary took about 80 us on a 2-core VM (its parallel reduction) and numpy's 4 us, a
+    1.5% of a SmolLM2 batch-1 decode step. Both take the first maximum (and a NaN as the maximum)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], top_k: list[int],
            top_p: list[float], seeds: list[int], indices: list[int],
            constraints: Sequence[Any] | None = None,
@@ -60,8 +69,8 @@ def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], t
     greedy_rows = [i for i, g in enumerate(greedy) if g]
     if greedy_rows:
         if len(greedy_rows) == len(greedy):
-            return logits.argmax(dim=-1).tolist()
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+            return greedy_tokens(logits)
+        picked = greedy_tokens(logits[greedy_rows])
         for row, tok in zip(greedy_rows, picked):
             out[row] = tok
     rows = [i for i, g in enumerate(greedy) if not g]
