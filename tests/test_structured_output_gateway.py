@@ -65,10 +65,19 @@ def test_json_schema_generations_validate(client, name):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[name])
 
 
+# json_object bounds nothing but the syntax, and greedy SmolLM2 asked to describe Paris can repeat a key until
+# max_tokens: on AVX-512 machines, once their int4 products took int8 inputs as AVX2 ones do, it did. So a
+# question with a short answer, and a frequency penalty against repeated keys (passes with the AVX2, AVX-512
+# and AVX-512 VNNI builds of the C step)
+ASK_SHORT = [{"role": "user", "content": "Give the capital of France as a JSON object with one key."}]
+
+
 def test_json_object_streams_an_object(client):
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="smollm2-135m", messages=ASK, response_format={"type": "json_object"}, temperature=0, max_tokens=120,
-        stream=True) if c.choices)
+    chunks = list(client.chat.completions.create(
+        model="smollm2-135m", messages=ASK_SHORT, response_format={"type": "json_object"}, temperature=0,
+        max_tokens=120, frequency_penalty=1.0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"], text
     assert isinstance(json.loads(text), dict), text
 
 
