@@ -166,6 +166,11 @@ class StepModel:
     sliding_window: int | None = None
 
 
+def linear_slots(spec: StepModel) -> list[tuple[object, str]]:
+    """(object, attribute) of every projection of `spec`: the LM head, then each layer's four."""
+    return [(spec, "lm_head")] + [(layer, name) for layer in spec.layers for name in ("qkv", "o", "gate_up", "down")]
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
@@ -243,10 +248,8 @@ class Library:
 
     def prepare_model(self, spec: StepModel) -> StepModel:
         """`spec` with every projection `prepare`d (in place; also returned)."""
-        spec.lm_head = self.prepare(spec.lm_head)
-        for layer in spec.layers:
-            layer.qkv, layer.o = self.prepare(layer.qkv), self.prepare(layer.o)
-            layer.gate_up, layer.down = self.prepare(layer.gate_up), self.prepare(layer.down)
+        for obj, name in linear_slots(spec):
+            setattr(obj, name, self.prepare(getattr(obj, name)))
         return spec
 
     def matvec(self, lin: StepLinear, x: torch.Tensor, rows: tuple[int, int] | None = None,

@@ -23,7 +23,7 @@ from engines.model.attention import AttentionMetadata
 from engines.model.native_decoder import NativeDecoder, step_linear
 from engines.quant.quantized_linear import QuantLinear
 from kernels import cpu_decode_step
-from kernels.cpu_decode_step import INT4_ROWS16
+from kernels.cpu_decode_step import INT4_ROWS16, linear_slots
 from kernels.quant_layout import dequantize_int4_weight, quantize_int4
 from nativelib.build import compiler
 from tests.engine_helpers import random_prompts, run_to_completion
@@ -63,9 +63,7 @@ def _compare_step(engine: Engine, dec: NativeDecoder, n: int, seed: int, atol: f
     INT8_INPUTS_ATOL instead."""
     if n < 8 and dec.step._lib.int8_inputs and any(isinstance(m, QuantLinear) for m in engine.model.modules()):
         atol = max(atol, INT8_INPUTS_ATOL)
-    spec = dec.step.spec
-    if any(lin.kind == INT4_ROWS16 for lin in [spec.lm_head] + [getattr(layer, name) for layer in spec.layers
-                                                               for name in ("qkv", "o", "gate_up", "down")]):
+    if any(getattr(obj, name).kind == INT4_ROWS16 for obj, name in linear_slots(dec.step.spec)):
         atol = max(atol, FP16_SCALES_ATOL)
     bs = engine.config.block_size
     seqs = _prefilled(engine, n, seed)

@@ -31,7 +31,7 @@ from torch import nn
 from engines.model.model import CausalLM
 from engines.quant.quantized_linear import QuantLinear
 from kernels import cpu_decode_step
-from kernels.cpu_decode_step import StepLayer, StepLinear, StepModel
+from kernels.cpu_decode_step import StepLayer, StepLinear, StepModel, linear_slots
 from kernels.hugepage_arena import HugePageArena
 from kernels.quant_layout import unpack_int4, zeros_to_mins
 from kernels.quant_matmul_torch import int4pack_codes
@@ -105,11 +105,9 @@ def describe(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 def _streamed(spec: StepModel) -> list[tuple[object, str]]:
     """(object, attribute) of every weight tensor the step streams (not the KV caches or tables)."""
     out: list[tuple[object, str]] = [(spec, "embed"), (spec, "final_norm")]
-    linears = [spec.lm_head]
     for layer in spec.layers:
         out += [(layer, "in_norm"), (layer, "post_norm")]
-        linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-    for lin in linears:
+    for lin in (getattr(obj, name) for obj, name in linear_slots(spec)):
         out += [(lin, name) for name in ("w", "scale", "minv", "bias") if getattr(lin, name) is not None]
     return out
 
