@@ -236,3 +236,56 @@ def test_webhook_gives_up_after_max_attempts_into_the_dead_letters(world):
 def test_a_webhook_without_a_secret_is_refused():
     with pytest.raises(ValueError, match="TOKENYARD_ALERT_SECRET"):
         AlertSender(object(), "p:", AlertsConfig(webhook_url="http://127.0.0.1:9/hook"), b"", Metrics())
+
+
+def test_webhook_never_follows_a_redirect(world):
+    """A 307 from the webhook URL must not re-post the signed body to its Location (another server):
+    the attempt counts as failed and the alert stays in the outbox for the retry policy."""
+    prefix, ledger = world
+
+    async def go():
+        elsewhere: list[bytes] = []
+
+        async def catch_all(request: web.Request) -> web.Response:
+            elsewhere.append(await request.read())
+            return web.Response(status=204)
+
+        async def redirect(request: web.Request) -> web.Response:
+            hits.append(await request.read())
+            return web.Response(status=307, headers={"Location": other_url})
+
+        hits: list[bytes] = []
+        servers = []
+        urls = []
+        for handler in (catch_all, redirect):
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            servers.append(runner)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/hook")
+        other_url, hook_url = urls
+        metrics = Metrics()
+        cfg = AlertsConfig(webhook_url=hook_url, backoff_s=0.01, max_backoff_s=0.01, max_attempts=5, timeout_s=2,
+                           lease_s=5)
+        w = watcher(prefix, metrics, webhook_url=hook_url)
+        await ledger._store([record(0, cost=250).to_dict()], "stored")
+        assert await w.check() == 1
+        sender = AlertSender(w.redis, prefix, cfg, SECRET, metrics)
+        for _ in range(3):
+            await sender.send_due()
+            await asyncio.sleep(0.03)
+        pending = await w.redis.hlen(outbox_key(prefix))
+        await sender.close()
+        await w.redis.aclose()
+        await ledger.redis.aclose()
+        for runner in servers:
+            await runner.cleanup()
+        return hits, elsewhere, pending, metrics
+
+    hits, elsewhere, pending, metrics = asyncio.run(go())
+    assert elsewhere == []                                  # the redirect target received nothing
+    assert len(hits) >= 2 and pending == 1                  # failed, retried, still in the outbox
+    assert metrics.counts["alert_webhooks", "failed"] == len(hits) and metrics.counts["alert_webhooks", "sent"] == 0

@@ -14,7 +14,9 @@ timestamp, a dot and the raw body, compare in constant time, and refuse old time
 Delivery is at least once, through the outbox that the alert script fills (gateway/spend/alerts.py):
 each pass claims the due items with a lease (lua/alert_claim.lua: their due time moves to now +
 lease_s, so another gateway, or this one restarted, does not take them meanwhile), POSTs them, and
-removes an item only after a 2xx. Anything else (an error status, a timeout, no connection) puts
+removes an item only after a 2xx. Redirects are never followed (the signed body must not travel to
+wherever a Location header points): a 3xx is a failed attempt, logged with its Location, and
+retried like any error status. Anything else (an error status, a timeout, no connection) puts
 it back due after backoff_s x 2^(attempt-1) with jitter, at most max_backoff_s; after
 max_attempts it moves to the dead-letter list ({A}:dead) and tokenyard_alert_webhooks_total
 {outcome="gave_up"} counts it. A gateway stopping waits for the POSTs in flight (up to
@@ -155,11 +157,19 @@ class AlertSender:
         headers = {"Content-Type": "application/json", ALERT_ID: alert_id, TIMESTAMP: str(ts),
                    SIGNATURE: sign(self.secret, ts, data)}
         try:
-            async with self._open().post(self.cfg.webhook_url, data=data, headers=headers) as resp:
+            # Never follow a redirect: it would re-post the signed body to wherever the Location points
+            # (another host included). A 3xx is a failed delivery like any other non-2xx.
+            async with self._open().post(self.cfg.webhook_url, data=data, headers=headers,
+                                         allow_redirects=False) as resp:
                 await resp.read()
                 if 200 <= resp.status < 300:
                     return True
-                log.warning("alert webhook: %s answered %d for %s", self.cfg.webhook_url, resp.status, alert_id)
+                if 300 <= resp.status < 400:
+                    log.warning("alert webhook: %s answered %d (a redirect to %r) for %s; redirects are not "
+                                "followed: set spend.alerts.webhook_url to the final URL", self.cfg.webhook_url,
+                                resp.status, resp.headers.get("Location", ""), alert_id)
+                else:
+                    log.warning("alert webhook: %s answered %d for %s", self.cfg.webhook_url, resp.status, alert_id)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - connection refused, timeout, bad URL: retry later
