@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.batch.file_names import safe_filename
 from gateway.http.errors import NotFound
 
 PURPOSES = ("batch", "batch_output")
@@ -46,8 +47,9 @@ class FileRecord:
     @classmethod
     def from_redis(cls, raw: dict[bytes, bytes]) -> "FileRecord":
         d = {k.decode(): v.decode() for k, v in raw.items()}
+        # safe_filename again: records stored before upload names were normalised (file_names.py).
         return cls(id=d["id"], tenant=d["tenant"], bytes=int(d["bytes"]), created_at=int(d["created_at"]),
-                   filename=d["filename"], purpose=d["purpose"], lines=int(d.get("lines") or 0),
+                   filename=safe_filename(d["filename"]), purpose=d["purpose"], lines=int(d.get("lines") or 0),
                    urls=json.loads(d.get("urls") or "{}"), created_us=int(d.get("created_us") or 0))
 
 

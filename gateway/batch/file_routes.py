@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.batch.batch_store import OPEN
+from gateway.batch.file_names import safe_filename
 from gateway.batch.file_records import new_file_id, new_record
 from gateway.batch.input_check import check_batch_input
 from gateway.batch.service import BatchService
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from gateway.auth.api_keys import KeyRecord
 
 FORM_OVERHEAD = 64 << 10    # multipart boundaries and the purpose field, beyond the file itself
-MAX_FILENAME = 255
+SHOWN_VALUE = 40            # characters of a refused text field quoted back in the error
 
 
 def routes() -> list[Route]:
@@ -89,10 +90,11 @@ async def create_file(request: Request) -> Response:
         purpose = form.get("purpose")
         upload = form.get("file")
         if purpose != "batch":
-            raise BadRequest(f"purpose must be \"batch\" (the only purpose this gateway stores), got {purpose!r}",
-                             param="purpose", code="invalid_purpose")
+            raise BadRequest(f"The form field purpose must be the text \"batch\" (the only purpose this gateway "
+                             f"stores), got {_described(purpose)}", param="purpose", code="invalid_purpose")
         if not isinstance(upload, UploadFile):
-            raise BadRequest("The form has no file field", param="file", code="missing_file")
+            raise BadRequest("The form has no file field: upload the JSONL as the form field file (a file part, "
+                             "with a filename)", param="file", code="missing_file")
         if upload.size is not None and upload.size > limit:
             raise _too_large(limit)
         lim = gw.deployment.limits
@@ -101,7 +103,7 @@ async def create_file(request: Request) -> Response:
         file_id = new_file_id()
         upload.file.seek(0)
         size = await asyncio.to_thread(svc.storage.put, key.tenant, file_id, _chunks(upload.file))
-        filename = (upload.filename or "upload.jsonl")[:MAX_FILENAME]
+        filename = safe_filename(upload.filename)
         rec = new_record(file_id, key.tenant, size, filename, "batch", summary.lines, summary.first_line_of)
         await svc.files.put(rec)
     return JSONResponse(rec.to_openai())
@@ -149,6 +151,17 @@ async def delete_file(request: Request) -> Response:
     await svc.files.remove(rec)
     await asyncio.to_thread(svc.storage.delete, key.tenant, rec.id)
     return JSONResponse({"id": rec.id, "object": "file", "deleted": True})
+
+
+def _described(value: object) -> str:
+    """A refused form value for an error message: a short quote of text, never an object's repr
+    (an UploadFile's repr carries the client's headers and file name)."""
+    if value is None:
+        return "nothing (the field is missing)"
+    if not isinstance(value, str):
+        return "a file part (send purpose as a plain text field, without a filename)"
+    shown = "".join(ch if ch.isprintable() else "?" for ch in value[:SHOWN_VALUE])
+    return f'"{shown}"' + ("..." if len(value) > SHOWN_VALUE else "")
 
 
 def _chunks(f: Any, close: bool = False) -> Iterator[bytes]:
