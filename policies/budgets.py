@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from .cost import format_money
 from .schema import Budget, Policy, TenantPolicy
 
 THRESHOLDS = (50, 80, 100)        # percent of a limit at which an alert fires (once per period)
@@ -91,12 +92,13 @@ def scopes(policy: Policy, tenant: str, key_id: str | None = None, key_name: str
 
 
 def over_limit(budget: Budget, today: int, month: int) -> list[str]:
-    """Why the budget is reached (empty: within): spend so far at or over a limit, micro-units."""
+    """Why the budget is reached (empty: within): spend so far (micro-units) at or over a limit,
+    said in the currency units the policy is written in ("0.000062 >= per_day 0.00005")."""
     over = []
     if budget.per_day is not None and today >= budget.per_day:
-        over.append(f"today's spend {today} >= per_day {budget.per_day}")
+        over.append(f"today's spend {format_money(today)} >= per_day {format_money(budget.per_day)}")
     if budget.per_month is not None and month >= budget.per_month:
-        over.append(f"this month's spend {month} >= per_month {budget.per_month}")
+        over.append(f"this month's spend {format_money(month)} >= per_month {format_money(budget.per_month)}")
     return over
 
 

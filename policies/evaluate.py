@@ -232,7 +232,7 @@ def _budget(policy: Policy, request: RequestFeatures, spend: TenantSpend, d: Dec
         return False
     for scope, over in reached:
         head = "budget reached: " if not scope.dim else f"budget reached ({scope.label()}): "
-        why.append(head + "; ".join(over) + " (micro-units)")
+        why.append(head + "; ".join(over))
     denying = [(s, o) for s, o in reached if s.budget.at_limit == "deny"]
     if denying:
         scope, over = denying[0]

@@ -4,6 +4,12 @@ Inside the gateway, code raises an `APIError` subclass; the edge turns it into
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 with its HTTP status. Nothing else ever reaches a client: unexpected exceptions become a 500
 with a generic message (the details go to the log, never a stack trace to the client).
+
+x-should-retry: the OpenAI SDKs retry 408, 409, 429 and 5xx answers on their own (twice by
+default) unless the answer says `x-should-retry: false`. Every error that the same request sent
+again cannot fix says so: 4xx answers other than 408 and 409, and of the 429s the budget refusal
+(insufficient_quota) and the request bigger than the whole token bucket (request_too_large).
+A 429 rate_limit_exceeded (retry-after says when) and 5xx answers leave the SDK to decide.
 """
 from __future__ import annotations
 
@@ -98,5 +104,21 @@ def retry_headers(seconds: float) -> dict[str, str]:
     return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(math.ceil(seconds * 1000))}
 
 
+NOT_RETRYABLE_429 = frozenset({"insufficient_quota", "request_too_large"})
+
+
+def should_retry(status: int, code: str | None) -> bool | None:
+    """False where sending the same request again cannot succeed; None: the client decides."""
+    if status == 429:
+        return False if code in NOT_RETRYABLE_429 else None
+    if 400 <= status < 500 and status not in (408, 409):
+        return False
+    return None
+
+
 def json_error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    err = body.get("error") if isinstance(body, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    if should_retry(status, code) is False and not any(k.lower() == "x-should-retry" for k in headers or {}):
+        headers = {**(headers or {}), "x-should-retry": "false"}
     return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
