@@ -75,10 +75,11 @@ def round_half_up(numerator: int, denominator: int) -> int:
 
 
 def estimate_cost(prices: Mapping[str, PriceTable], engine: str, prompt_tokens: int, cached_tokens: int,
-                  completion_tokens: int) -> int:
+                  completion_tokens: int, percent: int = 100) -> int:
     """Cost in integer micro-units of one request on `engine`, by the rule in the module doc.
 
-    cached_tokens are part of prompt_tokens (billed at cached_input instead of input).
+    cached_tokens are part of prompt_tokens (billed at cached_input instead of input); percent:
+    the share of the prices charged (a Batch API line's batch price), inside the one rounding.
     """
     for name, n in (("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens),
                     ("completion_tokens", completion_tokens)):
@@ -90,7 +91,7 @@ def estimate_cost(prices: Mapping[str, PriceTable], engine: str, prompt_tokens: 
         p = prices[engine]
     except KeyError:
         raise KeyError(f"no prices for engine {engine!r}; priced: {', '.join(sorted(prices))}") from None
-    return request_cost(p, prompt_tokens, cached_tokens, completion_tokens)
+    return request_cost(p, prompt_tokens, cached_tokens, completion_tokens, percent)
 
 
 def request_cost(p: PriceTable, prompt_tokens: int, cached_tokens: int, completion_tokens: int,

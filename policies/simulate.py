@@ -7,7 +7,14 @@ A record is a UsageFeatures: the features and usage of one served request, never
 The spend ledger's usage records must carry these fields (same names) for the replay to work:
 request_id, time, tenant, key_id, key_name, requested_model, tags, prompt_tokens,
 cached_prompt_tokens, completion_tokens, max_tokens, router_score, deadline_ms and, when the
-gateway had them, engine_state (per engine: predicted_ttft_ms, healthy) at admission.
+gateway had them, engine_state (per engine: predicted_ttft_ms, healthy) at admission,
+routed_prompt_tokens (the count the policy decided with: a multi-prompt completion routes by its
+longest prompt, while prompt_tokens is what all its prompts cost), choice_completion_tokens (per
+choice of an n > 1 or multi-prompt request, so a max_tokens cap cuts each choice, not their sum)
+and batch (a Batch API line, charged the replayed policy's batch_price_percent).
+
+Under the policy in force (and no budgets), the replay charges every record exactly what the
+ledger charged it, whatever the traffic mix: tests/test_policy_simulate_ledger.py.
 
 Assumptions, stated because they bound the prediction's accuracy:
   - token counts are taken as recorded whatever engine the replay picks (the demo engines share
@@ -58,10 +65,14 @@ class UsageFeatures:
     deadline_ms: float | None = None
     engine_state: Mapping[str, EngineState] | None = None
     engine: str | None = None            # the engine that actually served it (reference only)
+    routed_prompt_tokens: int | None = None   # what the policy saw (None: prompt_tokens)
+    choice_completion_tokens: tuple[int, ...] = ()   # per choice when there were several (sum: completion_tokens)
+    batch: bool = False                  # a Batch API line: priced at the policy's batch_price_percent
 
     def features(self) -> RequestFeatures:
+        routed = self.prompt_tokens if self.routed_prompt_tokens is None else self.routed_prompt_tokens
         return RequestFeatures(tenant=self.tenant, time=self.time, requested_model=self.requested_model,
-                               prompt_tokens=self.prompt_tokens, max_tokens=self.max_tokens,
+                               prompt_tokens=routed, max_tokens=self.max_tokens,
                                key_name=self.key_name, key_id=self.key_id, tags=self.tags,
                                deadline_ms=self.deadline_ms)
 
@@ -72,7 +83,7 @@ class UsageFeatures:
         ledger record carries more: cost, status, latencies). Accepts the gateway's UsageRecord
         spelling too: cached_tokens for cached_prompt_tokens, max_tokens 0 for "not set", and
         requested_max_tokens (what the client asked, None: not set) over max_tokens (what was
-        granted) when the record has it."""
+        granted) when the record has it, and routed_prompt_tokens 0 for "not recorded"."""
         t = d["time"]
         time = datetime.fromtimestamp(t, timezone.utc) if isinstance(t, (int, float)) else datetime.fromisoformat(t)
         states = d.get("engine_state")
@@ -84,6 +95,9 @@ class UsageFeatures:
                    max_tokens=(d["requested_max_tokens"] if "requested_max_tokens" in d else d.get("max_tokens"))
                    or None, router_score=d.get("router_score"),
                    deadline_ms=d.get("deadline_ms"), engine=d.get("engine"),
+                   routed_prompt_tokens=int(d.get("routed_prompt_tokens") or 0) or None,
+                   choice_completion_tokens=tuple(int(c) for c in d.get("choice_completion_tokens") or ()),
+                   batch=bool(d.get("batch", False)),
                    engine_state=None if states is None else {
                        k: EngineState(float(v.get("predicted_ttft_ms", 0.0)), bool(v.get("healthy", True)))
                        for k, v in states.items()})
@@ -183,7 +197,8 @@ def simulate(policy: Policy, records: Iterable[UsageFeatures], router_threshold:
             report.shed += 1
         else:
             completion = _billed_completion(rec, d)
-            cost = estimate_cost(policy.prices, d.engine, rec.prompt_tokens, rec.cached_prompt_tokens, completion)
+            cost = estimate_cost(policy.prices, d.engine, rec.prompt_tokens, rec.cached_prompt_tokens, completion,
+                                 policy.batch_price_percent if rec.batch else 100)
             report.served += 1
             report.large_calls += d.engine == policy.engines.large
             by_engine[d.engine] += cost
@@ -206,9 +221,12 @@ def simulate(policy: Policy, records: Iterable[UsageFeatures], router_threshold:
 
 
 def _billed_completion(rec: UsageFeatures, d: Decision) -> int:
-    if d.max_tokens is not None:
-        return min(rec.completion_tokens, d.max_tokens)
-    return rec.completion_tokens
+    """The recorded completion, each choice cut to the decision's max_tokens (a per-choice cap)."""
+    if d.max_tokens is None:
+        return rec.completion_tokens
+    if rec.choice_completion_tokens:
+        return sum(min(c, d.max_tokens) for c in rec.choice_completion_tokens)
+    return min(rec.completion_tokens, d.max_tokens)
 
 
 @dataclass(slots=True)

@@ -141,3 +141,27 @@ def test_usage_features_from_a_spend_record():
     ledger = UsageFeatures.from_dict({"request_id": 1, "time": 0.5, "tenant": "a", "prompt_tokens": 9,
                                       "cached_tokens": 3, "completion_tokens": 1, "max_tokens": 0})
     assert ledger.time.year == 1970 and ledger.cached_prompt_tokens == 3 and ledger.max_tokens is None
+
+
+def test_several_choices_are_capped_each_and_batch_lines_get_the_batch_price():
+    """A max_tokens cap applies per choice (n > 1, multi-prompt), not to their sum; a Batch API line is
+    charged the replayed policy's batch_price_percent; a multi-prompt request routes by the count the
+    policy saw (routed_prompt_tokens), not by the sum of its prompts. Exact, in micro-units."""
+    policy = load_policy(DOC.replace("rules:\n", "batch_price_percent: 30\nrules:\n"
+                                     "  - {name: long, match: {prompt_tokens: {min: 1000}}, action: {pin: demo-large}}\n"))
+    base = UsageFeatures(request_id="r1", time=T0, tenant="plain", prompt_tokens=1500, completion_tokens=150,
+                         requested_model="demo-small", tags={"batch": "1"},
+                         choice_completion_tokens=(50, 60, 40), routed_prompt_tokens=500)
+    rec = UsageFeatures.from_dict({"request_id": "r1", "time": T0.timestamp(), "tenant": "plain",
+                                   "prompt_tokens": 1500, "completion_tokens": 150, "requested_model": "demo-small",
+                                   "tags": {"batch": "1"}, "choice_completion_tokens": [50, 60, 40],
+                                   "routed_prompt_tokens": 500, "batch": False})
+    assert rec == base
+    out = simulate(policy, [base], keep_outcomes=True).outcomes[0]
+    assert (out.engine, out.completion_tokens) == ("demo-small", 50 + 50 + 40)     # each choice cut to 50
+    assert out.cost == estimate_cost(policy.prices, "demo-small", 1500, 0, 140)
+    batch = simulate(policy, [replace(base, batch=True)]).spend_total
+    assert batch == estimate_cost(policy.prices, "demo-small", 1500, 0, 140, 30) < out.cost
+    # without the routed count the sum (1500) would match the "long" rule
+    assert simulate(policy, [replace(base, routed_prompt_tokens=None)], keep_outcomes=True).outcomes[0].engine \
+        == "demo-large"

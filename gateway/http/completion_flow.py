@@ -156,7 +156,8 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
                             baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
                             requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
                             prices=prices, policy_version=route.policy_version,
-                            context_dropped_tokens=route.context_dropped_tokens)
+                            context_dropped_tokens=route.context_dropped_tokens,
+                            routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None)
     percent = 100 if lane is None else lane.price_percent
     # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
     choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],

@@ -206,7 +206,8 @@ class GenerationGroup:
             first, request_id=first.request_id, prompt_tokens=p, cached_tokens=cached, completion_tokens=c,
             cost_micros=prices.cost(p, cached, c, self.first.price_percent),
             baseline_cost_micros=baseline.cost(p, cached, c, self.first.price_percent), status=worst,
-            e2e_s=max(r.e2e_s for r in records), max_tokens=first.max_tokens * len(self.choices))
+            e2e_s=max(r.e2e_s for r in records), max_tokens=first.max_tokens * len(self.choices),
+            choice_completion_tokens=[r.completion_tokens for r in records])
         self._sink(self.record)
         return self.record
 

@@ -71,6 +71,7 @@ class Plan:
     engine_state: dict[str, dict[str, Any]] | None = None
     explanation: list[str] = field(default_factory=list)
     context_dropped_tokens: int = 0             # prompt tokens the policy's context limit trimmed away
+    routed_prompt_tokens: int = 0               # the count routing and the policy decided with (the usage record)
 
 
 def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> tuple[Any, list[int]]:
@@ -130,7 +131,8 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         gw.metrics.router_score.observe(score)
     if policy is None:
         if pinned is not None:
-            return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens)
+            return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens,
+                        routed_prompt_tokens=len(ids))
         if chosen is not None:
             engine, reason = chosen.engine, chosen.reason
         elif gw.learned_router is not None:
@@ -139,7 +141,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         else:
             route = gw.router.auto(len(ids))
             engine, reason = route.engine, route.reason
-        plan = Plan(engine, reason, ids, score, max_tokens=req.max_tokens)
+        plan = Plan(engine, reason, ids, score, max_tokens=req.max_tokens, routed_prompt_tokens=len(ids))
         if chosen is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
             plan.explanation.append(f"router P(good): {shown}; chose {engine}")
@@ -176,7 +178,8 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                 baseline_prices=state.prices.get(gw.baseline_engine), policy_version=state.number,
                 engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
                               for n, s in states.items()},
-                explanation=d.explanation, context_dropped_tokens=dropped)
+                explanation=d.explanation, context_dropped_tokens=dropped,
+                routed_prompt_tokens=features.prompt_tokens)
     return _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e)))
 
 

@@ -38,6 +38,8 @@ class RecordContext:
     prices: Any = None                 # deployment.Prices from the policy in force (None: the engine's own)
     policy_version: int = 0            # the policy version that routed and priced it (0: built-in, no policy)
     context_dropped_tokens: int = 0    # prompt tokens the policy's context limit trimmed away (oldest turns)
+    routed_prompt_tokens: int = 0      # the prompt count the policy decided with (0: not known)
+    batch: bool = False                # a Batch API line (charged the batch price)
 
 
 @dataclass(slots=True)
@@ -72,6 +74,11 @@ class UsageRecord:
     engine_state: dict[str, dict[str, Any]] | None = None
     policy_version: int = 0
     context_dropped_tokens: int = 0
+    # For the what-if replay to bill as the gateway did (policies/simulate.py):
+    routed_prompt_tokens: int = 0  # the prompt count the policy saw (a multi-prompt batch: its longest prompt)
+    batch: bool = False            # a Batch API line ...
+    price_percent: int = 100       # ... charged this percent of the prices
+    choice_completion_tokens: list[int] = field(default_factory=list)   # per choice, when n x prompts > 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
