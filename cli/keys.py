@@ -30,8 +30,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     create.add_argument("--name", default="", help="a label for the key")
     create.add_argument("--admin", action="store_true", help="an admin key (admin endpoints, all tenants' reports)")
     create.add_argument("--priority", choices=PRIORITIES, default="interactive", help="admission class")
-    create.add_argument("--rpm", type=int, help="requests per rate window (default: rate_limits.requests; 0: none)")
-    create.add_argument("--tpm", type=int, help="tokens per rate window (default: rate_limits.tokens; 0: none)")
+    create.add_argument("--rpm", type=int, help="this key's own requests per rate window; a policy rate class can only tighten it "
+                        "(default: the deployment's rate_limits.requests; 0: no limit of its own)")
+    create.add_argument("--tpm", type=int, help="this key's own tokens per rate window; a policy rate class can only tighten it "
+                        "(default: the deployment's rate_limits.tokens; 0: no limit of its own)")
     create.add_argument("--max-concurrent", type=int,
                         help="requests queued or running per gateway (default: admission.max_concurrent_per_tenant)")
     lst = sub.add_parser("list", help="list keys (never the keys themselves)")

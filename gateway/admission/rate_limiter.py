@@ -1,19 +1,24 @@
-"""Per-tenant request and token limits in Redis: one Lua script, one round trip, the server's clock.
+"""Request and token limits in Redis: one Lua script, one round trip, the server's clock.
 
     res = await limiter.reserve(key_record, tokens=prompt + max_tokens, engine="demo-small")
     ...                                          # the request runs
     limiter.refund(res, tokens=res.tokens - used)   # give back what it did not use
 
-The limits are GCRA buckets (gateway/admission/lua/reserve.lua): `requests` and `tokens` per `window_s`
-(a minute by default), with a burst of one window's worth. A tenant's buckets are
-`{prefix}rl:{tenant}:req` and `...:tok`; the braces make the tenant a hash tag, so all of one
-tenant's keys land in one Redis Cluster slot and one script can touch both. Keys of a tenant
-share its buckets; the limits applied are those of the key presenting the request (a key's own
-`rpm`/`tpm`, else the deployment's `rate_limits.requests`/`tokens`).
+The limits are GCRA buckets (gateway/admission/lua/reserve.lua) with a burst of one window's worth.
+A request is charged in every bucket that applies to it, atomically (all allow, or none is charged):
+  the tenant's      `{prefix}rl:{tenant}:req|tok`, shared by all its keys: the policy's rate class
+                    for the tenant, else the deployment's `rate_limits.requests`/`tokens` per
+                    `window_s` for keys without limits of their own;
+  the key's own     `{prefix}rl:{tenant}:key:{key_id}:req|tok`, when the key was made with
+                    `--rpm`/`--tpm` (per `rate_limits.window_s`; 0: the key sets none).
+So a key's explicit limit is never loosened by a policy: the stricter of the two governs, and a
+rate class can only tighten it. The braces make the tenant a hash tag, so all of one tenant's
+buckets land in one Redis Cluster slot and one script can touch them all.
 
-Answers carry the x-ratelimit-* headers OpenAI sends; a refusal is a 429 with `retry-after`
-(whole seconds) and `retry-after-ms`, which the OpenAI SDKs honour. A request bigger than the
-whole token bucket can never fit: 429 `request_too_large` without a retry hint.
+Answers carry the x-ratelimit-* headers OpenAI sends, of the bucket that binds (the fewest units
+remaining; on a tie the smaller limit); a refusal is a 429 with `retry-after` (whole seconds) and
+`retry-after-ms`, which the OpenAI SDKs honour. A request bigger than a whole token bucket can
+never fit: 429 `request_too_large` without a retry hint.
 
 Redis unreachable: `on_redis_error: open` admits the request unlimited, `closed` refuses it
 with 503; either way it is logged and counted (tokenyard_rate_limit_redis_fallbacks_total).
@@ -49,18 +54,31 @@ def format_reset(us: int) -> str:
     return f"{m}m{rest}s"
 
 
+@dataclass(slots=True, frozen=True)
+class Bucket:
+    """One GCRA bucket a request is charged in."""
+
+    key: str              # the Redis key
+    kind: str             # "requests" or "tokens"
+    limit: int            # units per window (> 0)
+    window_us: int
+    owner: str            # who it limits, for messages: "tenant acme", "key 3f2a... of tenant acme"
+
+
 @dataclass(slots=True)
 class Reservation:
-    """What one request holds against its tenant's limits (enforced False: nothing to refund)."""
+    """What one request holds against its limits (enforced False: nothing to refund)."""
 
     tenant: str
-    request_limit: int
-    token_limit: int
     tokens: int
     enforced: bool
+    buckets: tuple[Bucket, ...] = ()
     headers: dict[str, str] = field(default_factory=dict)
     now_us: int = 0               # Redis server time of the reservation (0: not checked)
-    window_us: int = 0            # the window it was reserved under (0: rate_limits.window_s)
+
+    def limit(self, kind: str) -> int:
+        """The binding limit of that kind (the one the headers show), 0 when none applies."""
+        return int(self.headers.get(f"x-ratelimit-limit-{kind}", 0))
 
 
 class RateLimiter:
@@ -80,49 +98,58 @@ class RateLimiter:
     def active(self) -> bool:
         return self.redis is not None and self.cfg.enabled
 
-    def limits_for(self, rec: KeyRecord) -> tuple[int, int]:
-        return (self.cfg.requests if rec.rpm is None else rec.rpm, self.cfg.tokens if rec.tpm is None else rec.tpm)
-
-    def _keys(self, tenant: str) -> list[str]:
-        return [f"{self.prefix}rl:{{{tenant}}}:req", f"{self.prefix}rl:{{{tenant}}}:tok"]
+    def buckets(self, rec: KeyRecord, rate: tuple[int, int, int] | None = None) -> tuple[Bucket, ...]:
+        """The buckets a request of this key is charged in. rate: (request_limit, token_limit,
+        window_us) of the policy's rate class for the tenant, or None."""
+        tenant = f"{self.prefix}rl:{{{rec.tenant}}}"
+        if rate is not None:
+            shared = (rate[0], rate[1], rate[2])
+        else:     # the deployment's limits, for the dimensions the key sets none of its own
+            shared = (self.cfg.requests if rec.rpm is None else 0, self.cfg.tokens if rec.tpm is None else 0,
+                      self.window_us)
+        out = [Bucket(f"{tenant}:req", "requests", shared[0], shared[2], f"tenant {rec.tenant}"),
+               Bucket(f"{tenant}:tok", "tokens", shared[1], shared[2], f"tenant {rec.tenant}")]
+        own = f"key {rec.key_id} of tenant {rec.tenant}"
+        out += [Bucket(f"{tenant}:key:{rec.key_id}:req", "requests", rec.rpm or 0, self.window_us, own),
+                Bucket(f"{tenant}:key:{rec.key_id}:tok", "tokens", rec.tpm or 0, self.window_us, own)]
+        return tuple(b for b in out if b.limit > 0)
 
     async def reserve(self, rec: KeyRecord, tokens: int, engine: str,
                       rate: tuple[int, int, int] | None = None) -> Reservation:
         """rate: (request_limit, token_limit, window_us) from the policy's rate class for the tenant;
-        None: the key's own limits, else the deployment's."""
-        req_limit, tok_limit = self.limits_for(rec) if rate is None else rate[:2]
-        window_us = self.window_us if rate is None else rate[2]
-        if not self.active or (req_limit == 0 and tok_limit == 0):
-            return Reservation(rec.tenant, req_limit, tok_limit, tokens, enforced=False)
-        args = [req_limit, tok_limit, window_us, 1, tokens]
+        None: the deployment's. A key's own --rpm/--tpm applies on top of either."""
+        buckets = self.buckets(rec, rate)
+        if not self.active or not buckets:
+            return Reservation(rec.tenant, tokens, enforced=False)
+        args = [x for b in buckets for x in (b.limit, b.window_us, 1 if b.kind == "requests" else tokens)]
+        keys = [b.key for b in buckets]
         try:
-            r = await self.guard.call("rate_limit", lambda: self._reserve(keys=self._keys(rec.tenant), args=args))
+            r = await self.guard.call("rate_limit", lambda: self._reserve(keys=keys, args=args))
         except RedisUnavailable as e:
             return self._redis_down(rec, tokens, engine, e)
-        allowed, now_us, too_large, rretry, tretry, rrem, trem, rreset, treset = (int(x) for x in r)
+        allowed, now_us, too_large = (int(x) for x in r[:3])
+        state = [(b, int(r[3 + 3 * i]), int(r[4 + 3 * i]), int(r[5 + 3 * i])) for i, b in enumerate(buckets)]
         headers = {}
-        if req_limit:
-            headers.update({"x-ratelimit-limit-requests": str(req_limit),
-                            "x-ratelimit-remaining-requests": str(max(0, rrem)),
-                            "x-ratelimit-reset-requests": format_reset(rreset)})
-        if tok_limit:
-            headers.update({"x-ratelimit-limit-tokens": str(tok_limit),
-                            "x-ratelimit-remaining-tokens": str(max(0, trem)),
-                            "x-ratelimit-reset-tokens": format_reset(treset)})
+        for kind in ("requests", "tokens"):
+            mine = [s for s in state if s[0].kind == kind]
+            if mine:
+                b, _, rem, reset = min(mine, key=lambda s: (s[2], s[0].limit))
+                headers.update({f"x-ratelimit-limit-{kind}": str(b.limit),
+                                f"x-ratelimit-remaining-{kind}": str(max(0, rem)),
+                                f"x-ratelimit-reset-{kind}": format_reset(reset)})
         if allowed:
-            return Reservation(rec.tenant, req_limit, tok_limit, tokens, enforced=True, headers=headers, now_us=now_us,
-                               window_us=window_us)
+            return Reservation(rec.tenant, tokens, enforced=True, buckets=buckets, headers=headers, now_us=now_us)
         if too_large:
+            b = min((s[0] for s in state if s[0].kind == "tokens" and tokens > s[0].limit), key=lambda b: b.limit)
             self.metrics.rate_limited.labels(engine, "request_too_large").inc()
             raise RateLimited(f"Request too large: {tokens} tokens (prompt + max_tokens) is more than the limit of "
-                              f"{tok_limit} tokens per {window_us / 1e6:g} s for tenant {rec.tenant}. Lower "
+                              f"{b.limit} tokens per {b.window_us / 1e6:g} s for {b.owner}. Lower "
                               f"max_tokens or shorten the prompt.", code="request_too_large", headers=headers)
-        which = "requests" if rretry >= tretry else "tokens"
-        wait_s = max(rretry, tretry) / 1_000_000
-        self.metrics.rate_limited.labels(engine, which).inc()
-        limit = req_limit if which == "requests" else tok_limit
-        raise RateLimited(f"Rate limit reached for tenant {rec.tenant} on {which} per {window_us / 1e6:g} s: "
-                          f"limit {limit}. Retry in {wait_s * 1000:.0f} ms.", code="rate_limit_exceeded",
+        b, retry_us = max(((s[0], s[1]) for s in state), key=lambda x: x[1])
+        wait_s = retry_us / 1_000_000
+        self.metrics.rate_limited.labels(engine, b.kind).inc()
+        raise RateLimited(f"Rate limit reached for {b.owner} on {b.kind} per {b.window_us / 1e6:g} s: "
+                          f"limit {b.limit}. Retry in {wait_s * 1000:.0f} ms.", code="rate_limit_exceeded",
                           headers={**headers, **retry_headers(wait_s)})
 
     def _redis_down(self, rec: KeyRecord, tokens: int, engine: str, e: Exception) -> Reservation:
@@ -132,22 +159,23 @@ class RateLimiter:
         if mode == "closed":
             raise Unavailable("Rate limits cannot be checked right now; retry shortly", code="rate_limiter_unavailable",
                               headers=retry_headers(self.cfg.redis_retry_s))
-        req_limit, tok_limit = self.limits_for(rec)
-        return Reservation(rec.tenant, req_limit, tok_limit, tokens, enforced=False)
+        return Reservation(rec.tenant, tokens, enforced=False)
 
     def refund(self, res: Reservation, requests: int = 0, tokens: int = 0) -> None:
         """Give back units in the background (the reply need not wait for it). Best effort: a refund
         lost to a Redis error only makes the tenant's limit stricter for a moment."""
         if not res.enforced or (requests <= 0 and tokens <= 0):
             return
-        args = [res.request_limit, res.token_limit, res.window_us or self.window_us, max(0, requests), max(0, tokens)]
-        task = asyncio.get_running_loop().create_task(self._do_refund(res.tenant, args))
+        keys = [b.key for b in res.buckets]
+        args = [x for b in res.buckets
+                for x in (b.limit, b.window_us, max(0, requests if b.kind == "requests" else tokens))]
+        task = asyncio.get_running_loop().create_task(self._do_refund(keys, args))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _do_refund(self, tenant: str, args: list[int]) -> None:
+    async def _do_refund(self, keys: list[str], args: list[int]) -> None:
         try:
-            await self.guard.call("rate_limit_refund", lambda: self._refund(keys=self._keys(tenant), args=args))
+            await self.guard.call("rate_limit_refund", lambda: self._refund(keys=keys, args=args))
         except (RedisUnavailable, RedisBusy):
             pass   # counted by the guard; a lost refund only makes the limit stricter for a moment
 

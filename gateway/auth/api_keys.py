@@ -50,7 +50,9 @@ class KeyRecord:
     name: str = ""
     role: str = "user"                  # "user" or "admin"
     priority: str = "interactive"       # admission class
-    rpm: int | None = None              # requests per rate window; None: the deployment default, 0: unlimited
+    # The key's own requests per rate window, a bucket of its own (a policy rate class only tightens
+    # it); None: the deployment's default applies instead, 0: no limit of its own.
+    rpm: int | None = None
     tpm: int | None = None              # tokens per rate window; same
     max_concurrent: int | None = None   # queued + running per gateway; None: the deployment default, 0: no cap
     created: float = 0.0                # unix seconds

@@ -2,13 +2,12 @@
 -- move each bucket's TAT earlier by the units returned. A TAT at or before now means a full
 -- bucket, so the key is deleted; the refund can never raise a bucket above its burst.
 --
--- KEYS[1] request bucket, KEYS[2] token bucket
--- ARGV: request_limit, token_limit, window_us, requests, tokens
+-- KEYS[i] bucket i
+-- ARGV[3i-2], ARGV[3i-1], ARGV[3i]: bucket i's limit, window_us, units returned
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local window = tonumber(ARGV[3])
 
-local function refund(key, limit, units)
+local function refund(key, limit, window, units)
   if limit <= 0 or units <= 0 then return end
   local tat = tonumber(redis.call('GET', key) or '0')
   if tat <= now then return end
@@ -20,6 +19,7 @@ local function refund(key, limit, units)
   end
 end
 
-refund(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[4]))
-refund(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[5]))
+for i = 1, #KEYS do
+  refund(KEYS[i], tonumber(ARGV[3 * i - 2]), tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]))
+end
 return 1
