@@ -30,7 +30,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     create.add_argument("--name", default="", help="a label for the key")
     create.add_argument("--admin", action="store_true", help="an admin key (admin endpoints, all tenants' reports)")
     create.add_argument("--priority", choices=PRIORITIES, default="interactive", help="admission class")
-    create.add_argument("--rpm", type=int, help="this key's own requests per rate window; a policy rate class can only tighten it "
+    create.add_argument("--rpm", type=int,
+                        help="this key's own requests per rate window; a policy rate class can only tighten it "
                         "(default: the deployment's rate_limits.requests; 0: no limit of its own)")
     create.add_argument("--tpm", type=int, help="this key's own tokens per rate window; a policy rate class can only tighten it "
                         "(default: the deployment's rate_limits.tokens; 0: no limit of its own)")
