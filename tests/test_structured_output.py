@@ -129,7 +129,6 @@ def test_json_object_allows_only_an_object(vocab):
 
 
 @pytest.mark.parametrize("schema, words", [
-    ({"type": "foo"}, "Unsupported type"),
     ({"type": "string", "pattern": "(("}, "parenthesis"),
     ({"$ref": "#/definitions/missing"}, "missing"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "range"),
@@ -234,7 +233,8 @@ def test_engine_bad_schema_abort_prefix_cache_and_chunked_prefill():
     llm = _llm(kv_cache_memory=16 * 2**20, enable_prefix_caching=True, max_num_batched_tokens=16)
     engine, tok = llm.engine, llm._need_tokenizer()
     with pytest.raises(GrammarError, match="cannot be compiled"):
-        engine.add_request("bad", [1, 2, 3], SamplingParams(response_format=_fmt({"type": "foo"})))
+        engine.add_request("bad", [1, 2, 3],
+                           SamplingParams(response_format=_fmt({"type": "string", "pattern": "(("})))
     assert not engine.has_unfinished()
     prompt = tok.encode("Reply with a JSON object about a colour. " * 4)
     params = SamplingParams(max_tokens=60, temperature=0.0, response_format=_fmt(SCHEMAS["enum_only"]))

@@ -92,7 +92,7 @@ def test_cut_by_max_tokens_is_length_not_valid_json(client):
 
 @pytest.mark.parametrize("fmt, param, words", [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "response_format",
-     "Unsupported type"),
+     "'type' at #"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}},
      "response_format", "parenthesis"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {

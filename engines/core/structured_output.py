@@ -14,6 +14,9 @@ Rules:
   that carry one, and the engine advances it with every token it appends. Preemption keeps it
   (the output tokens survive preemption; only their K/V is recomputed).
 - The output is compact JSON (no free whitespace): small models otherwise loop on newlines.
+- What grammar a schema gets: engines.core.schema_keywords refuses the keywords the grammar would
+  not enforce (checked here, before any compilation), engines.core.json_grammar bounds numbers and
+  strings in xgrammar's conversion (a small model's loop ends; no raw control characters).
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engines.core.errors import RequestError
+from engines.core.json_grammar import json_schema_ebnf
+from engines.core.schema_keywords import SchemaError, check_schema, rewrite_schema
 
 if TYPE_CHECKING:   # the gateway imports this module (via SamplingParams); keep it free of torch
     import torch
@@ -53,6 +58,10 @@ def check_response_format(fmt: Any) -> None:
         if len(schema_text(fmt)) > MAX_SCHEMA_CHARS:
             raise GrammarError(f"response_format schema is {len(schema_text(fmt))} characters as compact JSON; "
                                f"the limit is {MAX_SCHEMA_CHARS}")
+        try:
+            check_schema(schema)
+        except SchemaError as e:
+            raise GrammarError(str(e)) from None
     else:
         raise GrammarError(f"response_format type must be 'json_object' or 'json_schema', got {kind!r}")
     if extra:
@@ -128,12 +137,12 @@ class Grammars:
                 return hit
         try:
             if fmt["type"] == "json_object":
-                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                              strict_mode=False)
+                ebnf = json_schema_ebnf(self._xgr, '{"type": "object"}', strict_mode=False)
             else:
                 # strict_mode: properties the schema does not name are not generated (OpenAI's strict).
-                compiled = self._compiler.compile_json_schema(schema_text(fmt), any_whitespace=False,
-                                                              strict_mode=True)
+                text = json.dumps(rewrite_schema(fmt["schema"]), separators=(",", ":"), ensure_ascii=False)
+                ebnf = json_schema_ebnf(self._xgr, text, strict_mode=True)
+            compiled = self._compiler.compile_grammar(ebnf)
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError/ValueError with a message
             raise GrammarError(f"response_format schema cannot be compiled: {_clean(e)}") from None
         with self._lock:

@@ -1,0 +1,87 @@
+"""The grammar a JSON Schema is generated under: xgrammar's conversion, with every number and string bounded.
+
+xgrammar (0.2.9) turns a schema into EBNF, then we rewrite that EBNF before compiling it, because its
+conversion leaves a small model's favourite loops open and lets invalid JSON through:
+- numbers: integer digits, fraction digits and exponent digits were unbounded (`[0-9]*`, `digits{1, -1}`):
+  SmolLM2 wrote `1.0000000000000012111111...` until max_tokens. Now an integer part has at most
+  MAX_INT_DIGITS digits, a fraction at most MAX_FRACTION_DIGITS, an exponent at most MAX_EXPONENT_DIGITS.
+  (A schema's minimum/maximum are xgrammar's own: it builds exact digit ranges, fractions to 6 digits.)
+- strings: unbounded unless the schema gives maxLength; now at most DEFAULT_MAX_STRING characters where
+  it does not (an escape counts as one character, as it decodes to one).
+- strings with minLength/maxLength: xgrammar's character class `[^"\\\r\n]` let raw control characters
+  (U+0000-U+001F but CR, LF) in, which json.loads rejects, and refused every escape. Now any character
+  but a control character, a quote or a backslash, or an escape, as in an unbounded string.
+- whitespace: none (any_whitespace=False): ", " and ": " between items, nothing else.
+Arrays and objects keep their counts (maxItems where given); `pattern` strings are the pattern's regex
+(bound its repeats yourself, e.g. [a-z]{1,20}).
+
+The rewrite is on xgrammar's printed EBNF, so it is pinned to its shapes: tests/test_json_grammar.py
+checks that no unbounded digit or string repeat survives for the schema kinds pydantic emits.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+MAX_INT_DIGITS = 15        # 999,999,999,999,999 < 2**53: every such integer is exact as a double
+MAX_FRACTION_DIGITS = 15   # a double carries 15-17 significant digits; more is the model looping
+MAX_EXPONENT_DIGITS = 2    # 1e99 is finite; 1e999 parses as inf
+DEFAULT_MAX_STRING = 512   # characters of a string without maxLength (set maxLength for tighter)
+
+# One JSON string character: anything but a control character, '"' or '\', or an escape.
+_CHAR_RULE = "json_bounded_char"
+_EXTRA_RULES = (
+    f'{_CHAR_RULE} ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" json_bounded_escape))\n'
+    'json_bounded_escape ::= (([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))\n'
+)
+_RULE = re.compile(r"^(\w+) ::= (.*)$")
+_DIGIT_BODY = "(([0-9]))"
+_LENGTH_CHAR_BODY = '(([^\\"\\\\\\r\\n]))'                    # xgrammar's minLength/maxLength character
+_STRING_SUB_LOOKAHEAD = re.compile(r"\(=\(.*\)\)\s*$")
+_UNBOUNDED = re.compile(r"(\[eE\] \w+ |\[1-9\] )?\b(\w+)\{(\d+), -1\}")
+
+
+def json_schema_ebnf(xgr: Any, schema_text: str, *, strict_mode: bool = True) -> str:
+    """EBNF of the schema (compact JSON, no free whitespace), numbers and strings bounded."""
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=strict_mode)
+    return bound_ebnf(str(grammar))
+
+
+def bound_ebnf(ebnf: str) -> str:
+    """Rewrite xgrammar's converted EBNF (one rule a line) so numbers and strings are bounded."""
+    rules: list[tuple[str, str]] = []
+    for line in ebnf.splitlines():
+        m = _RULE.match(line)
+        if m is None:
+            if line.strip():
+                raise ValueError(f"unexpected EBNF line from the JSON Schema converter: {line[:80]!r}")
+            continue
+        rules.append((m.group(1), m.group(2)))
+    digits = {name for name, body in rules if body == _DIGIT_BODY}
+    length_chars = {name for name, body in rules if body == _LENGTH_CHAR_BODY}
+    out = []
+    for name, body in rules:
+        if name in length_chars:
+            body = f"(({_CHAR_RULE}))"
+        elif name == "basic_string_sub":
+            # Was: '"' | char basic_string_sub | '\' escape basic_string_sub (unbounded); keep its lookahead
+            # (a closing quote is followed by , } ] or :).
+            look = _STRING_SUB_LOOKAHEAD.search(body)
+            body = f'(({_CHAR_RULE}{{0, {DEFAULT_MAX_STRING}}} "\\""))' + (" " + look.group(0) if look else "")
+        elif not body.startswith("Regex("):   # a pattern's regex is the user's
+            body = body.replace("[0-9]*", f"[0-9]{{0, {MAX_INT_DIGITS - 1}}}")
+            body = _UNBOUNDED.sub(lambda m: _bounded(m, digits, length_chars), body)
+        out.append(f"{name} ::= {body}")
+    return "\n".join(out) + "\n" + _EXTRA_RULES
+
+
+def _bounded(m: re.Match, digits: set[str], length_chars: set[str]) -> str:
+    before, name, low = m.group(1) or "", m.group(2), int(m.group(3))
+    if name in digits:   # after "[eE] sign": an exponent; after "[1-9] ": an integer part; else a fraction
+        cap = (MAX_EXPONENT_DIGITS if before.startswith("[eE]") else
+               MAX_INT_DIGITS - 1 if before else MAX_FRACTION_DIGITS)
+    elif name in length_chars:
+        cap = DEFAULT_MAX_STRING
+    else:
+        return m.group(0)        # array items, object properties: their counts are the schema's
+    return f"{before}{name}{{{low}, {max(low, cap)}}}"
