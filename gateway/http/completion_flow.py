@@ -144,7 +144,8 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
     # n choices per prompt may each run to max_tokens; each prompt is computed (and charged) once.
     num_choices = len(all_ids) * req.n
     admitted = await gw.gatekeeper.enter(key, handle.name, sum(len(ids) for ids in all_ids), max_tokens * num_choices,
-                                         deadline, priority, route.rate)
+                                         deadline, priority, route.rate, route.budget)
+    sink = admitted.billing(gw.usage_sink)   # the usage record settles the request's budget hold
     request_id = entry.request_id
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
     # The policy's prices (else the routed engine's: a bulk pool engine bills as the engine it stands in for).
@@ -162,12 +163,12 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
     # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
     choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],
                           params[k % req.n], req.model, route.reason, req.stream, arrival, time.time(), gw.metrics,
-                          gw.usage_sink, priority=priority, tenant=key.tenant, context=context,
+                          sink, priority=priority, tenant=key.tenant, context=context,
                           price_percent=percent)
                for k in range(num_choices)]
     for g in choices:
         g.grammar_param = grammar_param
-    gen = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink,
+    gen = GenerationGroup(choices, on_end=admitted.end, sink=sink,
                           leaders=[k - k % req.n for k in range(num_choices)])
     try:
         gen.start()

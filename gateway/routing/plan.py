@@ -44,6 +44,7 @@ from gateway.http.tool_calls import template_messages
 from gateway.http.tool_request import ToolSetup
 from gateway.routing.context_route import move_to_fit
 from gateway.routing.engine_set_router import EngineSetRouter
+from gateway.spend.budget_hold import BudgetCharge, meters_for
 from policies import EngineState, RequestFeatures, TenantSpend, decide
 from policies.budgets import over_limit
 from policies.budgets import scopes as budget_scopes
@@ -71,6 +72,7 @@ class Plan:
     engine_state: dict[str, dict[str, Any]] | None = None
     explanation: list[str] = field(default_factory=list)
     context_dropped_tokens: int = 0             # prompt tokens the policy's context limit trimmed away
+    budget: BudgetCharge | None = None          # the budgets to hold the worst-case cost against (admission)
     routed_prompt_tokens: int = 0               # the count routing and the policy decided with (the usage record)
 
 
@@ -100,6 +102,8 @@ def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, Engine
 
 async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
     plan = await _route(gw, req, key, deadline)
+    if plan.budget is not None:     # the worst case is reckoned at the prices the request is billed at
+        plan.budget.prices = plan.prices or gw.handles[plan.engine].prices
     if req.priority is not None:
         # The request's service_tier / priority may lower its class, never raise it above its
         # key's or a policy rule's.
@@ -180,6 +184,8 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                               for n, s in states.items()},
                 explanation=d.explanation, context_dropped_tokens=dropped,
                 routed_prompt_tokens=features.prompt_tokens)
+    if found:       # held at admission, settled with the usage record (gateway/spend/budget_hold.py)
+        plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
     return _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e)))
 
 

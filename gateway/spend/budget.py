@@ -13,7 +13,9 @@ of that dimension in the tenant's hour) is not seen by its budget: keep that bou
 number of keys / tag values a tenant uses in an hour. Cached per tenant for CACHE_S seconds (a busy
 tenant costs one rollup read per CACHE_S, not one per request), so a budget may be overrun by what
 is spent in that time plus the requests in flight; the ledger writes records asynchronously too.
-Only tenants whose policy entry has a budget are read at all.
+That is why a request also holds its worst-case cost at admission (gateway/spend/budget_hold.py,
+`holds` here), which bounds the overshoot to one request. Only tenants whose policy entry has a
+budget are read at all.
 
 Redis unreachable: fail open. The last value read (however old) or zero is used, the request is
 served, and tokenyard_budget_checks_total{outcome="unavailable"} counts it. A budget is a cost
@@ -26,6 +28,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from gateway.spend.budget_hold import BudgetHolds
 from gateway.spend.redis_keys import dim_field_prefix, dims_key, hours_key, rollup_key
 from gateway.store.redis_guard import RedisGuard, RedisUnavailable
 from policies import TenantSpend
@@ -90,6 +93,8 @@ class BudgetReader:
         self.metrics = metrics
         self.cache_s = cache_s
         self._cache: dict[str, tuple[float, TenantSpend, frozenset[Dim]]] = {}
+        # Worst-case costs held at admission, settled at the end (gateway/spend/budget_hold.py).
+        self.holds = BudgetHolds(redis, prefix, guard, metrics)
 
     def forget(self, tenant: str | None = None) -> None:
         if tenant is None:
