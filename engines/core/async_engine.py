@@ -16,6 +16,11 @@ loop could keep it that long every time. The gateway shortens the interval
 (server.gil_switch_interval_ms; gateway/http/server.py), or steps the engine in a process of its
 own instead (server.engine_process; engines/serving/engine_process.py).
 
+Constrained requests: `await engine.prepare(params)` before add_request checks the response
+format's grammar against its budget in a worker process and compiles it on a thread of its own
+(engines/core/grammar_gate.py), so neither the event loop nor the step thread ever compiles one;
+the engine's grammar set is warmed at start(). Engines without grammars (the mock) skip it.
+
 A step that raises fails every in-flight request with an "error" output (the reader sees it at
 once instead of hanging), and aborts them in the engine. After `max_consecutive_failures`
 failing steps in a row the engine is declared dead: new requests raise EngineDeadError.
@@ -37,6 +42,8 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from engines.core.errors import EngineDeadError
 from engines.core.executor import torch_executor
+from engines.core.grammar_gate import GrammarGate
+from engines.core.grammar_worker import GrammarWorker
 from engines.core.outputs import EngineStats, StepOutput
 from engines.core.sampling_params import SamplingParams
 
@@ -160,6 +167,17 @@ class AsyncEngine:
         self._restart_backoff_s = restart_backoff_s
         self.num_restarts = 0             # engines rebuilt after a failure
         self.num_failed_restarts = 0      # attempts to rebuild that raised
+        self.grammar_gate = self._grammar_gate(engine)
+
+    def _grammar_gate(self, engine: EngineCore) -> GrammarGate | None:
+        """Checks and builds grammars for engines that compile them (engines.Engine), else None."""
+        model_dir = getattr(engine, "grammar_model_dir", None)
+        if model_dir is None:
+            return None
+        worker = GrammarWorker(model_dir, engine.grammar_budget, self.name)
+        # build/warm look the engine up each time: a restart replaces it.
+        return GrammarGate(worker, build=lambda fmt: self.engine.prepare_grammar(fmt),
+                           warm=lambda: self.engine.warm_grammars(), name=self.name)
 
     @property
     def max_model_len(self) -> int:
@@ -173,6 +191,8 @@ class AsyncEngine:
         if self._task is None:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-loop-{self.name}")
+            if self.grammar_gate is not None:
+                await self.grammar_gate.start()
 
     async def stop(self) -> None:
         """Abort everything in flight and stop the loop (the engine object stays usable)."""
@@ -182,6 +202,14 @@ class AsyncEngine:
         self._task = None
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.grammar_gate is not None:
+            self.grammar_gate.close()
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Make the request's grammar ready off the event loop; GrammarError when it is refused.
+        Call add_request right after (no await between), as the gate's docstring says."""
+        if self.grammar_gate is not None and params.response_format is not None:
+            await self.grammar_gate.prepare(params.response_format)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:

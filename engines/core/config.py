@@ -102,6 +102,9 @@ class EngineConfig:
       it the step is no longer bound by reading weights, so verifying k extra rows stops paying).
     tp_timeout_s: how long a collective or a worker's start-up may take before the engine is
       declared dead (a killed worker is usually detected at once: its sockets close).
+    grammar_compile_timeout_s / grammar_compile_memory_mb: what one response_format schema may cost
+      to compile (wall seconds; MiB above the compiler process's footprint) before the request is
+      refused with a 400 naming response_format (engines/core/grammar_worker.py).
     """
 
     dtype: str = "auto"
@@ -137,6 +140,8 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     spec_max_batch: int = 2
+    grammar_compile_timeout_s: float = 5.0
+    grammar_compile_memory_mb: int = 1024
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -158,6 +163,10 @@ class EngineConfig:
         if not isinstance(self.prefill_burst_tokens, int) or isinstance(self.prefill_burst_tokens, bool) \
                 or self.prefill_burst_tokens < 0:
             raise ValueError(f"prefill_burst_tokens must be an integer >= 0 (0: off), got {self.prefill_burst_tokens!r}")
+        if not isinstance(self.grammar_compile_timeout_s, (int, float)) or not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be seconds > 0, got {self.grammar_compile_timeout_s!r}")
+        if not isinstance(self.grammar_compile_memory_mb, int) or self.grammar_compile_memory_mb < 16:
+            raise ValueError(f"grammar_compile_memory_mb must be an integer >= 16, got {self.grammar_compile_memory_mb!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.kv_cache_fraction <= 1:

@@ -24,6 +24,7 @@ import torch
 from engines.core.block_manager import BlockManager
 from engines.core.config import EngineConfig
 from engines.core.errors import EngineDeadError, RequestError
+from engines.core.grammar_worker import GrammarBudget
 from engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from engines.core.request_inbox import RequestInbox
 from engines.core.sampling_params import SamplingParams
@@ -105,7 +106,10 @@ class Engine:
                                       cfg.cpu_decode_step_max_batch, cfg.cpu_onednn_linear)
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
-        self._grammars: Grammars | None = None   # built at the first response_format request
+        self._grammars: Grammars | None = None   # built by warm_grammars() or the first response_format request
+        # What a schema may cost to compile (AsyncEngine's grammar gate holds requests to it).
+        self.grammar_budget = GrammarBudget(float(cfg.grammar_compile_timeout_s), cfg.grammar_compile_memory_mb)
+        self.grammar_model_dir: Path | None = model_dir   # whose tokenizer the grammar worker compiles for
         self._grammars_lock = threading.Lock()
         self._inbox: RequestInbox[Sequence] = RequestInbox()
         self._arrivals = 0
@@ -132,7 +136,8 @@ class Engine:
             raise RequestError(f"priority must be an integer, got {priority!r}")
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id must be a non-empty string")
-        # Compiled here, in the caller's thread: a schema the grammar library rejects fails now.
+        # A cache hit when the request was prepared (AsyncEngine.prepare: compiled off the event loop);
+        # otherwise compiled here, in the caller's thread (offline use): a rejected schema fails now.
         constraint = self._grammar_set().constraint(params.response_format) if params.response_format else None
 
         def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
@@ -324,6 +329,14 @@ class Engine:
         return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
                           num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                           error=error, logprobs=logprobs)
+
+    def prepare_grammar(self, fmt: dict) -> None:
+        """Compile a response format into the grammar cache (any thread; GrammarError when refused)."""
+        self._grammar_set().compile(fmt)
+
+    def warm_grammars(self) -> None:
+        """Build the grammar set (the tokenizer's vocabulary for the compiler) ahead of the first request."""
+        self._grammar_set()
 
     def _grammar_set(self) -> Grammars:
         """The engine's grammar compiler, built once from the model's tokenizer (thread-safe)."""
