@@ -31,6 +31,7 @@ from gateway.http.edge_params import json_int, parse_int, read_int
 from gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from gateway.http.generation import EngineFailed, Generation, RequestRejected
 from gateway.http.generation_group import GenerationGroup
+from gateway.http.prompt_guard import charge_refused, check_prompt_size, off_loop
 from gateway.http.streaming import wait_disconnect
 from gateway.routing.plan import plan_route, tokenize_prompt
 from gateway.spend.usage import RecordContext
@@ -103,9 +104,21 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
                    lane: BatchLane | None = None) -> Started:
     """Everything after authentication, for an HTTP request and a Batch API line alike: policy and
     route, context checks, limits, admission, and the start in the engine."""
+    try:
+        # Too long for any context it may be served with: refused before any template runs.
+        check_prompt_size(gw, req, prompt_param)
+        # Policy and route: rules, the learned router, budget, overflow; may refuse here.
+        route = await plan_route(gw, req, key, entry.deadline)
+        return await _generate(gw, req, key, prompt_param, entry, route, lane)
+    except BadRequest as e:
+        if e.code == "context_length_exceeded":   # still one request of the sender's limit
+            await charge_refused(gw, key, req.model)
+        raise
+
+
+async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param: str, entry: Entry,
+                    route: Any, lane: BatchLane | None) -> Started:
     arrival, deadline, info = entry.arrival, entry.deadline, entry.info
-    # Policy and route: rules, the learned router, budget, overflow; may refuse here.
-    route = await plan_route(gw, req, key, deadline)
     priority = key.priority_class if route.priority is None else route.priority
     engine = route.engine
     if lane is not None:
@@ -116,7 +129,7 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
                          f"another model or through /v1/batches", param="model", code="model_reserved_for_batch")
     handle = gw.handles[engine]
     max_len = handle.engine.max_model_len
-    all_ids = _all_prompt_ids(req, route.prompt_ids, handle.tokenizer)
+    all_ids = await off_loop(_all_prompt_ids, req, route.prompt_ids, handle.tokenizer)
     prompt_ids = max(all_ids, key=len)
     if len(prompt_ids) >= max_len:
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; the {prompt_param} have "
@@ -139,6 +152,8 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
     except GrammarError as e:   # the schema is over the size limit
         raise BadRequest(str(e), param=grammar_param, code=f"invalid_{grammar_param}") from e
     info.update(engine=handle.name, route_reason=route.reason)
+    # The grammar, checked against its budget and compiled off the loop, before any limit is taken.
+    await _prepare_grammar(handle.engine, params[0], grammar_param)
     if lane is not None:
         await lane.wait_for_room(handle.name)
     # n choices per prompt may each run to max_tokens; each prompt is computed (and charged) once.
@@ -171,6 +186,14 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
     gen = GenerationGroup(choices, on_end=admitted.end, sink=sink,
                           leaders=[k - k % req.n for k in range(num_choices)])
     try:
+        # Again, now: a cache hit unless the admission wait outlasted the grammar in the engine's
+        # cache. No await from here to the engine: the grammar is still cached when it is added.
+        await _prepare_grammar(handle.engine, params[0], grammar_param)
+    except BaseException:
+        for g in choices:
+            g._end(None)     # never ran: the admission pass is given back
+        raise
+    try:
         gen.start()
     except EngineDeadError as e:
         raise Unavailable(f"Engine {handle.name} is unavailable", code="engine_unavailable") from e
@@ -188,6 +211,18 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
     if route.context_dropped_tokens:
         headers["x-tokenyard-context-dropped-tokens"] = str(route.context_dropped_tokens)
     return Started(gen, req, request_id, headers)
+
+
+async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:
+    """A constrained request's grammar made ready by its backend (engines/core/grammar_gate.py);
+    backends without `prepare` (replica pools) check it where the engine runs."""
+    prepare = getattr(engine, "prepare", None)
+    if params.response_format is None or prepare is None:
+        return
+    try:
+        await prepare(params)
+    except GrammarError as e:
+        raise BadRequest(str(e), param=grammar_param, code=f"invalid_{grammar_param}") from e
 
 
 def _all_prompt_ids(req: AnyRequest, routed_ids: list[int], tok: Any) -> list[list[int]]:

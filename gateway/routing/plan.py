@@ -4,7 +4,8 @@ the limits.
     plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
 
 1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
-2. The prompt is tokenised once (the pinned engine's tokenizer, else the counting engine's; again
+2. The prompt is tokenised once, on the prompt threads (gateway/http/prompt_guard.py), never on the
+   event loop (the pinned engine's tokenizer, else the counting engine's; again
    only if the engine finally chosen has another tokenizer). Chat messages go through the model's
    chat template; a text completion's prompt is encoded as is, or taken as token ids.
 3. The learned router (deployment `router:`) scores every prompt: P(small is enough),
@@ -40,6 +41,7 @@ from gateway.http.chat_request import ChatRequest
 from gateway.http.completion_request import CompletionRequest
 from gateway.http.context_trim import ContextTooLong, trim_to_fit
 from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
+from gateway.http.prompt_guard import off_loop
 from gateway.http.tool_calls import template_messages
 from gateway.http.tool_request import ToolSetup
 from gateway.routing.context_route import move_to_fit
@@ -117,7 +119,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     state = gw.policy
     policy = state.policy
     counting = pinned.engine if pinned is not None else gw.router.counting_engine
-    tok, ids = _tokenize(gw, counting, req)
+    tok, ids = await off_loop(_tokenize, gw, counting, req)   # template + encode on the prompt threads
     score = None
     chosen = None                   # an N-engine router's pick (EngineSetRouter)
     # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
@@ -149,7 +151,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         if chosen is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
             plan.explanation.append(f"router P(good): {shown}; chose {engine}")
-        return _finish(gw, req, tok, _fit(gw, req, tok, plan))
+        return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan)))
 
     import asyncio
     loop = asyncio.get_running_loop()
@@ -173,7 +175,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     dropped = 0
     limit = policy.context_for(key.tenant, d.rule_index)
     if limit is not None and len(ids) > limit.max_prompt_tokens:
-        ids, dropped = _fit_context(req, tok, ids, limit)
+        ids, dropped = await off_loop(_fit_context, req, tok, ids, limit)
     rule_priority = d.rule_index is not None and policy.rules[d.rule_index].action.priority is not None
     priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
                                                                         PRIORITIES.index(d.priority))
@@ -186,7 +188,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                 routed_prompt_tokens=features.prompt_tokens)
     if found:       # held at admission, settled with the usage record (gateway/spend/budget_hold.py)
         plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
-    return _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e)))
+    return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e))))
 
 
 def _fit(gw: "Gateway", req: ChatRequest | CompletionRequest, tok: Any, plan: Plan, prices_for=None) -> Plan:
