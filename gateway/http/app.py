@@ -7,6 +7,7 @@ lifespan), so the event loop is not blocked while weights are read.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ from gateway.state import Gateway, gateway_of
 from gateway.web import dashboard
 
 log = logging.getLogger("tokenyard.gateway")
+atexit.register(gc.unfreeze)    # see gc.freeze() in the lifespan
 
 
 def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | None = None,
@@ -63,6 +65,10 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             gw.policy.start_local()
         # Everything loaded so far (torch, weights' Python objects) lives as long as the process:
         # freezing it keeps the cyclic GC from rescanning it, which shows up as latency spikes.
+        # Frozen objects are never collected, not even at interpreter exit: Triton's nanobind module
+        # (imported by torch._dynamo) then finds its objects alive and prints ~30 lines of
+        # "nanobind: leaked ..." at every stop. So they are unfrozen when the gateway stops, and at
+        # exit (registered once, below the imports) for a process that never reaches the lifespan's end.
         gc.freeze()
         gw.ready = True
         try:
@@ -80,6 +86,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
                 inner = getattr(h.engine, "engine", None)
                 if owns_engines and callable(getattr(inner, "close", None)):
                     inner.close()
+            gc.unfreeze()
 
     routes = chat_endpoint.routes() + completions_endpoint.routes() + service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
