@@ -91,3 +91,21 @@ def test_disk_storage_stays_inside_its_folder(tmp_path):
     disk.delete("acme", "file-1")
     assert not (root / "acme" / "file-1").exists()
     assert list((root / "acme").iterdir()) == []      # no temporary file left behind
+
+
+def test_a_waiting_acquire_gives_up_when_told():
+    """A cancelled batch waiting for a slot that another batch's lines hold stops waiting at once."""
+    async def scenario() -> tuple[bool, float, int]:
+        limit = AdaptiveLimit(maximum=1, max_lag_s=0)
+        assert await limit.acquire()
+        stop = {"now": False}
+        waiter = asyncio.get_running_loop().create_task(limit.acquire(lambda: stop["now"]))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        t0 = time.monotonic()
+        stop["now"] = True
+        got = await asyncio.wait_for(waiter, 1)
+        return got, time.monotonic() - t0, limit.running
+
+    got, waited_s, running = asyncio.run(scenario())
+    assert got is False and running == 1 and waited_s < 0.5     # no slot taken; the holder keeps its one

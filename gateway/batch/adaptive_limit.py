@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Callable
 
 SAMPLE_S = 0.01     # one lag sample: how late a sleep of this long wakes
 ADJUST_S = 0.1      # the limit moves at most this often
@@ -43,10 +44,15 @@ class AdaptiveLimit:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    async def acquire(self) -> None:
+    async def acquire(self, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Take a slot (True), or False without one as soon as `give_up()` says so: a batch cancelled
+        while every slot is another batch's must not wait for that batch's lines to end."""
         while self.running >= max(1, math.floor(self.limit)):
+            if give_up():
+                return False
             await asyncio.sleep(POLL_S)
         self.running += 1
+        return True
 
     def release(self) -> None:
         self.running -= 1

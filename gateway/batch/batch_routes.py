@@ -22,7 +22,7 @@ from gateway.batch.file_routes import conflict, service_and_key, store_errors
 from gateway.batch.input_check import ENDPOINTS
 from gateway.http.completion_flow import read_json
 from gateway.http.edge_params import parse_int
-from gateway.http.errors import BadRequest, Unavailable
+from gateway.http.errors import BadRequest, NotFound, Unavailable
 from gateway.state import gateway_of
 
 WINDOWS = ("24h",)
@@ -71,10 +71,11 @@ async def create_batch(request: Request) -> Response:
         raise BadRequest(f"Line {line} of {file_id} has url {url}, but the batch's endpoint is {endpoint}; "
                          f"every line must use the batch's endpoint", param="input_file_id", code="mismatched_url")
     batch_id = new_batch_id()
-    await svc.batches.create({"id": batch_id, "tenant": key.tenant, "key_id": key.key_id, "endpoint": endpoint,
-                              "input_file_id": file_id, "completion_window": "24h", "total": rec.lines,
-                              "metadata": metadata})
-    await svc.files.mark_used(file_id, batch_id)
+    created = await svc.batches.create({"id": batch_id, "tenant": key.tenant, "key_id": key.key_id,
+                                        "endpoint": endpoint, "input_file_id": file_id, "completion_window": "24h",
+                                        "total": rec.lines, "metadata": metadata}, input_key=svc.files.key(file_id))
+    if not created:     # deleted since the lookup above: exactly as if it had never existed
+        raise NotFound(f"No such file: {file_id}", param="input_file_id", code="file_not_found")
     svc.runner.wake()
     return JSONResponse(to_openai(await svc.batches.get(batch_id)))
 

@@ -14,10 +14,12 @@ while the event loop lags (adaptive_limit.py); each one waits for idle capacity 
 Every lease_s / 3 the lease is renewed and the status re-read (a cancel made through another gateway)
 and the expiry checked.
 
-Statuses: validating -> in_progress -> finalizing -> completed; in_progress -> failed when the
-input file is gone; cancelling -> cancelled (lines in flight are aborted at once, in the engine's
-next step; every line without an answer is answered "batch_cancelled"); past expires_at ->
-expired (unanswered lines: "batch_expired"). Every line ends in exactly one of the two files.
+Statuses: validating -> in_progress -> finalizing -> completed; cancelling -> cancelled (lines in
+flight are aborted at once, in the engine's next step; every line without an answer is answered
+"batch_cancelled"); past expires_at -> expired (unanswered lines: "batch_expired"). Every line ends
+in exactly one of the two files, except when the input file is gone: then the batch ends at once
+(input_gone.py: failed, or cancelled / expired if it was being cancelled / past its window), its
+answers so far written out and `errors` saying how many lines have none.
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 from gateway.batch.adaptive_limit import AdaptiveLimit
 from gateway.batch.batch_store import BatchStore
 from gateway.batch.file_records import FileRecords
-from gateway.batch.file_storage import FileStorage, line_chunks
+from gateway.batch.file_storage import FileStorage, InputMissing, line_chunks
 from gateway.batch.finalize import close_chunks, write_results
 from gateway.batch.idle_capacity import IdleCapacity
+from gateway.batch.input_gone import end_without_input
 from gateway.batch.line_runner import RetryLater, run_line
 from gateway.batch.settings import BatchSettings
 from gateway.http.completion_flow import BatchLane
@@ -87,6 +90,7 @@ class BatchRunner:
         self.limit = AdaptiveLimit(settings.max_in_flight, settings.max_loop_lag_ms / 1000)   # lines in flight
         self.answered = {"completed": 0, "failed": 0}    # lines this gateway answered (/metrics)
         self._runs: dict[str, _Run] = {}
+        self._failing: dict[str, str] = {}      # batch id -> the error its last run failed with (logged once)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
@@ -146,20 +150,20 @@ class BatchRunner:
     async def _run(self, run: _Run) -> None:
         keeper = asyncio.get_running_loop().create_task(self._keep(run))
         try:
-            run.rec = await self.store.get(run.id)
-            status = run.rec["status"]
-            if status == "validating":
-                status = await self._validate(run)
-            if status == "in_progress":
-                await self._feed(run)
-                status = (await self.store.get(run.id))["status"]
-            if run.stop == "paused":
-                return
-            if status in ("in_progress", "cancelling", "finalizing"):
-                await self._finish(run, status)
-        except Exception:  # noqa: BLE001 - logged; the batch stays open and is picked up again
+            try:
+                await self._steps(run)
+            except InputMissing as e:
+                await end_without_input(self.store, self.files, self.storage, run.id, run.stop, e)
+            self._failing.pop(run.id, None)
+        except Exception as e:  # noqa: BLE001 - logged; the batch stays open and is picked up again
             _raise_if_cancelled()
-            log.exception("batch %s: run failed; it resumes on the next claim", run.id)
+            # The traceback once per batch and cause, not on every claim (every poll_s) while it lasts.
+            cause = f"{type(e).__name__}: {e}"
+            if self._failing.get(run.id) != cause:
+                self._failing[run.id] = cause
+                log.exception("batch %s: run failed; it resumes on the next claim", run.id)
+            else:
+                log.debug("batch %s: run failed again: %s", run.id, cause)
         finally:
             keeper.cancel()
             self._runs.pop(run.id, None)
@@ -168,6 +172,19 @@ class BatchRunner:
                     await self.store.release(run.id, self.owner)
                 except Exception:  # noqa: BLE001 - the lease lapses by itself
                     pass
+
+    async def _steps(self, run: _Run) -> None:
+        run.rec = await self.store.get(run.id)
+        status = run.rec["status"]
+        if status == "validating":
+            status = await self._validate(run)
+        if status == "in_progress":
+            await self._feed(run)
+            status = (await self.store.get(run.id))["status"]
+        if run.stop == "paused":
+            return
+        if status in ("in_progress", "cancelling", "finalizing"):
+            await self._finish(run, status)
 
     async def _keep(self, run: _Run) -> None:
         """Renew the lease; notice a cancel made elsewhere and the expiry."""
@@ -218,11 +235,13 @@ class BatchRunner:
                 for index, raw in chunk:
                     if index in answered:
                         continue
-                    await self.limit.acquire()
+                    # Giving up the wait on a cancel: another batch may hold every slot for a long time.
+                    got = await self.limit.acquire(lambda: run.stop is not None or self.gw.draining)
                     if self.gw.draining:
                         run.halt("paused")
-                    if run.stop is not None:
-                        self.limit.release()
+                    if run.stop is not None or not got:
+                        if got:
+                            self.limit.release()
                         break
                     task = asyncio.get_running_loop().create_task(self._line(run, index, raw))
                     tasks.add(task)

@@ -11,7 +11,9 @@ Exactly once: a line's answer and its count go in together by one script (lua/re
 that refuses a line already answered, so a restart, a second gateway or a retry can never answer
 a line twice; a line not in the answers hash was never answered and is run (again). Status moves
 are compare-and-set (lua/transition.lua), so a cancel and a finish racing each other leave one
-consistent outcome; reaching a final status drops the answers hash (they are in the files by then).
+consistent outcome; reaching a final status drops the answers hash (they are in the files by then)
+and, in the same script, takes the batch out of its input file's users set (file_records.py), so
+the file can be deleted exactly when no open batch reads it.
 """
 from __future__ import annotations
 
@@ -21,11 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import WatchError
+
+from gateway.batch.file_records import users_key
 from gateway.http.errors import NotFound
 
 _LUA = Path(__file__).resolve().parent / "lua"
 FINAL = ("completed", "failed", "expired", "cancelled")
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+_WATCH_TRIES = 5    # a file record changes only by its own DELETE: a second round always settles it
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
           "expired_at", "cancelling_at", "cancelled_at")
 
@@ -56,19 +62,35 @@ class BatchStore:
         return f"{self.prefix}batches:open"
 
     # -- records -------------------------------------------------------------------------------
-    async def create(self, fields: dict[str, Any]) -> None:
-        """fields: id, tenant, key_id, endpoint, input_file_id, completion_window, total, metadata."""
+    async def create(self, fields: dict[str, Any], input_key: str | None = None) -> bool:
+        """fields: id, tenant, key_id, endpoint, input_file_id, completion_window, total, metadata.
+        input_key: the input file's record; the batch is created (and joins the file's users set) only
+        while it exists, in one transaction: False when the file was deleted meanwhile."""
         now_us = time.time_ns() // 1000
         rec = {**{k: "" for k in _TIMES}, "status": "validating", "completed": 0, "failed": 0,
                "output_file_id": "", "error_file_id": "", "errors": "", "created_us": now_us,
                "created_at": now_us // 1_000_000, "expires_at": now_us // 1_000_000 + 24 * 3600}
         rec.update(fields)
         rec["metadata"] = json.dumps(fields.get("metadata"))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.key(rec["id"]), mapping={k: str(v) for k, v in rec.items()})
-        pipe.zadd(self._index(rec["tenant"]), {rec["id"]: now_us})
-        pipe.sadd(self._open, rec["id"])
-        await pipe.execute()
+        for _ in range(_WATCH_TRIES):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                if input_key is not None:
+                    # WATCH: a DELETE of the file (lua/remove_unused_file.lua) between this check and
+                    # EXEC aborts the transaction, and the next round sees the file gone.
+                    await pipe.watch(input_key)
+                    if not await pipe.exists(input_key):
+                        return False
+                    pipe.multi()
+                    pipe.sadd(users_key(self.prefix, rec["input_file_id"]), rec["id"])
+                pipe.hset(self.key(rec["id"]), mapping={k: str(v) for k, v in rec.items()})
+                pipe.zadd(self._index(rec["tenant"]), {rec["id"]: now_us})
+                pipe.sadd(self._open, rec["id"])
+                try:
+                    await pipe.execute()
+                    return True
+                except WatchError:
+                    continue
+        raise WatchError(f"batch {rec['id']}: its input file kept changing")
 
     async def get(self, batch_id: str, tenant: str | None = None) -> dict[str, str]:
         """The batch's fields; 404 when absent or (tenant given) another tenant's."""
@@ -126,6 +148,10 @@ class BatchStore:
         """Compare and set: to `to` if the status is one of `allowed` (stamping `time_field`)."""
         args = [batch_id, to, time_field, int(time.time()), "1" if to in FINAL else "0", *allowed]
         keys = [self.key(batch_id), self._open, self._answers(batch_id)]
+        if to in FINAL:     # the input file is free once no open batch reads it (file_records.py)
+            file_id = await self.redis.hget(self.key(batch_id), "input_file_id")
+            if file_id:
+                keys.append(users_key(self.prefix, file_id.decode()))
         return bool(await self._transition(keys=keys, args=args))
 
     # -- answers -------------------------------------------------------------------------------

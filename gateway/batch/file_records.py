@@ -3,10 +3,17 @@
 Redis layout (every name starts with the deployment's `redis_prefix`):
     {prefix}file:{file_id}        hash: id, tenant, bytes, created_at, filename, purpose, lines, urls
     {prefix}files:{tenant}        sorted set: file ids by creation time (µs), for listing
+    {prefix}file:{file_id}:users  set: ids of the open batches whose input it is (none: deletable)
 
 A record is written only after its bytes are durable in the storage (file_storage.py), and
 removed before they are deleted, so a record never names bytes that are gone. A lookup with the
 wrong tenant answers like a missing file: 404, never "this is someone else's".
+
+A file stays while any open batch reads it: each batch's id joins the file's users set in the same
+transaction that creates the batch (and only if the file record still exists), and leaves it in
+the same script that moves the batch to a final status; DELETE removes the record only when that
+set is empty, in one script. So no order of creates, cancels and deletes leaves an open batch
+without its input (issue 46.3: a single `used_by` id was overwritten by the next batch).
 """
 from __future__ import annotations
 
@@ -14,12 +21,14 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gateway.batch.file_names import safe_filename
 from gateway.http.errors import NotFound
 
 PURPOSES = ("batch", "batch_output")
+_LUA = Path(__file__).resolve().parent / "lua"
 
 
 @dataclass(slots=True)
@@ -67,6 +76,7 @@ class FileRecords:
     def __init__(self, redis: Any, prefix: str) -> None:
         self.redis = redis
         self.prefix = prefix
+        self._remove = redis.register_script((_LUA / "remove_unused_file.lua").read_text())
 
     def _key(self, file_id: str) -> str:
         return f"{self.prefix}file:{file_id}"
@@ -90,19 +100,40 @@ class FileRecords:
             raise _missing(file_id)
         return rec
 
-    async def mark_used(self, file_id: str, batch_id: str) -> None:
-        """The file is the input of this batch (a file cannot be deleted while its batch is open)."""
-        await self.redis.hset(self._key(file_id), "used_by", batch_id)
+    def key(self, file_id: str) -> str:
+        return self._key(file_id)
 
-    async def user_of(self, file_id: str) -> str | None:
-        raw = await self.redis.hget(self._key(file_id), "used_by")
-        return raw.decode() if raw else None
+    def users_key(self, file_id: str) -> str:
+        return users_key(self.prefix, file_id)
 
-    async def remove(self, rec: FileRecord) -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self._key(rec.id))
-        pipe.zrem(self._index(rec.tenant), rec.id)
-        await pipe.execute()
+    async def users_of(self, file_id: str) -> set[str]:
+        """Ids of the batches that read this file: added atomically with each batch (BatchStore.create),
+        removed as each reaches a final status (lua/transition.lua). `used_by` is the single id that
+        records written before the set kept."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(self.users_key(file_id))
+        pipe.hget(self._key(file_id), "used_by")
+        members, legacy = await pipe.execute()
+        users = {m.decode() for m in members}
+        if legacy:
+            users.add(legacy.decode())
+        return users
+
+    async def release(self, file_id: str, batch_id: str) -> None:
+        """Forget a listed user found final or gone (a batch's final move releases it by itself; this
+        clears what that could not: the `used_by` of older records, a batch record removed by hand)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.srem(self.users_key(file_id), batch_id)
+        pipe.hget(self._key(file_id), "used_by")
+        _, legacy = await pipe.execute()
+        if legacy and legacy.decode() == batch_id:
+            await self.redis.hdel(self._key(file_id), "used_by")
+
+    async def remove_unused(self, rec: FileRecord) -> bool:
+        """Remove the record unless a batch uses the file (one atomic step, so a batch created at the
+        same moment either sees no file or keeps it); False when in use."""
+        keys = [self._key(rec.id), self._index(rec.tenant), self.users_key(rec.id)]
+        return bool(await self._remove(keys=keys, args=[rec.id]))
 
     async def list(self, tenant: str, purpose: str | None, limit: int, descending: bool,
                    after: str | None) -> tuple[list[FileRecord], bool]:
@@ -131,6 +162,11 @@ class FileRecords:
                     if purpose is None or rec.purpose == purpose:
                         out.append(rec)
         return out[:limit], len(out) > limit
+
+
+def users_key(prefix: str, file_id: str) -> str:
+    """The set of open batches reading the file (batch_store.py adds and removes them)."""
+    return f"{prefix}file:{file_id}:users"
 
 
 def _plausible(file_id: str) -> bool:

@@ -5,6 +5,7 @@
     GET    /v1/files/{file_id}                                                  -> File object
     GET    /v1/files/{file_id}/content                                          -> the bytes
     DELETE /v1/files/{file_id}                                                  -> {"id", "object", "deleted"}
+                                                  409 file_in_use while any open batch reads it
 
 Every call authenticates like /v1/chat/completions; a tenant sees only its own files (another
 tenant's id is a 404, exactly like an id that never existed). An upload is read through a byte
@@ -29,13 +30,14 @@ from gateway.batch.file_records import new_file_id, new_record
 from gateway.batch.input_check import check_batch_input
 from gateway.batch.service import BatchService
 from gateway.http.edge_params import parse_int
-from gateway.http.errors import APIError, BadRequest, ClientClosed, PayloadTooLarge, Unavailable
+from gateway.http.errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge, Unavailable
 from gateway.state import gateway_of
 
 if TYPE_CHECKING:
     from gateway.auth.api_keys import KeyRecord
 
 FORM_OVERHEAD = 64 << 10    # multipart boundaries and the purpose field, beyond the file itself
+DELETE_TRIES = 3            # a batch created between the look and the removal: look again
 SHOWN_VALUE = 40            # characters of a refused text field quoted back in the error
 
 
@@ -142,15 +144,34 @@ async def file_content(request: Request) -> Response:
 async def delete_file(request: Request) -> Response:
     svc, key = await service_and_key(request)
     rec = await svc.files.get(key.tenant, request.path_params["file_id"])
-    user = await svc.files.user_of(rec.id)
-    if user:
-        batch = await svc.batches.get(user)
-        if batch["status"] in OPEN:
-            raise conflict(f"File {rec.id} is the input of batch {user}, which is {batch['status']}; "
-                            f"cancel it or wait for it to end first", "file_in_use")
-    await svc.files.remove(rec)
-    await asyncio.to_thread(svc.storage.delete, key.tenant, rec.id)
-    return JSONResponse({"id": rec.id, "object": "file", "deleted": True})
+    for _ in range(DELETE_TRIES):
+        readers = await _open_readers(svc, rec.id)
+        if readers:
+            break
+        if await svc.files.remove_unused(rec):      # atomic: no batch took the file since the look
+            await asyncio.to_thread(svc.storage.delete, key.tenant, rec.id)
+            return JSONResponse({"id": rec.id, "object": "file", "deleted": True})
+    listed = ", ".join(f"{batch_id} ({status})" for batch_id, status in readers) or "a batch being created"
+    err = conflict(f"File {rec.id} is the input of open batch(es) {listed}; cancel them or wait for them to end, "
+                   f"then delete the file", "file_in_use")
+    err.param = "file_id"
+    raise err
+
+
+async def _open_readers(svc: BatchService, file_id: str) -> list[tuple[str, str]]:
+    """(batch id, status) of every open batch reading the file; listed users found final or gone
+    are released on the way (see FileRecords.release)."""
+    readers = []
+    for batch_id in sorted(await svc.files.users_of(file_id)):
+        try:
+            status = (await svc.batches.get(batch_id))["status"]
+        except NotFound:
+            status = ""
+        if status in OPEN:
+            readers.append((batch_id, status))
+        else:
+            await svc.files.release(file_id, batch_id)
+    return readers
 
 
 def _described(value: object) -> str:

@@ -105,10 +105,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class InputMissing(FileNotFoundError):
+    """A batch's input file has no bytes in the storage (deleted, or lost behind the gateway's back):
+    the batch can never read it again, so it ends (batch_runner.py) instead of being retried."""
+
+    def __init__(self, file_id: str) -> None:
+        super().__init__(f"the input file {file_id} is gone from the file storage")
+        self.file_id = file_id
+
+
 def line_chunks(storage: FileStorage, tenant: str, file_id: str, size: int = 256) -> Iterator[list[tuple[int, bytes]]]:
     """A stored JSONL file's lines as (index, bytes) in chunks of `size`; blocking, so callers take one
-    chunk at a time in a worker thread (`await asyncio.to_thread(next, chunks, None)`)."""
-    with storage.open(tenant, file_id) as f:
+    chunk at a time in a worker thread (`await asyncio.to_thread(next, chunks, None)`). InputMissing
+    (on the first chunk) when the file is not there."""
+    try:
+        f = storage.open(tenant, file_id)
+    except FileNotFoundError as e:
+        raise InputMissing(file_id) from e
+    with f:
         index, chunk = 0, []
         for raw in f:
             chunk.append((index, raw))

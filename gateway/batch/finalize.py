@@ -12,6 +12,9 @@ in OpenAI's shape, one line per custom_id:
     {"id": "batch_req_...", "custom_id": "...", "response": null,
      "error": {"code": "batch_cancelled", "message": "..."}}
 
+When the input file is gone (InputMissing from the fill), the runner calls again with partial=True:
+the answers already recorded (and charged) are still written and downloadable.
+
 Safe to repeat after a crash: the file ids are chosen once (kept in the batch's hash), each file is
 written whole and renamed into place, and the records are plain overwrites.
 """
@@ -34,7 +37,9 @@ _FILL_MESSAGE = {"batch_cancelled": "The batch was cancelled before this request
 
 
 async def write_results(store: BatchStore, files: FileRecords, storage: FileStorage, rec: dict[str, str],
-                        fill_code: str | None) -> None:
+                        fill_code: str | None, partial: bool = False) -> None:
+    """partial: the input file is gone, so unanswered lines cannot be filled (their custom ids are in
+    it): write the answers there are and leave those lines out (the batch's `errors` says so)."""
     batch_id, tenant, total = rec["id"], rec["tenant"], int(rec["total"])
     if fill_code is not None:
         await _fill(store, storage, rec, fill_code)
@@ -47,6 +52,8 @@ async def write_results(store: BatchStore, files: FileRecords, storage: FileStor
             parts: tuple[list[bytes], list[bytes]] = ([], [])
             for i, answer in enumerate(answers):
                 if answer is None:
+                    if partial:
+                        continue
                     raise RuntimeError(f"batch {batch_id}: line {start + i} has no answer yet")
                 parts[0 if answer[:1] == b"o" else 1].append(answer[1:] + b"\n")
             counts[0] += len(parts[0])
