@@ -47,6 +47,7 @@ class MockConfig:
     num_blocks: int = 4096
     max_num_seqs: int = 256
     max_sleep_ms: float = 20.0    # longest sleep inside one step (bounds abort latency)
+    cached_tokens: int = 0        # prompt tokens reported as prefix-cache hits (at most the prompt): billing tests
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "MockConfig":
@@ -67,6 +68,8 @@ class MockConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.cached_tokens, int) or isinstance(self.cached_tokens, bool) or self.cached_tokens < 0:
+            raise ValueError(f"cached_tokens must be an integer >= 0, got {self.cached_tokens!r}")
         if not isinstance(self.output_len, int) or self.output_len < 0:
             raise ValueError(f"output_len must be an integer >= 0, got {self.output_len!r}")
         if not isinstance(self.reply, str) or not self.reply:
@@ -179,7 +182,8 @@ class MockEngine:
             if reason is not None:
                 outputs.append(self._finish(seq, reason, [tok]))
             else:
-                outputs.append(StepOutput(seq.request_id, [tok], num_prompt_tokens=seq.num_prompt_tokens))
+                outputs.append(StepOutput(seq.request_id, [tok], num_prompt_tokens=seq.num_prompt_tokens,
+                                          num_cached_tokens=self._cached(seq)))
         self._num_steps += 1
         self._last_step_tokens = n
         self._last_step_seconds = time.perf_counter() - t0
@@ -219,4 +223,7 @@ class MockEngine:
         self._running.pop(seq.request_id, None)
         self._inbox.done(seq.request_id)
         return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
-                          num_prompt_tokens=seq.num_prompt_tokens)
+                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=self._cached(seq))
+
+    def _cached(self, seq: _MockSeq) -> int:
+        return min(self.config.cached_tokens, seq.num_prompt_tokens)
