@@ -132,3 +132,41 @@ def test_a_resumed_batch_whose_input_is_gone_fails_with_its_answers():
             assert redis.Redis.from_url(SHARED_REDIS).scard(f"{prefix}file:{f}:users") == 0
     finally:
         delete_prefix(SHARED_REDIS, prefix)
+
+
+def test_create_and_delete_racing_never_both_succeed():
+    """A batch created on F while F is deleted: either the batch exists and the DELETE is a 409, or
+    the DELETE wins and the create is a 404; never a batch left without its input."""
+    import threading
+    with batch_gateway({"max_in_flight": 1}, output_len=40, token_ms=50) as srv:
+        c = client(srv)
+        outcomes = []
+        for _ in range(15):
+            f = _upload(c)
+            gate = threading.Barrier(2)
+            got: dict[str, object] = {}
+
+            def create(f=f, gate=gate, got=got):
+                gate.wait()
+                try:
+                    got["create"] = _create(c, f)
+                except openai.NotFoundError:
+                    got["create"] = 404
+
+            def delete(f=f, gate=gate, got=got):
+                gate.wait()
+                try:
+                    got["delete"] = c.files.delete(f).deleted
+                except openai.ConflictError:
+                    got["delete"] = 409
+
+            threads = [threading.Thread(target=create), threading.Thread(target=delete)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert (got["create"] == 404) == (got["delete"] is True), got
+            if got["create"] != 404:
+                c.batches.cancel(got["create"])
+            outcomes.append(got["delete"])
+        assert outcomes                                      # which one wins each round is up to the race

@@ -203,7 +203,9 @@ def openapi_schema() -> dict[str, Any]:
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
     model = {"type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                              "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
+                                              "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                                              "max_model_len": {"type": "integer", "description": (
+                                                  "the engine's longest prompt + max_tokens (not on auto)")}}}
     auth = [{"bearer": []}]
     headers = {"x-request-id": {"schema": {"type": "string"}, "description": "echoed or generated"},
                "x-tokenyard-engine": {"schema": {"type": "string"}},

@@ -32,7 +32,9 @@ def routes() -> list[Route]:
 
 
 def _model_entry(h: EngineHandle) -> dict[str, Any]:
-    return {"id": h.name, "object": "model", "created": h.created, "owned_by": "tokenyard"}
+    # max_model_len (as vLLM's model card has it): the longest prompt + max_tokens the engine takes.
+    return {"id": h.name, "object": "model", "created": h.created, "owned_by": "tokenyard",
+            "max_model_len": h.engine.max_model_len}
 
 
 async def _models(request: Request) -> Response:
