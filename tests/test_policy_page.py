@@ -92,7 +92,7 @@ def test_policy_page_edit_simulate_apply_rollback():
                     assert resp.status == 403
                     page.click("#sign-out")
                     page.wait_for_url(base + "/admin/login")
-                    # Only the statuses shown on purpose (403 tenant sign-in, 422 invalid edit, favicon 404);
+                    # Only the statuses shown on purpose (403 tenant sign-in, 422 invalid edit);
                     # no CSP violation or script error.
                     assert [e for e in errors if not e.startswith("Failed to load resource")] == []
                 finally:

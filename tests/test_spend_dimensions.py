@@ -116,9 +116,9 @@ def test_a_dimension_within_its_bound_is_exact_per_value(ledger_world):
     got = {row["tag:team"]: row["cost_micros"] for row in data}
     want: dict[str, int] = {}
     for r in recs:
-        team = r.tags.get("team", "")
+        team = r.tags.get("team", "(none)")
         want[team] = want.get(team, 0) + r.cost_micros
-    assert got == want      # four teams, far under the bound: no "(other)"; "" is the untagged rest
+    assert got == want      # four teams, far under the bound: no "(other)"; "(none)" is the untagged rest
 
 
 def test_values_past_the_bound_count_as_other(ledger_world):
@@ -126,7 +126,7 @@ def test_values_past_the_bound_count_as_other(ledger_world):
     data, _, _, _ = _report(prefix, ["user"], now)
     users = {row["user"] for row in data}
     # 300 users a tenant-hour, 100 kept each: "(other)" holds the rest, and the total still matches.
-    assert "(other)" in users and "" in users
+    assert "(other)" in users and "(none)" in users
     assert sum(row["cost_micros"] for row in data) == exact["cost_micros"]
 
 
@@ -138,7 +138,7 @@ def test_two_dimensions_come_from_the_stream_exactly(ledger_world):
     inside = [r for r in recs if int(r.time) // 3600 == hour]
     want: dict[tuple[str, str], int] = {}
     for r in inside:
-        k = (r.key_id, r.tags.get("env", ""))
+        k = (r.key_id, r.tags.get("env", "(none)"))
         want[k] = want.get(k, 0) + r.completion_tokens
     assert len(inside) > 1000 and {(row["key"], row["tag:env"]): row["completion_tokens"] for row in data} == want
     assert total["cost_micros"] == sum(r.cost_micros for r in inside)

@@ -32,7 +32,7 @@ from gateway.policy import routes as policy_routes
 from gateway.spend import routes as spend_routes
 from gateway.spend.usage import UsageSink
 from gateway.state import Gateway, gateway_of
-from gateway.web import dashboard
+from gateway.web import dashboard, favicon
 
 log = logging.getLogger("tokenyard.gateway")
 atexit.register(gc.unfreeze)    # see gc.freeze() in the lifespan
@@ -92,6 +92,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
     routes += policy_routes.routes() + policy_page.routes() + file_routes.routes() + batch_routes.routes()
+    routes += favicon.routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     # AccessLog sits inside Starlette's error middleware but outside the exception handlers, so
     # it sees every API error's final status and stamps x-request-id on error responses too.

@@ -278,6 +278,9 @@ def openapi_schema() -> dict[str, Any]:
                                                **errors(401, 403)}}},
             "/openapi.json": {"get": {"summary": "This document",
                                       "responses": {"200": json_body({"type": "object"}, "OpenAPI 3.1")}}},
+            "/favicon.ico": {"get": {"summary": "The gateway's icon (no auth)", "responses": {"200": {
+                "description": "a 16x16 icon", "content": {"image/x-icon": {"schema": {"type": "string",
+                                                                                      "format": "binary"}}}}}}},
             **spend_paths(auth),
             **dashboard_paths(),
             **policy_paths(auth),

@@ -104,6 +104,11 @@ def comparison_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     for e in engines:
         add(f"spend[{e}]", cur["spend_by_engine"].get(e, 0) if cur else None, prop["spend_by_engine"].get(e, 0),
             money=True)
+    # Per tenant, as the CLI's table (Comparison.to_text) shows them.
+    tenants = sorted(set(prop["spend_by_tenant"]) | set(cur["spend_by_tenant"] if cur else ()))
+    for t in tenants:
+        add(f"tenant[{t}]", cur["spend_by_tenant"].get(t, 0) if cur else None, prop["spend_by_tenant"].get(t, 0),
+            money=True)
     return rows
 
 

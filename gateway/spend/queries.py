@@ -8,6 +8,7 @@ tenant, or one with `tenant=`. The tenant list is decided here, before the store
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,11 +16,12 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth.api_keys import KeyRecord, check_tenant
+from gateway.auth.api_keys import KeyRecord, check_tenant, record_name
 from gateway.http.edge_params import parse_time
 from gateway.http.errors import BadRequest, Forbidden, Unavailable
 from gateway.spend import reports as reports
 from gateway.spend import store as store
+from gateway.spend.redis_keys import OTHER
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -87,39 +89,57 @@ async def read_report(redis: Any, prefix: str, tenants: list[str], start_hour: i
                       group_by: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any], str, list[store.RollupRow]]:
     """(groups, total, source, base rollup rows): from the hourly rollups, with at most one dimension
     among key, user, route, tag:NAME; else from the request stream (exact within its retention; at
-    most MAX_STREAM_REPORT records, BadRequest past that)."""
+    most MAX_STREAM_REPORT records, BadRequest past that). Grouped by key, rows name their key.
+
+    The grouping runs in a worker thread (asyncio.to_thread), as does the parsing of the rollups
+    (store.py): 200,000 stream records are seconds of Python, which on the event loop would stall
+    /health, streams and every other request for as long."""
     dims = reports.dimensions(group_by)
     rows = await store.rollups(redis, prefix, tenants, start_hour, end_hour)
     if not dims:
-        return reports.aggregate(rows, group_by), reports.totals(rows), "rollups", rows
+        data, total = await asyncio.to_thread(lambda: (reports.aggregate(rows, group_by), reports.totals(rows)))
+        return data, total, "rollups", rows
     if len(dims) == 1:
         dim_rows = await store.dim_rollups(redis, prefix, tenants, start_hour, end_hour, dims[0])
-        return reports.aggregate_with_dimension(rows, dim_rows, group_by), reports.totals(rows), "rollups", rows
-    recs = await stream_records(redis, prefix, tenants, start_hour * 3600, end_hour * 3600)
-    return reports.aggregate_records(recs, group_by), reports.derive(_sum_records(recs)), "stream", rows
+        data, total = await asyncio.to_thread(
+            lambda: (reports.aggregate_with_dimension(rows, dim_rows, group_by), reports.totals(rows)))
+        return await _named(redis, prefix, data, group_by), total, "rollups", rows
+    data, total = await stream_report(redis, prefix, tenants, start_hour * 3600, end_hour * 3600, group_by)
+    return await _named(redis, prefix, data, group_by), total, "stream", rows
 
 
-async def stream_records(redis: Any, prefix: str, tenants: list[str], start: float, end: float) -> list[dict[str, Any]]:
-    """Every record in [start, end) from the tenants' streams; a 400 past MAX_STREAM_REPORT."""
-    out: list[dict[str, Any]] = []
+async def _named(redis: Any, prefix: str, data: list[dict[str, Any]], group_by: list[str]) -> list[dict[str, Any]]:
+    """Rows grouped by key get the key's name (one pipelined read of the key records). The ids come
+    from the tenants' own rollups, so a name shown is always one of the caller's visible tenants' keys."""
+    if "key" not in group_by:
+        return data
+    ids = sorted({row["key"] for row in data} - {reports.NONE, OTHER})
+    names: dict[str, str] = {}
+    if ids:
+        pipe = redis.pipeline(transaction=False)
+        for key_id in ids:
+            pipe.hget(record_name(prefix, key_id), "name")
+        for key_id, name in zip(ids, await pipe.execute()):
+            if name:
+                names[key_id] = name.decode() if isinstance(name, bytes) else str(name)
+    return reports.with_key_names(data, names)
+
+
+async def stream_report(redis: Any, prefix: str, tenants: list[str], start: float, end: float,
+                        group_by: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(groups, total) of every record in [start, end) from the tenants' streams, grouped a page at a
+    time in a worker thread; a 400 past MAX_STREAM_REPORT records."""
+    acc = reports.RecordGroups(group_by)
     cursor = None
     while True:
         page, cursor = await store.records(redis, prefix, tenants, limit=10_000, cursor=cursor, start=start, end=end)
-        out += page
-        if len(out) > MAX_STREAM_REPORT:
+        await asyncio.to_thread(acc.add, page)
+        if acc.count > MAX_STREAM_REPORT:
             raise BadRequest(f"this grouping reads the request stream, and the window holds more than "
                              f"{MAX_STREAM_REPORT} records; narrow start/end or group by at most one of key, user, "
                              "route, tag:NAME (those come from the rollups)", param="group_by", code="report_too_large")
         if cursor is None:
-            return out
-
-
-def _sum_records(recs: list[dict[str, Any]]) -> dict[str, int]:
-    acc = dict.fromkeys(reports.SUMS, 0)
-    for rec in recs:
-        for k, v in reports.record_sums(rec).items():
-            acc[k] += v
-    return acc
+            return await asyncio.to_thread(acc.rows), reports.derive(acc.total)
 
 
 def wants_csv(request: Request) -> bool:
@@ -131,7 +151,9 @@ def wants_csv(request: Request) -> bool:
     return "text/csv" in request.headers.get("accept", "")
 
 
-def csv_response(report: dict[str, Any], filename: str) -> Response:
-    return Response(reports.to_csv(report["data"], report["group_by"]), media_type="text/csv; charset=utf-8",
+async def csv_response(report: dict[str, Any], filename: str) -> Response:
+    """The report as CSV, written in a worker thread (as large as the report)."""
+    text = await asyncio.to_thread(reports.to_csv, report["data"], report["group_by"])
+    return Response(text, media_type="text/csv; charset=utf-8",
                     headers={"content-disposition": f'attachment; filename="{filename}"',
                              "cache-control": "no-store"})

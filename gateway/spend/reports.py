@@ -1,7 +1,7 @@
 """Spend reports: rollup rows grouped by model, tenant, day, hour and at most one more dimension
 (key, user, route, tag:NAME); JSON rows, CSV and text tables.
 
-Grouping by a dimension reads that dimension's rollups. Its "" group holds every record without a
+Grouping by a dimension reads that dimension's rollups. Its "(none)" group holds every record without a
 value for it (and records from before dimension rollups existed): the ungrouped total less the
 dimension's rows, so the groups always add up to the total, to the micro-unit. Per tenant and
 hour a dimension keeps spend.max_values_per_dimension distinct values; later values are counted
@@ -10,6 +10,9 @@ the stream's retention window; `source: "stream"` in the report).
 
 Pure functions (no Redis, no HTTP), shared by GET /v1/spend/report, the dashboard and
 `tokenyard spend report`. All money is integer micro-units; nothing here uses a float for it.
+
+Grouping by key adds a key_name column (the key's name from the key store, "" when it has none or
+is gone) beside the key id: tables and CSV show the name first, the id second.
 
 Derived columns:
   total_tokens                    prompt + completion
@@ -29,6 +32,7 @@ from gateway.spend.store import RollupRow
 
 GROUPS = ("model", "tenant", "day", "hour")
 DIMENSIONS = ("key", "user", "route")     # and tag:NAME, NAME a metadata key
+NONE = "(none)"      # a dimension's group of the records without a value for it (CLI, CSV, JSON, dashboard)
 SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros", "baseline_cost_micros",
         "errors")
 COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "cost_micros",
@@ -107,7 +111,7 @@ def aggregate(rows: Iterable[RollupRow], group_by: list[str]) -> list[dict[str, 
 
 def aggregate_with_dimension(rows: list[RollupRow], dim_rows: list[RollupRow], group_by: list[str]
                              ) -> list[dict[str, Any]]:
-    """Groups by the base labels and one dimension; the dimension's "" group is what its rows do
+    """Groups by the base labels and one dimension; the dimension's "(none)" group is what its rows do
     not cover (records without a value), so every base group still adds up exactly."""
     base_by = [g for g in group_by if not is_dimension(g)]
     remainder: dict[tuple[str, ...], dict[str, int]] = {}
@@ -125,18 +129,40 @@ def aggregate_with_dimension(rows: list[RollupRow], dim_rows: list[RollupRow], g
     at = group_by.index(dimensions(group_by)[0])
     for base, acc in remainder.items():
         if any(acc.values()):
-            groups[base[:at] + ("",) + base[at:]] = acc
+            groups[base[:at] + (NONE,) + base[at:]] = acc
     return [{**dict(zip(group_by, key)), **derive(groups[key])} for key in sorted(groups)]
+
+
+class RecordGroups:
+    """Groups straight from usage records (the stream), any combination of groups and dimensions,
+    added a page at a time: a report over 200,000 records holds the groups' sums, never the records
+    (which would also make every full garbage collection walk them, a pause of the whole process)."""
+
+    __slots__ = ("group_by", "groups", "total", "count")
+
+    def __init__(self, group_by: list[str]) -> None:
+        self.group_by = group_by
+        self.groups: dict[tuple[str, ...], dict[str, int]] = {}
+        self.total = dict.fromkeys(SUMS, 0)
+        self.count = 0
+
+    def add(self, records: Iterable[dict[str, Any]]) -> None:
+        for rec in records:
+            acc = self.groups.setdefault(record_labels(rec, self.group_by), dict.fromkeys(SUMS, 0))
+            for k, v in record_sums(rec).items():
+                acc[k] += v
+                self.total[k] += v
+            self.count += 1
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{**dict(zip(self.group_by, key)), **derive(self.groups[key])} for key in sorted(self.groups)]
 
 
 def aggregate_records(records: Iterable[dict[str, Any]], group_by: list[str]) -> list[dict[str, Any]]:
     """Groups straight from usage records (the stream): any combination of groups and dimensions."""
-    groups: dict[tuple[str, ...], dict[str, int]] = {}
-    for rec in records:
-        acc = groups.setdefault(record_labels(rec, group_by), dict.fromkeys(SUMS, 0))
-        for k, v in record_sums(rec).items():
-            acc[k] += v
-    return [{**dict(zip(group_by, key)), **derive(groups[key])} for key in sorted(groups)]
+    acc = RecordGroups(group_by)
+    acc.add(records)
+    return acc.rows()
 
 
 def record_sums(rec: dict[str, Any]) -> dict[str, int]:
@@ -159,14 +185,33 @@ def record_labels(rec: dict[str, Any], group_by: list[str]) -> tuple[str, ...]:
         elif g == "hour":
             out.append(hour_label(hour))
         elif g == "key":
-            out.append(rec.get("key_id") or "")
+            out.append(rec.get("key_id") or NONE)
         elif g == "user":
-            out.append(rec.get("user") or "")
+            out.append(rec.get("user") or NONE)
         elif g == "route":
-            out.append(rec.get("route_reason") or "")
+            out.append(rec.get("route_reason") or NONE)
         else:
-            out.append(str((rec.get("tags") or {}).get(g[4:], "")))
+            out.append(str((rec.get("tags") or {}).get(g[4:], "")) or NONE)
     return tuple(out)
+
+
+def label_columns(group_by: list[str]) -> list[str]:
+    """The label columns of a table or CSV: the groups, with key_name before key (the id)."""
+    return [c for g in group_by for c in (("key_name", "key") if g == "key" else (g,))]
+
+
+def with_key_names(data: list[dict[str, Any]], names: dict[str, str]) -> list[dict[str, Any]]:
+    """Each row of a report grouped by key gets key_name (from `names`, key id -> name), placed
+    before its key id; "(none)", "(other)" and keys without a name get ""."""
+    out = []
+    for row in data:
+        new: dict[str, Any] = {}
+        for k, v in row.items():
+            if k == "key":
+                new["key_name"] = names.get(v, "")
+            new[k] = v
+        out.append(new)
+    return out
 
 
 def totals(rows: Iterable[RollupRow]) -> dict[str, Any]:
@@ -181,9 +226,10 @@ def to_csv(data: list[dict[str, Any]], group_by: list[str]) -> str:
     """Header: the group columns, then COLUMNS; one line per group; integers only (empty: no value)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\r\n")
-    w.writerow([*group_by, *COLUMNS])
+    labels = label_columns(group_by)
+    w.writerow([*labels, *COLUMNS])
     for row in data:
-        w.writerow([_csv_safe(row[g]) for g in group_by] + ["" if row[c] is None else row[c] for c in COLUMNS])
+        w.writerow([_csv_safe(str(row.get(g, ""))) for g in labels] + ["" if row[c] is None else row[c] for c in COLUMNS])
     return buf.getvalue()
 
 
@@ -203,15 +249,16 @@ def money(micros: int | None) -> str:
 
 def table(data: list[dict[str, Any]], group_by: list[str], total: dict[str, Any] | None = None) -> str:
     """A plain-text table for terminals: money in currency units, tokens as integers."""
-    cols = [*group_by, "requests", "prompt", "cached", "completion", "cost", "cost/1M tok", "baseline", "savings"]
+    labels = label_columns(group_by)
+    cols = [*labels, "requests", "prompt", "cached", "completion", "cost", "cost/1M tok", "baseline", "savings"]
     lines = []
-    for row in [*data, *([{**dict.fromkeys(group_by, ""), group_by[0]: "TOTAL", **total}] if total else [])]:
-        lines.append([*(str(row[g]) for g in group_by), str(row["requests"]), str(row["prompt_tokens"]),
+    for row in [*data, *([{**dict.fromkeys(labels, ""), labels[0]: "TOTAL", **total}] if total else [])]:
+        lines.append([*(str(row.get(g, "")) for g in labels), str(row["requests"]), str(row["prompt_tokens"]),
                       str(row["cached_tokens"]), str(row["completion_tokens"]), money(row["cost_micros"]),
                       money(row["cost_per_million_tokens_micros"]), money(row["baseline_cost_micros"]),
                       money(row["savings_micros"])])
     widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
-    numeric = set(range(len(group_by), len(cols)))
+    numeric = set(range(len(labels), len(cols)))
     out = []
     for line in [cols, *lines]:
         out.append("  ".join(v.rjust(w) if i in numeric else v.ljust(w)

@@ -114,7 +114,7 @@ async def spend_csv(request: Request) -> Response:
     tenants = await visible_tenants(gw, auth[1], request.query_params.get("tenant") or None)
     end = time.time()
     report = await build_report(gw, tenants, end - days * 86400, end, group_by)
-    return csv_response(report, f"spend-{days}d.csv")
+    return await csv_response(report, f"spend-{days}d.csv")
 
 
 @_secured

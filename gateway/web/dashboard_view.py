@@ -120,7 +120,9 @@ async def breakdown(gw: "Gateway", tenants: list[str], start: float, end: float,
     if rest:
         sums = {k: sum(r[k] for r in rest) for k in reports.SUMS}
         rows.append({by: f"{len(rest)} more", **reports.derive(sums)})
-    return [{"label": r[by] if r[by] != "" else "(none)", "requests": r["requests"], "tokens": r["total_tokens"],
+    # By key: the key's name (its id when it has none), the id in a second column.
+    return [{"label": r.get("key_name") or r[by], "id": r[by] if r.get("key_name") else "",
+             "requests": r["requests"], "tokens": r["total_tokens"],
              "cost": reports.money(r["cost_micros"]), "errors": r["errors"]} for r in rows]
 
 
