@@ -1,7 +1,7 @@
 """Deployment sections of the spend ledger, the dashboard and /metrics access.
 
     spend:      {enabled, baseline_engine, rollup_retention_days, stream_max_len, stream_retention_days,
-                 spool_dir, spool_fsync, replay_interval_s, max_values_per_dimension,
+                 spool_dir, spool_fsync, replay_interval_s, max_values_per_dimension, max_tag_names,
                  alerts: {enabled, interval_s, webhook_url, secret_env, timeout_s, lease_s, backoff_s,
                           max_backoff_s, max_attempts, stream_max_len}}
     dashboard:  {enabled, session_ttl_s, cookie_secure}
@@ -56,6 +56,8 @@ class SpendConfig:
     replay_interval_s: float = 2.0          # how often a non-empty spool is retried against Redis
     max_values_per_dimension: int = 1000    # distinct keys / users / route reasons / values of one tag kept per
                                             # tenant and hour in the rollups; beyond, counted under "(other)"
+    max_tag_names: int = 64                 # distinct metadata keys (tag:NAME dimensions) kept per tenant and hour;
+                                            # a record's other tags count once, together, under tag:(other)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
 
@@ -116,7 +118,8 @@ def parse_web_settings(top: dict[str, Any], base: Path, engines: list[str], erro
     sp.baseline_engine = _typed(spend, "spend.", "baseline_engine", str, None, error, nullable=True)
     if sp.baseline_engine is not None and sp.baseline_engine not in engines:
         raise error(f"spend.baseline_engine names engine {sp.baseline_engine!r}, which is not under engines")
-    for key in ("rollup_retention_days", "stream_max_len", "stream_retention_days", "max_values_per_dimension"):
+    for key in ("rollup_retention_days", "stream_max_len", "stream_retention_days", "max_values_per_dimension",
+                "max_tag_names"):
         value = _typed(spend, "spend.", key, int, getattr(sp, key), error)
         if value <= 0:
             raise error(f"spend.{key} must be a positive integer, got {value}")

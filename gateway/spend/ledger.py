@@ -7,7 +7,8 @@
 
 One Lua script (gateway/spend/lua/spend_record.lua) per record does, atomically: the idempotency check
 on the request id (SET NX with a TTL), the stream entry (XADD MAXLEN ~, XTRIM MINID ~), and the
-rollup counters of (tenant, engine, hour). So a rollup can never disagree with the records, and
+rollup counters of (tenant, engine, hour) and of each dimension (key, user, route, each tag: values
+and tag names bounded per tenant-hour, the rest under "(other)"). So a rollup can never disagree with the records, and
 replaying a record twice changes nothing.
 
 Records are written off the request path by one writer task, in batches (a pipeline of script
@@ -32,6 +33,7 @@ from redis.exceptions import RedisError
 
 from gateway.spend.config import SpendConfig
 from gateway.spend.redis_keys import (
+    FOLDED_TAGS,
     OTHER,
     dim_field_prefix,
     dim_values_key,
@@ -41,6 +43,7 @@ from gateway.spend.redis_keys import (
     rollup_key,
     seen_key,
     stream_key,
+    tag_names_key,
     tenants_key,
 )
 from gateway.spend.spool import SpendSpool
@@ -153,11 +156,13 @@ class SpendLedger:
                 cfg.rollup_retention_days * 86400, retention_s, cfg.stream_max_len,
                 max(0, now_ms - retention_s * 1000), int(now_ms // 1000 - cfg.rollup_retention_days * 86400) // 3600]
         dims = record_dimensions(rec)
-        keys.append(dims_key(p, tenant, hour))
+        keys += [dims_key(p, tenant, hour), tag_names_key(p, tenant, hour)]
         keys += [dim_values_key(p, tenant, hour, d) for d, _ in dims]
-        args += [len(dims), cfg.max_values_per_dimension]
+        args += [len(dims), cfg.max_values_per_dimension, cfg.max_tag_names, FOLDED_TAGS,
+                 dim_field_prefix(FOLDED_TAGS, OTHER, rec["engine"])]
         for d, v in dims:
-            args += [v, dim_field_prefix(d, v, rec["engine"]), dim_field_prefix(d, OTHER, rec["engine"])]
+            args += [v, dim_field_prefix(d, v, rec["engine"]), dim_field_prefix(d, OTHER, rec["engine"]),
+                     d if d.startswith("tag:") else ""]
         return keys, args
 
     async def _to_spool(self, records: list[dict[str, Any]]) -> None:

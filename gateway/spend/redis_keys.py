@@ -8,6 +8,9 @@
                                           tag:NAME): '["{dim}", "{value}", "{engine}"]|{field}' -> integer
     {prefix}spend:{T}:hv:{hour}:{dim}     set of the values of dim seen that hour (bounded: past
                                           spend.max_values_per_dimension, new values count as "(other)")
+    {prefix}spend:{T}:tn:{hour}           set of the tag dimensions (tag:NAME) kept that hour (bounded: past
+                                          spend.max_tag_names, a record's other tags count once, together,
+                                          under tag:(other) = "(other)")
     {prefix}spend:tenants                 set of tenants with any record
 
 T is the tenant inside braces, a Redis Cluster hash tag: everything one record touches except the
@@ -19,6 +22,7 @@ import json
 from typing import Any
 
 OTHER = "(other)"     # the value a dimension's rollup counts new values under once it holds max_values_per_dimension
+FOLDED_TAGS = "tag:" + OTHER   # the dimension a record's tags past spend.max_tag_names are counted under, once
 ROLLUP_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros",
                  "baseline_cost_micros", "errors")
 
@@ -45,6 +49,10 @@ def dims_key(prefix: str, tenant: str, hour: int) -> str:
 
 def dim_values_key(prefix: str, tenant: str, hour: int, dim: str) -> str:
     return f"{_t(prefix, tenant)}:hv:{hour}:{dim}"
+
+
+def tag_names_key(prefix: str, tenant: str, hour: int) -> str:
+    return f"{_t(prefix, tenant)}:tn:{hour}"
 
 
 def hours_key(prefix: str, tenant: str) -> str:

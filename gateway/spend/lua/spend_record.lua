@@ -4,9 +4,13 @@
 -- ARGV[5..10] prompt, cached, completion, cost_micros, baseline_cost_micros, errors (0/1)
 -- ARGV[11] rollup TTL s  ARGV[12] seen TTL s  ARGV[13] stream MAXLEN  ARGV[14] stream MINID (ms; 0: none)
 -- ARGV[15] oldest hour kept in the hours index (older members point at expired rollups)
--- KEYS[6] dimension rollup hash (tenant x hour)  KEYS[7..6+D] one value set per dimension
+-- KEYS[6] dimension rollup hash (tenant x hour)  KEYS[7] the tag names kept (tenant x hour)
+-- KEYS[8..7+D] one value set per dimension
 -- ARGV[16] D, the record's dimensions (key, user, route, tag:NAME with a value)  ARGV[17] values kept per dimension
--- ARGV[18..] per dimension: its value, the field prefix for it, the field prefix for "(other)"
+-- ARGV[18] tag names kept per tenant and hour  ARGV[19] the folded dimension ("tag:(other)")
+-- ARGV[20] the field prefix of the folded dimension's one value ("(other)") on this engine
+-- ARGV[21..] per dimension: its value, the field prefix for it, the field prefix for "(other)", and
+--   its name when it is a tag (subject to the tag-name bound), else ""
 -- Returns 1 when recorded, 0 when the request id was already recorded (a replay).
 -- Counts go to HINCRBY as the strings they arrived as: Lua numbers are doubles, Redis integers are
 -- 64-bit, so no arithmetic happens here and sums stay exact.
@@ -32,21 +36,12 @@ redis.call('EXPIRE', KEYS[4], ARGV[11])
 redis.call('EXPIRE', KEYS[2], ARGV[11])
 redis.call('SADD', KEYS[5], ARGV[4])
 -- The same counters by each dimension of the record. A dimension holds at most ARGV[17] distinct
--- values per tenant and hour; past that, new values are counted under "(other)", so the rollup
--- stays bounded and its sums still equal the records' (reports: top values plus "(other)").
-local dims = tonumber(ARGV[16])
-for d = 1, dims do
-  local base = 17 + (d - 1) * 3
-  local set = KEYS[6 + d]
-  local prefix = ARGV[base + 2]
-  if redis.call('SISMEMBER', set, ARGV[base + 1]) == 0 then
-    if redis.call('SCARD', set) >= tonumber(ARGV[17]) then
-      prefix = ARGV[base + 3]
-    else
-      redis.call('SADD', set, ARGV[base + 1])
-      redis.call('EXPIRE', set, ARGV[11])
-    end
-  end
+-- values per tenant and hour; past that, new values are counted under "(other)". Tag names are
+-- bounded too: at most ARGV[18] distinct tag names per tenant and hour get a dimension of their
+-- own; the record's other tags are counted once, together, under the folded dimension ARGV[19]
+-- (value "(other)"). So neither many values nor many names can grow the rollup without bound, and
+-- every dimension's sums still equal the records' (reports: top values plus "(other)").
+local function count(prefix)
   redis.call('HINCRBY', KEYS[6], prefix .. 'requests', 1)
   redis.call('HINCRBY', KEYS[6], prefix .. 'prompt_tokens', ARGV[5])
   redis.call('HINCRBY', KEYS[6], prefix .. 'cached_tokens', ARGV[6])
@@ -54,6 +49,42 @@ for d = 1, dims do
   redis.call('HINCRBY', KEYS[6], prefix .. 'cost_micros', ARGV[8])
   redis.call('HINCRBY', KEYS[6], prefix .. 'baseline_cost_micros', ARGV[9])
   redis.call('HINCRBY', KEYS[6], prefix .. 'errors', ARGV[10])
+end
+local dims = tonumber(ARGV[16])
+local folded = false
+for d = 1, dims do
+  local base = 21 + (d - 1) * 4
+  local set = KEYS[7 + d]
+  local prefix = ARGV[base + 1]
+  local tag = ARGV[base + 3]
+  local kept = true
+  if tag ~= '' then
+    if tag == ARGV[19] then
+      kept = false        -- a tag literally named "(other)" is the folded dimension's, never its own
+    elseif redis.call('SISMEMBER', KEYS[7], tag) == 0 then
+      if redis.call('SCARD', KEYS[7]) >= tonumber(ARGV[18]) then
+        kept = false
+      else
+        redis.call('SADD', KEYS[7], tag)
+        redis.call('EXPIRE', KEYS[7], ARGV[11])
+      end
+    end
+    folded = folded or not kept
+  end
+  if kept then
+    if redis.call('SISMEMBER', set, ARGV[base]) == 0 then
+      if redis.call('SCARD', set) >= tonumber(ARGV[17]) then
+        prefix = ARGV[base + 2]
+      else
+        redis.call('SADD', set, ARGV[base])
+        redis.call('EXPIRE', set, ARGV[11])
+      end
+    end
+    count(prefix)
+  end
+end
+if folded then
+  count(ARGV[20])
 end
 if dims > 0 then
   redis.call('EXPIRE', KEYS[6], ARGV[11])
