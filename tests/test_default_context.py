@@ -44,3 +44,22 @@ def test_models_list_reports_max_model_len():
         assert entries["mock"]["max_model_len"] == srv.engine().max_model_len > 0
         status, _, body = srv.request("GET", "/v1/models/mock")
         assert status == 200 and json.loads(body)["max_model_len"] == srv.engine().max_model_len
+
+
+def test_generate_holds_the_default_models_full_context(monkeypatch):
+    """`tokenyard generate` without --model (SmolLM2) had 256 MiB of KV: 5,824 of 8,192 tokens."""
+    from cli.main import main
+    from engines.core.errors import CheckpointError
+    from engines.serving import generate_cli
+
+    built = []
+
+    def engine(model, **options):
+        built.append((model, options))
+        raise CheckpointError("stop here: the test only needs the engine's options")
+
+    monkeypatch.setattr(generate_cli, "Engine", engine)
+    assert main(["generate", "--prompt", "Hi"]) == 2
+    model, options = built[0]
+    capacity, context = _kv_capacity_tokens(model, {k: v for k, v in options.items() if k != "progress"})
+    assert capacity >= context, f"KV for {capacity} tokens, model context {context}"
