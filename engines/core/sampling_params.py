@@ -28,6 +28,8 @@ class SamplingParams:
     top_k: keep the k most likely tokens (0 or -1: all). top_p: nucleus mass in (0, 1].
     seed: makes a sampled request reproducible: the random draw for output token i depends only on
       (seed, i), so the result is the same whatever else is batched with it and after preemption.
+      Its prompt's last partial block is prefilled in a step of its own (engines.core.scheduler), so
+      a cold and a warm prefix cache give the same logits, and the same output.
     max_tokens: the most tokens to generate; stop_token_ids end generation (the token is kept in
       the output ids, as vLLM does); ignore_eos keeps generating past the model's EOS tokens.
     stop: strings that end generation; they are cut from the text (applied by the detokeniser).

@@ -13,6 +13,10 @@ beside a 512-token one. With fewer prompts pending the short budget holds, so an
 running streams for one short step (bench/RESULTS.md, served W2: ITL p99 at 32 clients against
 96-at-once throughput).
 
+A seeded request's prompt prefill stops at the last full block before its final token (where a
+prefix-cache hit would start) and computes the rest as a chunk of its own, so its output is the same
+whether or not its prompt was cached (issue 45.4).
+
 Blocks are allocated just ahead of use. When a running sequence needs a block and none is free,
 the least urgent running sequence (highest priority value, then latest arrival) is preempted by
 recompute: its blocks are freed and it waits again with its generated tokens kept.
@@ -119,11 +123,15 @@ class Scheduler:
             scheduled[id(seq)] = ScheduledChunk(seq, n)
             budget -= n
         # Admit waiting sequences while the budget, max_num_seqs and free blocks allow.
+        held: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and not 0 < max_chunks <= len(scheduled):
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not re-admit in the same step what was just pushed out
+            if self._prefix_in_flight(seq):
+                held.append(self.waiting.pop(0))   # behind a prefill of its prefix: next steps
+                continue
             # Admit only when the whole uncached prompt fits with the watermark to spare, so an
             # admitted prefill is not preempted half-way by the next arrival.
             hit = self.blocks.match_prefix(seq)
@@ -138,8 +146,26 @@ class Scheduler:
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             scheduled[id(seq)] = ScheduledChunk(seq, n)
             budget -= n
+        for seq in held:
+            bisect.insort(self.waiting, seq, key=Sequence.sort_key)
         out.chunks = list(scheduled.values())
         return out
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when a running sequence (same cache salt) is still prefilling a prompt that starts
+        with this one's first full block: this one waits until that prompt's first token is out, then
+        finds the shared blocks in the prefix cache instead of computing them a second time. Waiting
+        that long, not just until the shared blocks are done, makes the steps it joins the same
+        whether the prefix was cached or not, and the same however the arrivals fell: the n choices
+        of one seeded request repeat exactly (issue 45.4)."""
+        if not self.blocks.enable_prefix_caching or seq.num_output_tokens:
+            return False
+        bs = self.blocks.block_size
+        if seq.num_tokens <= bs:
+            return False
+        first = seq.token_ids[:bs]
+        return any(r.num_output_tokens == 0 and r.cache_salt == seq.cache_salt and r.num_tokens > bs
+                   and r.token_ids[:bs] == first for r in self.running)
 
     def _budget(self) -> int:
         budget = self.cfg.max_num_batched_tokens
@@ -154,7 +180,18 @@ class Scheduler:
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         cap = self.cfg.long_prefill_token_threshold
-        return min(n, cap) if cap > 0 else n
+        if cap > 0:
+            n = min(n, cap)
+        if seq.params.seed is not None and seq.num_output_tokens == 0 and self.blocks.enable_prefix_caching:
+            # A seeded prompt's prefill stops where a prefix-cache hit would start (match_prefix), and
+            # computes its tail in a chunk of its own: cold or warm, the tail's KV and the first token's
+            # logits then come from the same computation. One chunk of the whole prompt rounds them
+            # differently from a tail over cached blocks (another batch shape), which changed a seeded
+            # request's sampled output between its first run and the next (issue 45.4).
+            cacheable = (seq.num_tokens - 1) // self.blocks.block_size * self.blocks.block_size
+            if seq.num_computed_tokens < cacheable:
+                n = min(n, cacheable - seq.num_computed_tokens)
+        return n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -2,16 +2,18 @@
 one engine sequence, answered as one reply.
 
     group = GenerationGroup(choices, on_end=admitted.end, sink=gw.usage_sink, leaders=[0, 0, 2, 2])
-    group.start()                              # the leaders only; the rest follow their prefill
+    group.start()                              # every choice, leaders first
     async for index, delta in group.deltas():  # delta None: that choice has finished
         ...
     group.finish(200)                          # one usage record, one refund
 
-One prefill per prompt: the first choice of each prompt (its leader) starts alone, and the other
-choices of that prompt are handed to the engine when the leader's first token arrives, that is
-when its prompt blocks are complete and in the prefix cache, so they compute only the prompt's
-last, partial block (fewer than block_size tokens) themselves. Started together they would all
-miss the cache and prefill n times.
+One prefill per prompt: every choice goes to the engine at once, the first choice of each prompt
+(its leader) first. The engine's scheduler holds a sequence whose prompt starts like one still
+being prefilled (engines.core.scheduler: _prefix_in_flight) until that prefill's first token, then
+it finds the prompt's full blocks in the prefix cache and computes only the last, partial block.
+The engine decides when the other choices join, not the event loop's timing, so a seeded request's
+choices repeat run to run (issue 45.4; they used to be handed over when the leader's first token
+reached the gateway, one step later or two as the event loop was busy).
 
 One request, one bill: OpenAI counts each prompt once for n choices, and so does the usage
 record (prompt and cached tokens as the leaders computed them, completion tokens summed over the
@@ -24,7 +26,6 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncIterator, Callable
 
-from engines.core.errors import EngineDeadError, RequestError
 from gateway.http.generation import EngineFailed, Generation
 from gateway.spend.usage import UsageRecord, UsageSink
 
@@ -43,7 +44,6 @@ class GenerationGroup:
         self._records: list[UsageRecord | None] = [None] * len(choices)
         self._used: list[int | None] = [None] * len(choices)
         self._ended = 0
-        self._started = [i == self.leaders[i] for i in range(len(choices))]
         self._queue: asyncio.Queue[tuple[int, str | None, BaseException | None]] | None = None
         self._tasks: list[asyncio.Task] = []
         self.record: UsageRecord | None = None
@@ -56,9 +56,6 @@ class GenerationGroup:
                 gen._counted = i == 0
             else:
                 gen._sink, gen._on_end = sink, on_end
-        for i in range(len(choices)):
-            if self.leaders[i] == i and any(self.leaders[j] == i for j in range(len(choices)) if j != i):
-                choices[i]._on_first_token = lambda i=i: self._start_followers(i)
 
     # -- what the responses read -------------------------------------------------------------
     @property
@@ -98,11 +95,13 @@ class GenerationGroup:
 
     # -- running ------------------------------------------------------------------------------
     def start(self) -> None:
-        """The leaders go to the engine now (their errors are the caller's: bad input, engine down;
-        a leader that fails takes back those started before it)."""
+        """Every choice goes to the engine now, leaders first, in one go (no await between: the engine
+        sees them together). Their errors are the caller's (bad input, engine down); a choice that
+        fails takes back those started before it."""
         started = []
+        order = self._leading() + [g for i, g in enumerate(self.choices) if self.leaders[i] != i]
         try:
-            for g in self._leading():
+            for g in order:
                 g.start()
                 started.append(g)
         except BaseException:
@@ -118,23 +117,6 @@ class GenerationGroup:
                 self.finish(400, "aborted")
             raise
 
-    def _start_followers(self, leader: int) -> None:
-        """The leader's prefill is done: its full prompt blocks are cached; its followers can share them."""
-        for i in range(len(self.choices)):
-            if self.leaders[i] != leader or self._started[i]:
-                continue
-            self._started[i] = True
-            gen = self.choices[i]
-            if self._aborted is not None:
-                continue
-            try:
-                gen.start()
-            except (EngineDeadError, RequestError) as e:
-                gen.error = f"engine refused choice {i}: {e}"
-                self._queue_put((i, None, EngineFailed(gen.error)))
-                continue
-            self._tasks.append(asyncio.get_running_loop().create_task(self._pump(i)))
-
     async def deltas(self) -> AsyncIterator[tuple[int, str | None]]:
         """(choice index, text delta) as the text is made; (index, None) once a choice has ended.
         Returns quietly when aborted; raises EngineFailed when any choice fails."""
@@ -146,7 +128,7 @@ class GenerationGroup:
             return
         self._queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._tasks += [loop.create_task(self._pump(i)) for i in range(len(self.choices)) if self.leaders[i] == i]
+        self._tasks += [loop.create_task(self._pump(i)) for i in range(len(self.choices))]
         pending = len(self.choices)
         try:
             while pending:
@@ -159,8 +141,6 @@ class GenerationGroup:
                     if self.choices[index].aborted is not None:
                         self.abort(self._aborted or self.choices[index].aborted)
                         return
-                    if self.leaders[index] == index:
-                        self._start_followers(index)   # a leader that ended before any token
                 yield index, delta
         finally:
             for task in self._tasks:
@@ -180,7 +160,7 @@ class GenerationGroup:
             self._queue.put_nowait(item)
 
     def abort(self, why: str) -> None:
-        """Cut every choice short; choices not yet started never start."""
+        """Cut every choice short."""
         if self._aborted is None:
             self._aborted = why
         for gen in self.choices:
