@@ -22,15 +22,33 @@ class LLM:
     """Prompts are strings (encoded with the checkpoint's tokenizer) or lists of token ids.
 
     A checkpoint without tokenizer files still serves token-id prompts; text needs a tokenizer.
+    close() (or a `with` block) releases what outlives the object: a tensor- or pipeline-parallel
+    engine's workers and its process group, of which a process holds one at a time, so a second
+    such LLM can start only once the first is closed.
     """
 
     def __init__(self, model: str | Path, **engine_options: Any) -> None:
         self.engine = Engine(model, **engine_options)
+        self._closed = False
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(model)
         except CheckpointError:
             self.tokenizer = None
         self._counter = 0
+
+    def close(self) -> None:
+        """Stop the engine's workers (tensor and pipeline parallelism). Idempotent; the LLM
+        generates nothing after it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
@@ -61,6 +79,8 @@ class LLM:
     # -- internals ----------------------------------------------------------------------------
     def _run(self, token_prompts: list[list[int]], texts: list[str | None], params: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        if self._closed:
+            raise RequestError("this LLM is closed; make a new one")
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         streams: dict[str, TextStream] = {}

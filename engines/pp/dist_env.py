@@ -146,7 +146,7 @@ def join(meet: str | dist.Store, rank: int, world: int, timeout_s: float) -> dis
     ctrl group; returns ctrl."""
     if dist.is_initialized():
         raise RuntimeError("a distributed (tensor- or pipeline-parallel) engine is already running in this process; "
-                           "close it (engine.close()) before starting another")
+                           "close it (llm.close(), a `with LLM(...)` block, or engine.close()) before starting another")
     where = dict(init_method=meet) if isinstance(meet, str) else dict(store=meet)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **where)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)

@@ -40,7 +40,7 @@ class WorkerGroup:
     def __init__(self, world: int, make_spec, timeout_s: float) -> None:
         if dist.is_initialized():
             raise EngineDeadError("a tensor-parallel engine is already running in this process; "
-                                  "close it (engine.close()) before starting another")
+                                  "close it (llm.close(), a `with LLM(...)` block, or engine.close()) before starting another")
         self.world = world
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")  # fork would copy rank 0's threads and torch state
