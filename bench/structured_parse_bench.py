@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
@@ -128,6 +129,8 @@ def _ask(client: openai.OpenAI, model: type[BaseModel], prompt: str, i: int, max
     except Exception as e:  # noqa: BLE001 - a parse or schema failure is a result, recorded
         row.update(valid=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     row["seconds"] = round(time.perf_counter() - t0, 3)
+    print(f"{i:3d} {model.__name__:8s} {row.get('finish_reason')} {row.get('completion_tokens')} tokens "
+          f"valid={row['valid']} {row['seconds']:.0f} s", file=sys.stderr, flush=True)
     return row
 
 
