@@ -4,7 +4,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines import Engine, SamplingParams
+from engines.core.block_manager import BlockManager
 from engines.core.block_pool import BlockPool
+from engines.core.scheduler import Scheduler, SchedulerConfig
+from engines.core.sequence import Sequence, SequenceStatus
 from tests.engine_helpers import random_prompts, run_to_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -238,3 +241,31 @@ def _check_invariants(eng):
         if count > 1:
             assert pool._hash_of[b] is not None, f"block {b} shared but not a prefix-cache block"
     assert pool.num_free == sum(1 for c in pool.ref_counts if c == 0)
+
+
+@pytest.mark.parametrize("a, b, victim", [
+    ((0, 0), (1, 1), "b"),     # b is less urgent (priority 1): b goes
+    ((1, 0), (0, 1), "a"),     # a is less urgent although it came first
+    ((0, 0), (0, 1), "b"),     # same priority: the later arrival goes
+    ((0, 1), (0, 0), "a"),
+])
+def test_preemption_picks_the_least_urgent_running_sequence(a, b, victim):
+    # Outputs after a preemption equal the unpreempted ones (recompute), so only the choice of victim
+    # shows which one went (issue 45.12): two sequences fill the 4 blocks, both need a fifth.
+    blocks = BlockManager(4, 16, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512), blocks)
+    seqs = {name: Sequence(name, [name_i + 1] * 32, SamplingParams(), prio, arrival, 0, frozenset())
+            for name_i, (name, (prio, arrival)) in enumerate({"a": a, "b": b}.items())}
+    for s in seqs.values():
+        sched.add(s)
+    first = sched.schedule()
+    assert sorted(c.seq.request_id for c in first.chunks) == ["a", "b"] and blocks.num_free_blocks == 0
+    for c in first.chunks:                       # both prefills done, both sampled a token
+        c.seq.num_computed_tokens += c.num_tokens
+        c.seq.token_ids.append(0)
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == [victim]
+    kept = "a" if victim == "b" else "b"
+    assert [c.seq.request_id for c in out.chunks] == [kept] and out.chunks[0].num_tokens == 1
+    assert seqs[victim].status is SequenceStatus.WAITING and seqs[victim].num_computed_tokens == 0
+    assert sched.num_preemptions == 1

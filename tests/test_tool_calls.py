@@ -158,3 +158,13 @@ def test_a_template_that_renders_tools_gets_them_as_hugging_face_passes_them():
     messages, tools = template_messages(CONVERSATION, parse_tools({"tools": [WEATHER]}), renders_tools=True)
     assert apply_chat_template(template, messages, tools=tools) == \
         "[get_weather]user:Weather in Paris?;assistant:Paris;tool:18C and sunny;"
+
+
+def test_a_bare_call_with_arguments_hands_them_on_as_json():
+    # Arguments with a string, a number, a bool, null and a nested list: written with str() they
+    # would be a Python repr ("{'city': 'Paris', ...}"), which json.loads refuses (issue 45.12).
+    args = {"city": "Paris", "days": 3, "metric": True, "note": None, "tags": ["a", "é"]}
+    content, calls, finish, _ = run("auto", json.dumps({"name": "get_weather", "arguments": args}))
+    assert content is None and finish == "tool_calls"
+    ((name, arguments),) = calls
+    assert name == "get_weather" and json.loads(arguments) == args
