@@ -13,12 +13,18 @@ the engine's pool threads wait for it too. Here the child process runs one loop 
 (take the messages that arrived, step, send the step's outputs as one message), and the parent's
 event loop only reads one message per step and sends one per new request or abort.
 
-The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; both
-ends are this module. Parent to child: ("add", request_id, prompt_ids, params, priority, cache_salt)
-and ("abort", request_id). Child to parent: ("ready", max_model_len, stats) once the engine is built,
-("out", outputs, stats) after each step, ("failed", message, exception) when it gives up. The parent
-never blocks on the child: its writes are buffered by asyncio, and the child reads them between
-steps (so a request waits at most one step to be admitted, as with the in-process inbox).
+The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; the
+child's end is engines/serving/engine_child.py. Parent to child: ("add", request_id, prompt_ids,
+params, priority, cache_salt), ("abort", request_id) and ("grammar", token, response_format). Child
+to parent: ("ready", max_model_len, stats, grammar_info) once the engine is built, ("out", outputs,
+stats) after each step, ("grammar", token, error or None) when a grammar is compiled, ("failed",
+message, exception) when it gives up. The parent never blocks on the child: its writes are buffered
+by asyncio, and the child reads them between steps (so a request waits at most one step to be
+admitted, as with the in-process inbox).
+
+Constrained requests: `await backend.prepare(params)` before add_request, as with AsyncEngine. The
+schema is checked against its budget in a grammar worker of the parent's, then compiled on a thread
+of the child, never on its step path (engines/serving/process_grammars.py).
 
 Bad input: the child validates a request when it takes it, so a refusal (a bad grammar, a prompt too
 long) arrives as the stream's first output, finished with finish_reason "error" and bad_request set;
@@ -42,7 +48,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -51,15 +56,15 @@ from typing import Any
 
 from engines.core.async_engine import RequestStream, cancel_task, deliver, fail_streams, with_backoff
 from engines.core.errors import EngineDeadError, RequestError
+from engines.core.grammar_worker import GrammarBudget, GrammarWorker
 from engines.core.outputs import EngineStats, StepOutput
-from engines.core.sampling_params import ParamError, SamplingParams
-from engines.core.structured_output import GrammarError
+from engines.core.sampling_params import SamplingParams
+from engines.serving.engine_child import _HEADER, _child_main, _frame, _Link
+from engines.serving.process_grammars import ProcessGrammars
 
 log = logging.getLogger(__name__)
 
 _ROOT = Path(__file__).resolve().parents[2]    # holds engines/: the child imports it from here
-_HEADER = struct.Struct("!I")
-_RECV_BYTES = 1 << 20
 _STOP_GRACE_S = 10.0
 
 
@@ -79,124 +84,6 @@ class EngineRecipe:
         return Engine(self.model, **{"progress": False, **self.options})
 
 
-def _frame(msg: tuple) -> bytes:
-    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
-
-
-class _Link:
-    """The child's end (and the parent's during the start-up handshake): blocking or draining reads."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-        self.closed = False
-
-    def send(self, msg: tuple) -> None:
-        self.sock.setblocking(True)
-        self.sock.sendall(_frame(msg))
-
-    def receive(self, block: bool) -> list[tuple]:
-        """The whole messages that have arrived; when `block`, waits for at least one (or the peer's end)."""
-        msgs: list[tuple] = []
-        while not self.closed:
-            self.sock.setblocking(block and not msgs)
-            try:
-                chunk = self.sock.recv(_RECV_BYTES)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.closed = True
-                break
-            self.buf += chunk
-            msgs.extend(self._parse())
-        return msgs
-
-    def _parse(self) -> list[tuple]:
-        out, pos = [], 0
-        while len(self.buf) - pos >= _HEADER.size:
-            (n,) = _HEADER.unpack_from(self.buf, pos)
-            end = pos + _HEADER.size + n
-            if len(self.buf) < end:
-                break
-            out.append(pickle.loads(self.buf[pos + _HEADER.size:end]))
-            pos = end
-        del self.buf[:pos]
-        return out
-
-
-def _refusal(request_id: str, e: Exception) -> StepOutput:
-    """A request the engine would not take, as its stream's only output (the gateway answers 400)."""
-    if isinstance(e, EngineDeadError):
-        return StepOutput(request_id, [], finished=True, finish_reason="error", error=str(e))
-    param = code = None
-    if isinstance(e, GrammarError):
-        param = "grammar"
-    elif isinstance(e, ParamError):
-        param, code = e.param, e.code
-    return StepOutput(request_id, [], finished=True, finish_reason="error", error=str(e), bad_request=True,
-                      error_param=param, error_code=code)
-
-
-def _picklable(e: BaseException) -> BaseException | None:
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - the message still travels
-        return None
-
-
-def _child_main(sock: socket.socket) -> None:
-    """The engine process: take the recipe, build, then take messages, step and send outputs until the
-    parent hangs up."""
-    link = _Link(sock)
-    first = link.receive(block=True)
-    if not first or first[0][0] != "recipe":
-        return
-    recipe: EngineRecipe = first[0][1]
-    try:
-        engine = recipe.build()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        link.send(("failed", f"building the engine raised {type(e).__name__}: {e}", _picklable(e)))
-        return
-    link.send(("ready", engine.max_model_len, engine.stats()))
-    try:
-        while True:
-            refused: list[StepOutput] = []
-            for msg in link.receive(block=not engine.has_unfinished()):
-                if msg[0] == "add":
-                    try:
-                        engine.add_request(*msg[1:])
-                    except (RequestError, EngineDeadError, ValueError, TypeError, KeyError) as e:
-                        refused.append(_refusal(msg[1], e))
-                elif msg[0] == "abort":
-                    engine.abort(msg[1])
-            if link.closed:
-                return
-            outputs: list[StepOutput] = []
-            if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception as e:  # noqa: BLE001 - the parent fails the requests and starts afresh
-                    log.exception("engine process: step failed")
-                    link.send(("failed", f"engine step failed: {type(e).__name__}: {e}", None))
-                    return
-            if outputs or refused:
-                link.send(("out", refused + outputs, engine.stats() if outputs else None))
-            dead = getattr(engine, "dead", None)
-            if dead:
-                link.send(("failed", f"engine failed: {dead}", None))
-                return
-    except OSError:
-        return       # the parent hung up while a step ran (it stopped, or died): nobody to tell
-    finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
-
-
 class EngineProcess:
     """The EngineBackend (engines/core/backend.py) of an engine stepped in a child process."""
 
@@ -214,7 +101,10 @@ class EngineProcess:
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._proc, self._sock, self._max_model_len, self._stats = self._spawn()
+        self._proc, self._sock, self._max_model_len, self._stats, grammar = self._spawn()
+        # The grammar worker is the parent's: it outlives the child's restarts, and so do its verdicts.
+        self._grammars = None if grammar is None else ProcessGrammars(
+            GrammarWorker(Path(grammar[0]), GrammarBudget(grammar[1], grammar[2]), name))
 
     # -- the backend interface ----------------------------------------------------------------
     @property
@@ -239,6 +129,8 @@ class EngineProcess:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-process-{self.name}")
             while self._writer is None and not self._task.done():
                 await asyncio.sleep(0)
+            if self._grammars is not None:
+                await self._grammars.start()
 
     async def stop(self) -> None:
         """Abort everything in flight, hang up (the child exits) and wait for the process."""
@@ -250,8 +142,22 @@ class EngineProcess:
             self._writer = None
         await cancel_task(self._task)
         self._task = None
+        if self._grammars is not None:
+            self._grammars.close()
         self._sock.close()              # the child sees the end of its input and exits
         await asyncio.get_running_loop().run_in_executor(None, self._reap, self._proc)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Make the request's grammar ready off the event loop and off the child's step; GrammarError
+        when it is refused. Call add_request right after (no await between)."""
+        if self._grammars is not None and params.response_format is not None:
+            await self._grammars.prepare(params.response_format, self._send_grammar)
+
+    def _send_grammar(self, token: int, fmt: dict) -> bool:
+        if self.dead is not None or self._writer is None:
+            return False
+        self._writer.write(_frame(("grammar", token, fmt)))
+        return True
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
@@ -276,7 +182,7 @@ class EngineProcess:
                 self._writer.write(_frame(("abort", request_id)))
 
     # -- the process ----------------------------------------------------------------------------
-    def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int, EngineStats]:
+    def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int, EngineStats, Any]:
         """Start a child and wait until its engine is built (blocking: weights load there)."""
         ours, theirs = socket.socketpair()
         # A fresh interpreter, not fork (the parent has an event loop and torch's threads, which fork
@@ -303,10 +209,10 @@ class EngineProcess:
                 raise EngineDeadError(f"engine {self.name}: {message}")
             raise EngineDeadError(f"engine {self.name}: its process exited while building the engine "
                                   f"(exit code {proc.returncode})")
-        _, max_model_len, stats = msgs[0]
+        _, max_model_len, stats, grammar = msgs[0]
         if len(msgs) > 1 or link.buf:
             raise EngineDeadError(f"engine {self.name}: unexpected messages after ready")
-        return proc, ours, max_model_len, stats
+        return proc, ours, max_model_len, stats, grammar
 
     @staticmethod
     def _reap(proc: subprocess.Popen) -> None:
@@ -329,6 +235,8 @@ class EngineProcess:
                 return
             self._writer = None
             writer.close()
+            if self._grammars is not None:
+                self._grammars.child_gone()
             streams, self._streams = self._streams, {}
             fail_streams(streams, why)
             if not await self._restart(why):
@@ -344,6 +252,9 @@ class EngineProcess:
                     deliver(self._streams, msg[1])
                     if msg[2] is not None:
                         self._stats = msg[2]
+                elif msg[0] == "grammar":
+                    if self._grammars is not None:
+                        self._grammars.resolve(msg[1], msg[2])
                 elif msg[0] == "failed":
                     self.num_failed_steps += 1
                     return msg[1]
@@ -364,7 +275,7 @@ class EngineProcess:
         await loop.run_in_executor(None, self._reap, self._proc)
         self._sock.close()
 
-        async def spawn() -> tuple[subprocess.Popen, socket.socket, int, EngineStats]:
+        async def spawn() -> tuple[subprocess.Popen, socket.socket, int, EngineStats, Any]:
             return await loop.run_in_executor(None, self._spawn)
 
         spawned, failures = await with_backoff(self.name, self._max_restart_attempts, self._restart_backoff_s, spawn)
@@ -373,7 +284,7 @@ class EngineProcess:
             self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
             log.error("engine %s declared dead: %s", self.name, self.dead)
             return False
-        self._proc, self._sock, self._max_model_len, self._stats = spawned
+        self._proc, self._sock, self._max_model_len, self._stats, _ = spawned
         self.num_restarts += 1
         self.dead = None
         log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
