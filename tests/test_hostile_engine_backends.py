@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
+import urllib.request
+from contextlib import contextmanager
 
 import pytest
 from gateway_helpers import AUTH, ROOT, running_gateway
@@ -44,8 +47,9 @@ def demo_doc(engine_process: bool, **options) -> dict:
 class StreamWatch:
     """Streams a long completion on a thread; keeps each content chunk's arrival time."""
 
-    def __init__(self, port: int, body: dict, path: str = "/v1/chat/completions") -> None:
+    def __init__(self, port: int, body: dict, path: str = "/v1/chat/completions", has_text=None) -> None:
         self.port, self.body, self.path = port, body, path
+        self.has_text = has_text or (lambda line: line.startswith(b"data: {") and _text(json.loads(line[6:])))
         self.times: list[float] = []
         self.status = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -56,7 +60,7 @@ class StreamWatch:
         resp = conn.getresponse()
         self.status = resp.status
         while line := resp.readline():
-            if line.startswith(b"data: {") and _text(json.loads(line[6:])):
+            if self.has_text(line):
                 self.times.append(time.perf_counter())
         conn.close()
 
@@ -179,3 +183,126 @@ def test_engine_process_prepare_while_idle_and_when_the_child_dies(monkeypatch):
             await ep.stop()
 
     asyncio.run(main())
+
+
+@contextmanager
+def running_replica(engine):
+    """`tokenyard engine serve`'s app over `engine`, served on a thread of this process."""
+    import uvicorn
+
+    from engines.serving.replica_server import ReplicaState, build_app
+
+    state = ReplicaState(engine)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:     # as replica_server.serve does
+            await engine.start()
+            state.ready = True
+            await super().startup(sockets)
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            await engine.stop()
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the replica did not start"
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def generate(port: int, rid: str, params: dict) -> tuple[int, list[dict], float]:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/engine/generate", body=json.dumps({"request_id": rid, "prompt_token_ids": [5, 6, 7],
+                                                                 "params": params}))
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    docs = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return resp.status, docs, time.perf_counter() - t0
+
+
+def _ndjson_tokens(line: bytes) -> bool:
+    return bool(line.strip()) and bool(json.loads(line).get("new_token_ids"))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The engine steps in this process here: one torch thread, for the reason given above."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_prepares_grammars_off_its_loop(monkeypatch, one_torch_thread):
+    """The replica server awaits the engine's prepare before add_request: while a new schema compiles
+    (a 1.2 s sleep here), its other stream keeps its pace and /health answers; a schema over the
+    compile budget is a 400 of kind grammar (the gateway's 400 naming response_format)."""
+    from engines.core.async_engine import AsyncEngine
+    from engines.core.engine import Engine
+    from engines.core.structured_output import Grammars
+
+    real, seen = Grammars.compile, set()
+
+    def slow_compile(self, fmt):
+        text = json.dumps(fmt, sort_keys=True)
+        if fmt.get("type") == "json_schema" and text not in seen:
+            seen.add(text)
+            time.sleep(DELAY_S)
+        return real(self, fmt)
+
+    monkeypatch.setattr(Grammars, "compile", slow_compile)
+    engine = AsyncEngine(Engine(DEMO, dtype="float32", kv_cache_memory=8 << 20, progress=False,
+                                grammar_compile_timeout_s=1.0), "demo")
+
+    def fmt(maximum: int) -> dict:
+        return {"type": "json_schema", "schema": schema(maximum)["json_schema"]["schema"]}
+
+    with running_replica(engine) as port:
+        status, docs, _ = generate(port, "warm", {"max_tokens": 4, "response_format": fmt(9)})
+        assert status == 200 and docs[-1]["finished"], docs
+        long = {"max_tokens": 400, "temperature": 0, "logit_bias": {str(EOS): -100}}
+        watch = StreamWatch(port, {"request_id": "long", "prompt_token_ids": [5, 6, 7], "params": long},
+                            path="/v1/engine/generate", has_text=_ndjson_tokens).start()
+        health: list[float] = []
+        done = threading.Event()
+
+        def poll_health() -> None:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read()
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+        poller = threading.Thread(target=poll_health, daemon=True)
+        poller.start()
+        status, docs, took = generate(port, "new", {"max_tokens": 4, "response_format": fmt(8)})
+        end = time.perf_counter()
+        done.set()
+        poller.join(10)
+        watch.thread.join(60)
+        assert len(health) >= 10 and max(health) < GAP_BOUND_S, health
+        assert status == 200 and docs[-1]["finished"] and docs[-1]["finish_reason"] != "error", docs
+        assert took >= DELAY_S, took
+        assert watch.times[-1] > end, "the other stream ended before the compile"
+        assert watch.max_gap(end - took, end) < GAP_BOUND_S
+        status, docs, took = generate(port, "slow", {"max_tokens": 4, "response_format": {
+            "type": "json_schema", "schema": SLOW_SCHEMA}})
+        assert status == 400 and len(docs) == 1, docs
+        assert docs[0]["kind"] == "grammar" and docs[0]["param"] == "response_format", docs
+        assert "too expensive" in docs[0]["error"] and took < 10, (docs, took)

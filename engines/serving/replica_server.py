@@ -2,7 +2,8 @@
 
     POST /v1/engine/generate   {"request_id", "prompt_token_ids", "params", "priority", "cache_salt"}
                                -> 200 and NDJSON, one StepOutput (its fields) per line, the last
-                                  one finished; 400 {"error"} bad input; 503 {"error"} draining or down
+                                  one finished; 400 {"error"} bad input (a response_format over its
+                                  compile budget: kind "grammar"); 503 {"error"} draining or down
     POST /v1/engine/abort      {"request_id"} -> 200 {"aborted": bool}
     GET  /v1/engine/stats      EngineStats fields + name, max_model_len, in_flight, draining, dead,
                                failed_steps, model_fingerprint
@@ -15,6 +16,10 @@ client that goes away mid-stream (the gateway aborting, or dying) aborts its req
 the engine frees the blocks at its next step. SIGTERM drains: /ready turns false, new requests
 get 503 (the gateway retries them elsewhere: no token was sent), requests in flight run to the
 end for up to `grace_s`, then the process exits 0; a second signal exits at once.
+
+A request with a response_format has its grammar made ready first (`engine.prepare`: checked in a
+grammar worker under its time and memory budget, compiled on a thread), so neither this event loop
+nor the engine's step ever compiles one.
 
 Nothing here imports gateway/: starlette and uvicorn are imported when the server is built.
 """
@@ -29,7 +34,7 @@ from typing import Any
 
 from engines.core.async_engine import AsyncEngine
 from engines.core.errors import EngineDeadError, RequestError
-from engines.core.sampling_params import ParamError
+from engines.core.sampling_params import ParamError, SamplingParams
 from engines.core.structured_output import GrammarError
 
 log = logging.getLogger("tokenyard.replica")
@@ -46,6 +51,7 @@ class ReplicaState:
         self.draining = False
         self.ready = False
         self.streaming = 0          # generate responses still open
+        self.preparing = 0          # generate requests whose grammar is being made ready
 
 
 def build_app(state: ReplicaState):
@@ -69,12 +75,23 @@ def build_app(state: ReplicaState):
         except (ValueError, KeyError, TypeError) as e:
             return JSONResponse({"error": f"bad request body: {e}"}, 400)
         try:
+            if not isinstance(params, dict):
+                raise RequestError(f"params must be an object, got {type(params).__name__}")
+            params = SamplingParams.from_dict(params)
+            if params.response_format is not None:
+                # Checked against its budget and compiled off this loop and off the step (the
+                # engine's grammar gate); add_request follows with no await between.
+                state.preparing += 1
+                try:
+                    await engine.prepare(params)
+                finally:
+                    state.preparing -= 1
             stream = engine.add_request(rid, ids, params, priority=priority, cache_salt=salt)
         except GrammarError as e:        # before RequestError, its base: the schema is the problem
             return JSONResponse({"error": str(e), "param": "response_format", "kind": "grammar"}, 400)
         except ParamError as e:
             return JSONResponse({"error": str(e), "param": e.param, "code": e.code, "kind": "param"}, 400)
-        except RequestError as e:
+        except (RequestError, ValueError, TypeError) as e:
             return JSONResponse({"error": str(e)}, 400)
         except EngineDeadError as e:
             return JSONResponse({"error": str(e), "retryable": True}, 503)
@@ -213,7 +230,7 @@ def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, mode
         async def _drain(self) -> None:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + grace_s
-            while (engine.num_in_flight or state.streaming) and loop.time() < deadline:
+            while (engine.num_in_flight or state.streaming or state.preparing) and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             if engine.num_in_flight:
                 log.warning("drain grace of %.1f s over; cutting %d request(s)", grace_s, engine.num_in_flight)
