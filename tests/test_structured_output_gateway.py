@@ -114,3 +114,29 @@ def test_text_format_is_plain_text(client):
     r = client.chat.completions.create(model="smollm2-135m", messages=ASK, response_format={"type": "text"},
                                        temperature=0, max_tokens=8)
     assert r.choices[0].finish_reason == "length"
+
+
+class IssueCity(BaseModel):     # issue 45: an unbounded float ran to max_tokens as 1.0000000000000012111111...
+    name: str
+    country: str
+    population_millions: float
+
+
+class IssueOrder(BaseModel):    # issue 45: a bounded int, a bool and a string also ran to the limit
+    item: str
+    quantity: int = Field(ge=1, le=100)
+    express: bool
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model, prompt", [(IssueCity, "Describe Paris."), (IssueCity, "Describe Tokyo."),
+                                           (IssueOrder, "Two pizzas, express please.")])
+def test_sdk_parse_of_ordinary_models_ends_well_before_max_tokens(client, model, prompt):
+    """The small version of bench/structured_parse_bench.py: numbers and strings are bounded in the grammar,
+    so greedy SmolLM2 finishes with a valid document in few tokens instead of looping to max_tokens."""
+    messages = [{"role": "system", "content": "Reply with JSON only."}, {"role": "user", "content": prompt}]
+    r = client.chat.completions.parse(model="smollm2-135m", messages=messages, response_format=model,
+                                      temperature=0, max_tokens=300)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, model), choice
+    assert r.usage.completion_tokens < 150, (r.usage.completion_tokens, choice.message.content)
