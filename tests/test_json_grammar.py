@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from enum import Enum
 
 import jsonschema
 import pytest
@@ -14,6 +15,7 @@ from pydantic import BaseModel, Field
 from test_schema_keywords import Order as PydanticOrder
 
 from engines.core.json_grammar import (
+    DEFAULT_MAX_ITEMS,
     DEFAULT_MAX_STRING,
     MAX_EXPONENT_DIGITS,
     MAX_FRACTION_DIGITS,
@@ -112,8 +114,9 @@ def test_strings_are_capped_and_never_hold_raw_control_characters(grammars):
     assert not bounded('{"quantity":5, "express": true, "note": ""}')  # whitespace is fixed
 
 
-def test_no_unbounded_digit_or_string_repeat_survives():
-    schemas = [City.model_json_schema(), Order.model_json_schema(), {"type": "object"},
+def test_no_unbounded_repeat_survives():
+    schemas = [City.model_json_schema(), Order.model_json_schema(), {"type": "object"}, Palette.model_json_schema(),
+               Team.model_json_schema(), PydanticOrder.model_json_schema(), *SCHEMAS.values(),
                {"type": "object", "properties": {"x": {"type": "number", "minimum": 0}, "s": {"type": "string", "minLength": 2},
                                                  "a": {"type": "array", "items": {"type": "number"}}},
                 "required": ["x", "s", "a"], "additionalProperties": {"type": "integer"}}]
@@ -124,8 +127,7 @@ def test_no_unbounded_digit_or_string_repeat_survives():
             body = body.split("(=")[0]                          # a lookahead consumes nothing
             assert "[0-9]*" not in body, line
             assert name != "basic_string_sub" or "basic_string_sub" not in body, line    # no longer recursive
-            if "{" in body and "-1}" in body:                    # only item and property counts stay open
-                assert "items" in body or "properties" in body or "basic_any" in body, line
+            assert "-1}" not in body, line                      # item and property counts too (issue 45)
 
 
 SCHEMAS = {   # one or more of every keyword schema_keywords.ENFORCED lists
@@ -184,3 +186,91 @@ def test_random_walks_through_long_strings_and_numbers_end(grammars):
     for _ in range(20):
         text = walk(grammars, schema, rng, wander=10_000, limit=2 * DEFAULT_MAX_STRING + 60)
         jsonschema.validate(json.loads(text.decode()), schema)
+
+
+class Colour(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Palette(BaseModel):       # issue 45: SmolLM2 listed colours until max_tokens
+    colours: list[Colour]
+
+
+class Member(BaseModel):
+    name: str
+    role: str
+
+
+class Team(BaseModel):          # and members, in some list-of-objects replies
+    team: str
+    members: list[Member]
+
+
+def loop(grammars: Grammars, fmt: dict, limit: int = 4000) -> bytes:
+    """A model that loops: another item or property (", ") whenever the grammar allows one, the shortest
+    way to the next such point otherwise, a close bracket only when nothing else is allowed."""
+    c = grammars.constraint(fmt)
+    rank = {b'", "': 1, b'"': 2, b'": ': 3, b"}": 9, b"]": 9}
+    out = b""
+    for _ in range(limit):
+        pick = min(_allowed(c), key=lambda t: (t != EOS, rank.get(TOKENS[t], 5), t))
+        assert c.accept(pick)
+        if pick == EOS:
+            return out
+        out += TOKENS[pick]
+    raise AssertionError(f"no end within {limit} tokens: {out[:200]!r}...{out[-100:]!r}")
+
+
+def test_a_looping_list_ends_at_the_default_item_cap(grammars):
+    """Issue 45: arrays without maxItems were unbounded, so a model that keeps adding items ran to max_tokens."""
+    for model, key in ((Palette, "colours"), (Team, "members")):
+        schema = model.model_json_schema()
+        doc = json.loads(loop(grammars, {"type": "json_schema", "schema": schema}))
+        jsonschema.validate(doc, schema)
+        assert len(doc[key]) == DEFAULT_MAX_ITEMS, model.__name__
+    pairs = json.loads(loop(grammars, {"type": "json_object"}), object_pairs_hook=list)   # an open object's
+    assert len(pairs) == DEFAULT_MAX_ITEMS                                                # properties too
+
+
+def test_item_and_property_caps_respect_the_schema(grammars):
+    n = DEFAULT_MAX_ITEMS
+    palette = _Doc(grammars, Palette.model_json_schema()).takes
+    doc = '{"colours": [%s]}'
+    assert palette(doc % ", ".join(['"red"'] * n)) and not palette(doc % ", ".join(['"red"'] * (n + 1)))
+    assert palette(doc % "")
+
+    def ints(k: int) -> str:
+        return "[" + ", ".join(["1"] * k) + "]"
+
+    at_least = _Doc(grammars, {"type": "array", "items": {"type": "integer"}, "minItems": n + 8}).takes
+    assert at_least(ints(n + 8)) and not at_least(ints(n + 9)) and not at_least(ints(n + 7))
+    explicit = _Doc(grammars, {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3 * n}).takes
+    assert explicit(ints(3 * n)) and not explicit(ints(3 * n + 1)) and not explicit(ints(1))
+    few = _Doc(grammars, {"type": "array", "items": {"type": "integer"}, "maxItems": 3}).takes
+    assert few(ints(3)) and not few(ints(4))
+    nested = _Doc(grammars, {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}).takes
+    assert nested("[" + ", ".join([ints(n)] * n) + "]")
+    assert not nested("[" + ", ".join([ints(n)] * (n + 1)) + "]") and not nested("[" + ints(n + 1) + "]")
+    # prefixItems: the cap counts the items past the tuple
+    tuple_then = _Doc(grammars, {"type": "array", "prefixItems": [{"type": "string"}, {"type": "string"}],
+                                 "items": {"type": "integer"}}).takes
+    assert tuple_then('["a", "b", ' + ints(n)[1:]) and not tuple_then('["a", "b", ' + ints(n + 1)[1:])
+    # open objects: properties past the named ones; an explicit maxProperties is the schema's
+    named = _Doc(grammars, {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                            "additionalProperties": {"type": "integer"}}).takes
+
+    def props(k: int, first: str = "") -> str:
+        return "{" + ", ".join(([first] if first else []) + [f'"k{i}": 1' for i in range(k)]) + "}"
+
+    assert named(props(n, '"a": 0')) and not named(props(n + 1, '"a": 0'))
+    open_map = _Doc(grammars, {"type": "object", "additionalProperties": {"type": "integer"}}).takes
+    assert open_map(props(n)) and not open_map(props(n + 1)) and open_map("{}")
+    wide = _Doc(grammars, {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2 * n}).takes
+    assert wide(props(2 * n)) and not wide(props(2 * n + 1))
+    any_json = grammars.compile({"type": "json_object"})
+    for text, ok in ((props(n), True), (props(n + 1), False), ('{"a": ' + ints(n) + "}", True),
+                     ('{"a": ' + ints(n + 1) + "}", False)):
+        m = xgr.GrammarMatcher(any_json, terminate_without_stop_token=True)
+        assert (m.accept_string(text) and m.is_completed()) == ok, text[:40]

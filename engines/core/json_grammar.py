@@ -11,12 +11,20 @@ conversion leaves a small model's favourite loops open and lets invalid JSON thr
 - strings with minLength/maxLength: xgrammar's character class `[^"\\\r\n]` let raw control characters
   (U+0000-U+001F but CR, LF) in, which json.loads rejects, and refused every escape. Now any character
   but a control character, a quote or a backslash, or an escape, as in an unbounded string.
+- arrays and open objects: without maxItems an array's items were unbounded (`items{0, -1}`): SmolLM2 kept
+  adding colours to a `list[Colour]` and members to a list of objects until max_tokens. Now an array
+  without maxItems holds at most DEFAULT_MAX_ITEMS items (past its prefixItems tuple, if any), and an
+  object without maxProperties at most DEFAULT_MAX_ITEMS properties (past the ones its schema names, if
+  it also allows others: additionalProperties, patternProperties, json_object). An explicit maxItems /
+  maxProperties is the schema's own (xgrammar's count, larger or smaller); a minItems / minProperties above
+  the default is kept (exactly that many then).
 - whitespace: none (any_whitespace=False): ", " and ": " between items, nothing else.
-Arrays and objects keep their counts (maxItems where given); `pattern` strings are the pattern's regex
-(bound its repeats yourself, e.g. [a-z]{1,20}).
+`pattern` strings are the pattern's regex (bound its repeats yourself, e.g. [a-z]{1,20}). Nesting depth is
+the schema's, except where it allows any JSON value (json_object, `{}`, an array or object without
+items/additionalProperties schemas) and the recursion of a self-referencing `$ref`: there max_tokens ends it.
 
 The rewrite is on xgrammar's printed EBNF, so it is pinned to its shapes: tests/test_json_grammar.py
-checks that no unbounded digit or string repeat survives for the schema kinds pydantic emits.
+checks that no unbounded repeat (digits, characters, items, properties) survives for the schema kinds pydantic emits.
 """
 from __future__ import annotations
 
@@ -27,6 +35,10 @@ MAX_INT_DIGITS = 15        # 999,999,999,999,999 < 2**53: every such integer is 
 MAX_FRACTION_DIGITS = 15   # a double carries 15-17 significant digits; more is the model looping
 MAX_EXPONENT_DIGITS = 2    # 1e99 is finite; 1e999 parses as inf
 DEFAULT_MAX_STRING = 512   # characters of a string without maxLength (set maxLength for tighter)
+# Items of an array without maxItems, properties of an open object without maxProperties. 32 keeps a
+# looping list of small objects (~12-20 tokens an item) under the 1,024 max_tokens clients commonly send;
+# a schema that wants longer lists says so with maxItems (pydantic: Field(max_length=...)).
+DEFAULT_MAX_ITEMS = 32
 
 # One JSON string character: anything but a control character, '"' or '\', or an escape.
 _CHAR_RULE = "json_bounded_char"
@@ -39,6 +51,11 @@ _DIGIT_BODY = "(([0-9]))"
 _LENGTH_CHAR_BODY = '(([^\\"\\\\\\r\\n]))'                    # xgrammar's minLength/maxLength character
 _STRING_SUB_LOOKAHEAD = re.compile(r"\(=\(.*\)\)\s*$")
 _UNBOUNDED = re.compile(r"(\[eE\] \w+ |\[1-9\] )?\b(\w+)\{(\d+), -1\}")
+_CONTINUATION = '((", " '        # a rule that adds one more item or property: (", " item) or (", " key ": " value)
+# What precedes a continuation's repeat when the list's first element is written beside it ('"[" first R{..}'
+# or '"{" key ": " value R{..}'): then the repeat counts all items but one. Elsewhere (after a prefixItems
+# tuple, after named properties) it counts the items past those.
+_AFTER_FIRST = re.compile(r'"[\[{]" (\w+ ": " )?\w+ $')
 
 
 def json_schema_ebnf(xgr: Any, schema_text: str, *, strict_mode: bool = True) -> str:
@@ -48,7 +65,7 @@ def json_schema_ebnf(xgr: Any, schema_text: str, *, strict_mode: bool = True) ->
 
 
 def bound_ebnf(ebnf: str) -> str:
-    """Rewrite xgrammar's converted EBNF (one rule a line) so numbers and strings are bounded."""
+    """Rewrite xgrammar's converted EBNF (one rule a line) so numbers, strings, arrays and objects are bounded."""
     rules: list[tuple[str, str]] = []
     for line in ebnf.splitlines():
         m = _RULE.match(line)
@@ -59,6 +76,7 @@ def bound_ebnf(ebnf: str) -> str:
         rules.append((m.group(1), m.group(2)))
     digits = {name for name, body in rules if body == _DIGIT_BODY}
     length_chars = {name for name, body in rules if body == _LENGTH_CHAR_BODY}
+    continuations = {name for name, body in rules if body.startswith(_CONTINUATION)}
     out = []
     for name, body in rules:
         if name in length_chars:
@@ -70,18 +88,20 @@ def bound_ebnf(ebnf: str) -> str:
             body = f'(({_CHAR_RULE}{{0, {DEFAULT_MAX_STRING}}} "\\""))' + (" " + look.group(0) if look else "")
         elif not body.startswith("Regex("):   # a pattern's regex is the user's
             body = body.replace("[0-9]*", f"[0-9]{{0, {MAX_INT_DIGITS - 1}}}")
-            body = _UNBOUNDED.sub(lambda m: _bounded(m, digits, length_chars), body)
+            body = _UNBOUNDED.sub(lambda m: _bounded(m, digits, length_chars, continuations), body)
         out.append(f"{name} ::= {body}")
     return "\n".join(out) + "\n" + _EXTRA_RULES
 
 
-def _bounded(m: re.Match, digits: set[str], length_chars: set[str]) -> str:
+def _bounded(m: re.Match, digits: set[str], length_chars: set[str], continuations: set[str]) -> str:
     before, name, low = m.group(1) or "", m.group(2), int(m.group(3))
     if name in digits:   # after "[eE] sign": an exponent; after "[1-9] ": an integer part; else a fraction
         cap = (MAX_EXPONENT_DIGITS if before.startswith("[eE]") else
                MAX_INT_DIGITS - 1 if before else MAX_FRACTION_DIGITS)
     elif name in length_chars:
         cap = DEFAULT_MAX_STRING
+    elif name in continuations:   # items / properties; the low count is the schema's minItems - 1 (or 0)
+        cap = DEFAULT_MAX_ITEMS - 1 if _AFTER_FIRST.search(m.string, 0, m.start()) else DEFAULT_MAX_ITEMS
     else:
-        return m.group(0)        # array items, object properties: their counts are the schema's
+        return m.group(0)        # no other open repeat is known; the tests check none survives
     return f"{before}{name}{{{low}, {max(low, cap)}}}"
