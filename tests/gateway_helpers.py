@@ -102,7 +102,9 @@ def running_gateway(document: dict[str, Any], handles=None, usage_sink=None, gua
         server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    # Engines load in the app's start-up: a real model (SmolLM2's int4 repack) on a busy 2-core machine
+    # took over 30 s.
+    deadline = time.monotonic() + 120
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test gateway did not start")

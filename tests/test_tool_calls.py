@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from engines.text.chat_template import FALLBACK_CHAT_TEMPLATE, apply_chat_template, renders_tools
 from gateway.http.errors import BadRequest
-from gateway.http.tool_calls import ToolCallStream, assemble, template_messages
+from gateway.http.tool_calls import ToolCallStream, assemble
+from gateway.http.tool_prompt import template_messages
 from gateway.http.tool_request import parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -142,7 +143,7 @@ CONVERSATION = [
 def test_a_template_without_tools_gets_a_preamble_and_tagged_history():
     setup = parse_tools({"tools": [WEATHER]})
     assert not renders_tools(FALLBACK_CHAT_TEMPLATE)
-    messages, tools = template_messages(CONVERSATION, setup, renders_tools=False)
+    messages, tools = template_messages(CONVERSATION, setup, style="tags")
     assert tools is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in messages[2]["content"]
     assert messages[3] == {"role": "user", "content": "<tool_response>\n18C and sunny\n</tool_response>"}
@@ -155,7 +156,7 @@ def test_a_template_that_renders_tools_gets_them_as_hugging_face_passes_them():
                 "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.city }}{% else %}{{ m.content }}{% endif %};"
                 "{% endfor %}")
     assert renders_tools(template)
-    messages, tools = template_messages(CONVERSATION, parse_tools({"tools": [WEATHER]}), renders_tools=True)
+    messages, tools = template_messages(CONVERSATION, parse_tools({"tools": [WEATHER]}), style="template")
     assert apply_chat_template(template, messages, tools=tools) == \
         "[get_weather]user:Weather in Paris?;assistant:Paris;tool:18C and sunny;"
 

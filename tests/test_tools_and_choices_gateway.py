@@ -100,6 +100,29 @@ def test_a_conversation_with_a_tool_result_is_answered(client):
 
 
 @pytest.mark.timeout(300)
+def test_the_round_trip_with_auto_tools_ends_in_a_plain_answer(client):
+    # Issue 45.6: the tool result went back as a <tool_response> turn and the model echoed it as its
+    # answer. SmolLM2 now gets its own format, and the result in plain words (gateway/http/tool_prompt.py).
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_7", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "18 degrees and sunny"}]
+    for stream in (False, True):
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=MODEL, messages=messages, tools=[WEATHER, CLOCK], temperature=0, max_tokens=40, stream=True)
+                if c.choices)
+        else:
+            r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK],
+                                               temperature=0, max_tokens=40)
+            assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+            text = r.choices[0].message.content
+        assert text and text.strip(), text
+        for markup in ("<tool_response>", "</tool_response>", "<tool_call>", "<tools>", "<|im_start|>", "<|im_end|>"):
+            assert markup not in text, text
+
+
+@pytest.mark.timeout(300)
 def test_n_choices_prefill_once_and_differ(srv, client):
     engine = srv.app.state.gateway.handles[MODEL].engine
     before = engine.stats().prefix_cache_hit_tokens

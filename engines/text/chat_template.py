@@ -62,6 +62,18 @@ def renders_tools(tokenizer_or_template: Any) -> bool:
     return _mentions_tools(template)
 
 
+def tool_style(tokenizer_or_template: Any) -> str:
+    """How tools reach this model (gateway/http/tool_prompt.py): "template" when its template renders
+    them, "smollm2" for SmolLM2-Instruct's template (no tools in it, but the model card documents a
+    <tool_call>[...]</tool_call> format), else "tags" (a preamble of ours)."""
+    template = tokenizer_or_template if isinstance(tokenizer_or_template, str) else (
+        getattr(tokenizer_or_template, "chat_template", None) or FALLBACK_CHAT_TEMPLATE)
+    if _mentions_tools(template):
+        return "template"
+    # SmolLM2-Instruct's template writes its default system prompt, which names the model.
+    return "smollm2" if "named SmolLM" in template else "tags"
+
+
 @lru_cache(maxsize=32)
 def _mentions_tools(template: str) -> bool:
     try:

@@ -1,18 +1,13 @@
-"""Tool calls between the OpenAI API and the model's text.
+"""Tool calls out of the model's text (the prompt side: gateway/http/tool_prompt.py).
 
-In: the conversation, with the tools, becomes the messages the chat template renders. A template
-that renders tools itself (it mentions `tools`, as Qwen2.5's and Llama 3.1's do) gets them as
-Hugging Face passes them (`tools=`, assistant `tool_calls` with arguments as objects, `tool`
-messages). Any other template gets the tools described in a system preamble that asks for calls
-as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, earlier calls written back in
-that form, and tool results as user messages inside <tool_response> tags.
-
-Out: `ToolCallStream` turns the reply's text, as it arrives, into chat deltas, {"content": ...}
+`ToolCallStream` turns the reply's text, as it arrives, into chat deltas, {"content": ...}
 and OpenAI's {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}: the
 id and name first, then the arguments in pieces as the model writes them. A forced reply
 (tool_choice required or named) is one bare call object, held to that shape by the grammar. An
-"auto" reply is text in which each <tool_call> block, or a reply that is nothing but a call
-object, naming a known function, becomes a call; anything else stays text. The non-streamed
+"auto" reply is text in which each <tool_call> block naming a known function becomes a call,
+and so does a reply that is nothing but a call object; anything else stays text. A block holds
+one call object or, in SmolLM2's format, a JSON list of them ("[]": no call), read whole once
+the block closes. The non-streamed
 reply is assembled from the same deltas, so the two can never disagree.
 """
 from __future__ import annotations
@@ -21,61 +16,8 @@ import json
 import secrets
 from typing import Any
 
+from gateway.http.tool_prompt import CLOSE, OPEN
 from gateway.http.tool_request import ToolSetup
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-# -- the prompt -------------------------------------------------------------------------------
-def template_messages(messages: list[dict[str, Any]], setup: ToolSetup | None, renders_tools: bool
-                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages for the template, tools= for the template) from the API's messages and tools."""
-    if renders_tools:
-        out = []
-        for m in messages:
-            m = dict(m)
-            if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _as_object(
-                    c["function"]["arguments"])}} for c in m["tool_calls"]]
-            out.append(m)
-        return out, [t.as_openai() for t in setup.tools] if setup is not None else None
-    out = []
-    for m in messages:
-        if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
-        elif m.get("tool_calls"):
-            calls = "\n".join(f"{OPEN}\n{json.dumps(_call_text(c), ensure_ascii=False)}\n{CLOSE}"
-                              for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
-        else:
-            out.append({"role": m["role"], "content": m["content"]})
-    if setup is not None:
-        preamble = tool_preamble(setup)
-        if out[0]["role"] in ("system", "developer"):
-            out[0] = {"role": out[0]["role"], "content": out[0]["content"] + "\n\n" + preamble}
-        else:
-            out.insert(0, {"role": "system", "content": preamble})
-    return out, None
-
-
-def tool_preamble(setup: ToolSetup) -> str:
-    listing = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in setup.tools)
-    return ("You can call functions to help answer. These are the functions, one JSON description per line, "
-            f"between <tools> and </tools>:\n<tools>\n{listing}\n</tools>\n"
-            "To call a function, write one JSON object with its name and its arguments between "
-            f"{OPEN} and {CLOSE}, like this:\n{OPEN}\n"
-            '{"name": "function_name", "arguments": {"argument": "value"}}\n' + CLOSE)
-
-
-def _call_text(call: dict[str, Any]) -> dict[str, Any]:
-    return {"name": call["function"]["name"], "arguments": _as_object(call["function"]["arguments"])}
-
-
-def _as_object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 # -- the reply --------------------------------------------------------------------------------
@@ -194,7 +136,7 @@ class ToolCallStream:
 
     def __init__(self, setup: ToolSetup) -> None:
         self.setup = setup
-        self.mode = "call" if setup.forced else "start"   # start, text, bare, call, done
+        self.mode = "call" if setup.forced else "start"   # start, text, bare, opened, call, listed, done
         self.buffer = ""          # text held back (a possible marker, a bare object, a call block)
         self.scanner = _CallScanner() if setup.forced else None
         self.calls = 1 if setup.forced else 0   # calls begun (a forced reply is one call)
@@ -239,6 +181,10 @@ class ToolCallStream:
                 if not final:
                     return
                 self._bare(out)
+            elif self.mode == "opened":
+                self._opened(out, final)
+            elif self.mode == "listed":
+                self._listed(out, final)
             elif self.mode == "call":
                 self._call(out, final)
             if self.mode == "done" or (self.mode, len(self.buffer)) == before:
@@ -249,7 +195,7 @@ class ToolCallStream:
         if at >= 0 and self._may_call():
             self._content(out, self.buffer[:at])
             self.buffer = self.buffer[at + len(OPEN):]
-            self._begin_call()
+            self.mode = "opened"
             return
         keep = 0 if final else _partial_suffix(self.buffer, OPEN)
         self._content(out, self.buffer[:len(self.buffer) - keep])
@@ -270,6 +216,42 @@ class ToolCallStream:
         else:
             self._content(out, text)
         self.mode = "done"
+
+    def _opened(self, out: list[dict[str, Any]], final: bool) -> None:
+        """After <tool_call>: one call object (streamed) or a list of them (read whole)."""
+        body = self.buffer.lstrip()
+        if body.startswith("["):
+            self.mode = "listed"
+        elif body:
+            self._begin_call()
+        elif final:                 # the reply ended right after the tag: it was text
+            self._content(out, OPEN + self.buffer)
+            self.buffer = ""
+            self.mode = "done"
+
+    def _listed(self, out: list[dict[str, Any]], final: bool) -> None:
+        end = self.buffer.find(CLOSE)
+        if end < 0 and not final:
+            return
+        raw = self.buffer if end < 0 else self.buffer[:end]
+        self.buffer = "" if end < 0 else self.buffer[end + len(CLOSE):]
+        self.mode = "text"
+        try:
+            items = json.loads(raw)
+        except ValueError:
+            items = None
+        names = self.setup.names()
+        calls = [c for c in items if isinstance(c, dict) and set(c) == {"name", "arguments"} and c["name"] in names] \
+            if isinstance(items, list) else []
+        if not isinstance(items, list) or len(calls) != len(items):
+            # Not a list of calls to known functions: what was held back is text after all.
+            self._content(out, OPEN + raw + (CLOSE if end >= 0 else ""))
+            return
+        for c in calls[:None if self.setup.parallel else max(0, 1 - self.calls)]:
+            args = c["arguments"]
+            self.calls += 1
+            out.append(self._call_delta(c["name"], args if isinstance(args, str) else
+                                        json.dumps(args, ensure_ascii=False), first=True))
 
     def _begin_call(self) -> None:
         self.mode = "call"

@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from engines.core.errors import RequestError
-from engines.text.chat_template import ChatTemplateError, apply_chat_template, renders_tools
+from engines.text.chat_template import ChatTemplateError, apply_chat_template, tool_style
 from engines.text.tokenizer import Tokenizer
 from gateway.auth.api_keys import PRIORITIES, KeyRecord
 from gateway.http.chat_request import ChatRequest
@@ -42,7 +42,7 @@ from gateway.http.completion_request import CompletionRequest
 from gateway.http.context_trim import ContextTooLong, trim_to_fit
 from gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 from gateway.http.prompt_guard import off_loop
-from gateway.http.tool_calls import template_messages
+from gateway.http.tool_prompt import template_messages
 from gateway.http.tool_request import ToolSetup
 from gateway.routing.context_route import move_to_fit
 from gateway.routing.engine_set_router import EngineSetRouter
@@ -231,9 +231,9 @@ def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
 
 
 def tokenize(tok: Tokenizer, messages: list[dict[str, Any]], tools: ToolSetup | None = None) -> list[int]:
-    """The chat through the model's template; tools as the template renders them, else as a
-    system preamble (gateway/http/tool_calls.py)."""
-    messages, template_tools = template_messages(messages, tools, renders_tools(tok))
+    """The chat through the model's template; tools as the template renders them, else in the
+    model's documented format or a system preamble (gateway/http/tool_prompt.py)."""
+    messages, template_tools = template_messages(messages, tools, tool_style(tok))
     try:
         text = apply_chat_template(tok, messages, add_generation_prompt=True, tools=template_tools)
     except ChatTemplateError as e:
