@@ -58,21 +58,21 @@ test: $(STAMP) chromium lint
 reliability: $(STAMP)
 	$(BIN)/python -m pytest tests -m reliability
 
-# Everything a GPU must show, in one table (bench/gpu_check.sh; `--dry-run` runs in `make test`).
+# Everything a GPU must show, in one table (tokenyard/bench/gpu_check.sh; `--dry-run` runs in `make test`).
 gpu-check:
-	bench/gpu_check.sh
+	tokenyard/bench/gpu_check.sh
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.w2_throughput
+	$(BIN)/python -m tokenyard.bench.w2_throughput
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 # Tokenyard against llama.cpp on the same weights (issue 26): builds llama-server and llama-bench
-# once from the llama-cpp-python source distribution into bench/peers/build/ (~15 min on 2 cores),
+# once from the llama-cpp-python source distribution into tokenyard/bench/peers/build/ (~15 min on 2 cores),
 # then measures both models (bench/results/peers_w2.json, peers_smollm2.json). Never part of `make test`.
 # PEERS_ARGS passes options, e.g. `make bench-peers PEERS_ARGS="--model w2 --only decode,prefill"`.
 PEERS_ARGS ?=
 bench-peers: $(STAMP)
-	bench/peers/build_llama_cpp.sh
-	$(BIN)/python -m bench.peers.peer_bench $(PEERS_ARGS)
+	tokenyard/bench/peers/build_llama_cpp.sh
+	$(BIN)/python -m tokenyard.bench.peers.peer_bench $(PEERS_ARGS)

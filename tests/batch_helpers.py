@@ -13,7 +13,7 @@ import openai
 import redis
 from gateway_helpers import KEY, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix
 
-from gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.api_keys import KeyStore
 
 FINAL = ("completed", "failed", "cancelled", "expired")
 

@@ -26,7 +26,7 @@ CHECKPOINTS = {
 
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
-    from bench.random_checkpoint import build_random_checkpoint
+    from tokenyard.bench.random_checkpoint import build_random_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     made: dict[str, Path] = {}

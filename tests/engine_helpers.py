@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from engines import Engine
-from engines.core.sampling_params import SamplingParams
-from engines.core.sequence import Sequence
-from engines.model.attention import AttentionMetadata
+from tokenyard.engines import Engine
+from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.sequence import Sequence
+from tokenyard.engines.model.attention import AttentionMetadata
 
 
 def prompt_logits(engine: Engine, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:

@@ -9,9 +9,9 @@ from typing import Any
 import redis
 from gateway_helpers import ROOT, SHARED_REDIS, mock_deployment
 
-from gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.api_keys import KeyStore
 
-ARTIFACT = str(ROOT / "router_models" / "artifacts" / "demo_router.json")
+ARTIFACT = str(ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json")
 MODEL = str(ROOT / "models" / "demo-small")
 
 BASE_POLICY = """\

@@ -3,7 +3,7 @@ end with (engine and gateway idle, spend ledger), error-log capture, metric text
 a process of its own.
 
 The scenarios (tests/reliability_{disconnects,overload,failures,redis,fuzz}.py) are sized by their
-arguments: the fast tests in tests/test_reliability_*.py run them small, `python -m bench.reliability`
+arguments: the fast tests in tests/test_reliability_*.py run them small, `python -m tokenyard.bench.reliability`
 runs them full size.
 
 Each scenario returns a `Report`: the figures it measured and a list of `problems` (broken
@@ -140,7 +140,7 @@ def serve_process(document: dict, dev_key: str, tmp: Path, access_log: bool = Fa
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
 
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "serve", "--config", str(cfg)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=limit_fds)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

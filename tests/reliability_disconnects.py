@@ -63,7 +63,7 @@ def run_disconnects(n: int, engine: str = "mock", concurrency: int = 32, seed: i
     """n requests, each completing or leaving at a random point; mock engine or demo-small."""
     import redis
 
-    from gateway.auth.api_keys import KeyStore
+    from tokenyard.gateway.auth.api_keys import KeyStore
     report = Report(f"disconnects ({engine})")
     prefix = f"tytest:rel:dc:{secrets.token_hex(4)}:"
     client = redis.Redis.from_url(SHARED_REDIS)

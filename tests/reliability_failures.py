@@ -120,7 +120,7 @@ def tp_checkpoint(root: Path) -> Path:
     """A tiny random Llama with demo-small's tokenizer (vocabulary and special ids), for tensor parallelism."""
     import shutil
 
-    from bench.random_checkpoint import build_random_checkpoint
+    from tokenyard.bench.random_checkpoint import build_random_checkpoint
     cfg = json.loads((MODEL / "config.json").read_text())
     path = build_random_checkpoint(root / "tp-llama", "llama", vocab_size=cfg["vocab_size"], hidden_size=64,
                                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

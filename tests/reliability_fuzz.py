@@ -14,7 +14,7 @@ def _signed_in_cookie(srv) -> str:
     import re
     from urllib.parse import urlencode
 
-    from gateway.auth.sessions import COOKIE
+    from tokenyard.gateway.auth.sessions import COOKIE
     status, headers, body = srv.request("GET", "/dashboard/login", headers={"Authorization": ""})
     sid = re.match(rf"{COOKIE}=([^;]*)", headers["set-cookie"]).group(1)
     token = re.search(rb'name="csrf_token" value="([^"]+)"', body).group(1).decode()
@@ -36,7 +36,7 @@ def run_fuzz(examples_per_mode: int, seed: int = 0) -> Report:
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
-    from gateway.auth.sessions import COOKIE
+    from tokenyard.gateway.auth.sessions import COOKIE
     report = Report("fuzz /openapi.json")
     prefix = f"tytest:rel:fuzz:{secrets.token_hex(4)}:"
     doc = {**mock_deployment(output_len=6, max_sleep_ms=2), "redis_url": SHARED_REDIS, "redis_prefix": prefix,

@@ -75,7 +75,7 @@ def run_overload(seconds: float, overload: float = 3.0, slots: int = 8, output_l
 
     import redis
 
-    from gateway.auth.api_keys import KeyStore
+    from tokenyard.gateway.auth.api_keys import KeyStore
     report = Report("overload")
     capacity = slots / (output_len * token_ms / 1000)
     prefix = f"tytest:rel:ovl:{secrets.token_hex(4)}:"

@@ -15,7 +15,7 @@ def run_redis_outage(outage_s: float, gap_s: float = 0.02) -> Report:
     """A private redis-server stopped for outage_s under traffic, then started again (same data)."""
     import redis
 
-    from gateway.auth.api_keys import KeyStore
+    from tokenyard.gateway.auth.api_keys import KeyStore
     report = Report("redis outage")
     tmp = Path(tempfile.mkdtemp(prefix="tyrel-redis-"))
     private = PrivateRedis(tmp / "redis")

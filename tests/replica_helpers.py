@@ -43,7 +43,7 @@ class ReplicaProcess:
         cfg.write_text(yaml.safe_dump({"server": {"drain_grace_s": grace_s}, "engines": {name: engine}}))
         self.log = tmp_path / f"replica-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "engine", "serve", "--engine", name,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "engine", "serve", "--engine", name,
                                       "--port", str(self.port), "--config", str(cfg)],
                                      cwd=ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
 

@@ -14,7 +14,7 @@ import redis
 from batch_helpers import batch_document, batch_gateway, chat_line, client, jsonl, read_lines, tenant_key, wait_batch
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix
 
-from policies.schema import DEFAULT_BATCH_PRICE_PERCENT, Prices
+from tokenyard.policies.schema import DEFAULT_BATCH_PRICE_PERCENT, Prices
 
 PRICES = {"input": 3_000_000, "cached_input": 1_000_000, "output": 7_000_000}
 

@@ -1,4 +1,4 @@
-"""The adaptive cap on batch lines in flight (gateway/batch/adaptive_limit.py): it halves while the
+"""The adaptive cap on batch lines in flight (tokenyard/gateway/batch/adaptive_limit.py): it halves while the
 event loop lags past batch.max_loop_lag_ms, never below one line, and grows back when the loop is
 on time; the idle-capacity gate (idle_capacity.py) keeps batch lines out of a busy engine; and the
 disk storage (file_storage.py) never writes outside its folder, whatever the tenant's name."""
@@ -8,8 +8,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from gateway.batch.adaptive_limit import AdaptiveLimit
-from gateway.batch.idle_capacity import IdleCapacity
+from tokenyard.gateway.batch.adaptive_limit import AdaptiveLimit
+from tokenyard.gateway.batch.idle_capacity import IdleCapacity
 
 
 def test_limit_halves_while_the_loop_lags_and_recovers():
@@ -76,7 +76,7 @@ def test_idle_capacity_rules():
 def test_disk_storage_stays_inside_its_folder(tmp_path):
     import pytest
 
-    from gateway.batch.file_storage import DiskStorage
+    from tokenyard.gateway.batch.file_storage import DiskStorage
     root = tmp_path / "data"
     disk = DiskStorage(root)
     for tenant in ("acme", "..", ".", ".hidden"):

@@ -10,8 +10,8 @@ import pytest
 from batch_helpers import batch_document, chat_line, client, jsonl, read_lines, wait_batch
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix
 
-from gateway.config.deployment import DeploymentError, parse_deployment
-from policies.schema import DEFAULT_BATCH_PRICE_PERCENT, Prices
+from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
+from tokenyard.policies.schema import DEFAULT_BATCH_PRICE_PERCENT, Prices
 
 MODEL = str(ROOT / "models" / "demo-small")
 PRICES = {"input": 2_000_000, "cached_input": 500_000, "output": 8_000_000}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.results_io import MACHINE_KEYS, REQUIRED_KEYS, RESULTS_DIR, RunRecorder, validate
+from tokenyard.bench.results_io import MACHINE_KEYS, REQUIRED_KEYS, RESULTS_DIR, RunRecorder, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
@@ -20,8 +20,8 @@ CITED = re.compile(r"bench/results/([A-Za-z0-9_.-]+\.json)")
 EXEMPT_SECTIONS = ("GPU", "Reliability", "Not re-measured")
 
 
-# bench/reliability.py writes its own JSON shape (no name, load_avg, figures/runs at the top);
-# until it writes through bench.results_io these are expected to fail, strictly: once one passes,
+# tokenyard/bench/reliability.py writes its own JSON shape (no name, load_avg, figures/runs at the top);
+# until it writes through tokenyard.bench.results_io these are expected to fail, strictly: once one passes,
 # the marker has to go.
 PENDING_MIGRATION: tuple[str, ...] = ()
 
@@ -31,7 +31,7 @@ def _results_files() -> list:
     for path in sorted(RESULTS_DIR.glob("*.json")):
         if path.name.startswith(PENDING_MIGRATION):
             out.append(pytest.param(path, marks=pytest.mark.xfail(
-                strict=True, reason="bench/reliability.py does not write through bench.results_io yet")))
+                strict=True, reason="tokenyard/bench/reliability.py does not write through tokenyard.bench.results_io yet")))
         else:
             out.append(path)
     return out

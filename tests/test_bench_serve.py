@@ -1,7 +1,7 @@
 """The serving benchmark (issue 14): metric math, and a smoke run of every scenario, in seconds.
 
 Gateways run the mock engine on a thread (tests/gateway_helpers.py); the static-batch baseline
-runs a tiny random Llama with the demo tokenizer. The full runs are commands (bench/serve_cli.py).
+runs a tiny random Llama with the demo tokenizer. The full runs are commands (tokenyard/bench/serve_cli.py).
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from gateway_helpers import KEY, ROOT, add_key, mock_deployment, running_gateway
 
-from bench import scenarios as sc
-from bench.load_generator import UNFINISHED, ChatRequest, LoadConfig, arrival_offsets, held_offsets, run_load
-from bench.serve_datasets import TokenSizer, random_lengths, shared_prefix_chat, summarisation_mix, task_suite
-from bench.serve_launch import Endpoint, serve_app_in_thread, serving_checkpoint
-from bench.serving_metrics import SLO, RequestRecord, percentile, summarize
+from tokenyard.bench import scenarios as sc
+from tokenyard.bench.load_generator import UNFINISHED, ChatRequest, LoadConfig, arrival_offsets, held_offsets, run_load
+from tokenyard.bench.serve_datasets import TokenSizer, random_lengths, shared_prefix_chat, summarisation_mix, task_suite
+from tokenyard.bench.serve_launch import Endpoint, serve_app_in_thread, serving_checkpoint
+from tokenyard.bench.serving_metrics import SLO, RequestRecord, percentile, summarize
 
 DEMO_SMALL = ROOT / "models" / "demo-small"
 
@@ -119,7 +119,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 def static_launcher(model: Path, batch_size: int = 4):
-    from bench.static_batch_server import StaticBatchConfig, create_app
+    from tokenyard.bench.static_batch_server import StaticBatchConfig, create_app
 
     @contextmanager
     def launch():
@@ -272,7 +272,7 @@ def test_scenario_speculation_smoke(tmp_path):
 
 
 def test_cli_parses_and_runs_one_load(tmp_path):
-    from bench import serve_cli
+    from tokenyard.bench import serve_cli
     with running_gateway(mock_deployment(**FAST_MOCK)) as srv:
         code = serve_cli.main(["serve", "--url", srv.base_url, "--api-key", KEY, "--model", "mock",
                                "--dataset", "tasks", "--num-prompts", "3", "--request-rate", "50",
@@ -286,8 +286,8 @@ def test_derived_deployments_load_from_another_folder(tmp_path):
     """Scenario deployments are copies of deploy/default.yaml in bench/out: every path in them
     (models, router artifact, policy file) must still resolve, and a copy cut down to one engine
     drops the router and policy, which name both engines."""
-    from bench.serve_launch import derive_deployment
-    from gateway.config.deployment import load_deployment
+    from tokenyard.bench.serve_launch import derive_deployment
+    from tokenyard.gateway.config.deployment import load_deployment
 
     src = Path(__file__).resolve().parents[1] / "deploy" / "default.yaml"
     full = load_deployment(derive_deployment(src, tmp_path / "a" / "full.yaml"))

@@ -16,12 +16,12 @@ import pytest
 from aiohttp import web
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
-from gateway.spend.alert_webhook import AlertSender, verify_signature
-from gateway.spend.alerts import AlertWatcher, alerts_stream, dead_key, due_key, outbox_key, read_alerts
-from gateway.spend.config import AlertsConfig, SpendConfig
-from gateway.spend.ledger import SpendLedger
-from gateway.spend.usage import UsageRecord
-from policies import load_policy
+from tokenyard.gateway.spend.alert_webhook import AlertSender, verify_signature
+from tokenyard.gateway.spend.alerts import AlertWatcher, alerts_stream, dead_key, due_key, outbox_key, read_alerts
+from tokenyard.gateway.spend.config import AlertsConfig, SpendConfig
+from tokenyard.gateway.spend.ledger import SpendLedger
+from tokenyard.gateway.spend.usage import UsageRecord
+from tokenyard.policies import load_policy
 
 POLICY = load_policy("""\
 version: 1

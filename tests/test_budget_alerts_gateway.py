@@ -16,7 +16,7 @@ import redis
 from gateway_helpers import SHARED_REDIS, PrivateRedis, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, two_engine_deployment, wait_for
 
-from gateway.spend.alerts import alerts_stream, outbox_key
+from tokenyard.gateway.spend.alerts import alerts_stream, outbox_key
 
 SECRET = "gw-alert-secret"
 
@@ -108,7 +108,7 @@ def test_alerts_left_in_the_outbox_by_a_stopped_gateway_are_delivered_once_by_th
 
         import yaml
 
-        from cli.main import main
+        from tokenyard.cli.main import main
         config = tmp_path / "deployment.yaml"
         config.write_text(yaml.safe_dump(doc))
         out = io.StringIO()
@@ -184,7 +184,7 @@ def test_alerts_fire_once_when_records_spooled_in_a_redis_outage_are_replayed(tm
 def test_key_budget_by_name_denies_that_key_only(tmp_path):
     """A key budget counts the key's own spend (the dimension rollup the ledger wrote): the dev key
     (named "dev") is refused at its limit while another key of the same tenant is served."""
-    from gateway.auth.api_keys import KeyStore
+    from tokenyard.gateway.auth.api_keys import KeyStore
     prefix = unique_prefix("keybudget")
     policy = tmp_path / "policy.yaml"
     policy.write_text(BASE_POLICY + "tenants:\n  dev:\n    key_budgets: {dev: {per_day: '0.00001', at_limit: deny},"

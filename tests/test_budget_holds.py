@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, make_keys, put_policy, two_engine_deployment, wait_for
 
-from gateway.spend.budget_hold import BudgetHolds, BudgetReached, Meter
-from policies.budgets import Scope
-from policies.schema import Budget
+from tokenyard.gateway.spend.budget_hold import BudgetHolds, BudgetReached, Meter
+from tokenyard.policies.budgets import Scope
+from tokenyard.policies.schema import Budget
 
 MAX_TOKENS = 16
 CONCURRENT = 32

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from policies import (
+from tokenyard.policies import (
     PolicyError,
     RequestFeatures,
     TenantSpend,
@@ -18,7 +18,7 @@ from policies import (
     policy_to_yaml,
     simulate,
 )
-from policies.budgets import crossed, period_bounds, period_instance, scopes
+from tokenyard.policies.budgets import crossed, period_bounds, period_instance, scopes
 
 BASE = """\
 version: 1

@@ -1,4 +1,4 @@
-"""engines.text.chat_template renders exactly what transformers' apply_chat_template renders."""
+"""tokenyard.engines.text.chat_template renders exactly what transformers' apply_chat_template renders."""
 from __future__ import annotations
 
 import datetime
@@ -6,15 +6,15 @@ import datetime
 import pytest
 from tokenizer_factory import build_byte_level_dir, build_tiktoken_dir
 
-from engines.core.errors import CheckpointError, RequestError
-from engines.text.chat_template import (
+from tokenyard.engines.core.errors import CheckpointError, RequestError
+from tokenyard.engines.text.chat_template import (
     FALLBACK_CHAT_TEMPLATE,
     ChatTemplateError,
     apply_chat_template,
     render_chat_template,
     validate_messages,
 )
-from engines.text.tokenizer import Tokenizer
+from tokenyard.engines.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

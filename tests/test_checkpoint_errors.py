@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines import CheckpointError, Engine
+from tokenyard.engines import CheckpointError, Engine
 
 
 def _copy(src, dst):

@@ -1,12 +1,12 @@
 """Every command that reads the deployment answers a bad one the same way: one line naming the file
-and the problem, exit status 2, no traceback (cli/deployment_arg.py)."""
+and the problem, exit status 2, no traceback (tokenyard/cli/deployment_arg.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from cli.main import main
+from tokenyard.cli.main import main
 
 
 @pytest.mark.parametrize("argv", [
@@ -40,8 +40,8 @@ def test_a_bad_switch_interval_in_the_environment_is_one_line_and_exit_2(capsys,
 
 
 def test_an_engine_replica_steps_in_a_process_of_its_own_when_asked(monkeypatch):
-    import engines.serving.replica_server as replica_server
-    from engines.serving.engine_process import EngineProcess
+    import tokenyard.engines.serving.replica_server as replica_server
+    from tokenyard.engines.serving.engine_process import EngineProcess
 
     seen = []
     monkeypatch.setattr(replica_server, "serve", lambda engine, *a, **k: seen.append(engine) or 0)
@@ -58,7 +58,7 @@ def test_an_engine_replica_steps_in_a_process_of_its_own_when_asked(monkeypatch)
 def test_an_engine_replica_sets_the_switch_interval_too(monkeypatch):
     import sys
 
-    import engines.serving.replica_server as replica_server
+    import tokenyard.engines.serving.replica_server as replica_server
 
     seen = []
     monkeypatch.setattr(replica_server, "serve", lambda *a, **k: seen.append(sys.getswitchinterval()) or 0)

@@ -1,4 +1,4 @@
-"""The compiled CPU decode step (engines/model/compiled_decoder.py, knob cpu_compile).
+"""The compiled CPU decode step (tokenyard/engines/model/compiled_decoder.py, knob cpu_compile).
 
 One compiled engine is shared by the module (compiling costs tens of seconds cold, a few warm:
 the inductor cache lives in ~/.cache/tokenyard/inductor). Its greedy tokens must equal the eager
@@ -13,13 +13,13 @@ import logging
 import pytest
 import torch
 
-from engines import Engine, SamplingParams
-from engines.core.sequence import Sequence
-from engines.model import compiled_decoder, model_runner
-from engines.model.attention import AttentionMetadata
-from engines.model.compiled_decoder import cache_dir
-from kernels import paged_attention_torch as torch_path
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.sequence import Sequence
+from tokenyard.engines.model import compiled_decoder, model_runner
+from tokenyard.engines.model.attention import AttentionMetadata
+from tokenyard.engines.model.compiled_decoder import cache_dir
+from tokenyard.kernels import paged_attention_torch as torch_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 # The C decode step (tests/test_native_decode.py) would take every batch these engines schedule.
@@ -126,7 +126,7 @@ def test_no_compiler_auto_decodes_eagerly_with_a_warning_and_on_raises(checkpoin
     monkeypatch.setattr(model_runner, "compiler_error", lambda: "no C++ compiler (test)")
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
     monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")   # the suite's conftest sets off
-    with caplog.at_level(logging.WARNING, logger="engines.model.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="tokenyard.engines.model.model_runner"):
         engine = Engine(checkpoint_dir("llama"), cpu_compile="auto", **OPTIONS)
     assert engine.runner.compiled is None
     assert "no C++ compiler (test)" in caplog.text
@@ -141,7 +141,7 @@ def test_failed_compile_falls_back_under_auto_and_raises_under_on(checkpoint_dir
     monkeypatch.setattr(compiled_decoder.CompiledDecoder, "warm_up", boom)
     monkeypatch.setattr(model_runner, "AUTO_COMPILE_MIN_PARAMS", 0)
     monkeypatch.setenv("TOKENYARD_CPU_COMPILE", "auto")   # the suite's conftest sets off
-    with caplog.at_level(logging.WARNING, logger="engines.model.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="tokenyard.engines.model.model_runner"):
         engine = Engine(checkpoint_dir("llama"), cpu_compile="auto", **OPTIONS)
     assert engine.runner.compiled is None and "decoding eagerly" in caplog.text
     prompt = random_prompts(1, 5, 5, engine.model_config.vocab_size)[0]

@@ -1,4 +1,4 @@
-"""The C decode attention (kernels/cpu_decode_native.py): what the torch forms compute, over fp32
+"""The C decode attention (tokenyard/kernels/cpu_decode_native.py): what the torch forms compute, over fp32
 and int8 caches, vector and scalar paths; a clear error where it does not apply; the torch forms
 where it cannot be built. Every-form parity over mixed groups is in tests/test_kv_quant_folded.py.
 
@@ -11,11 +11,11 @@ import logging
 import pytest
 import torch
 
-import nativelib.build
-from kernels import cpu_decode_native as native
-from kernels import decode_group_torch as dg
-from kernels import paged_attention_torch as pa
-from kernels.kv_quant import QuantizedCache, quantize
+import tokenyard.nativelib.build
+from tokenyard.kernels import cpu_decode_native as native
+from tokenyard.kernels import decode_group_torch as dg
+from tokenyard.kernels import paged_attention_torch as pa
+from tokenyard.kernels.kv_quant import QuantizedCache, quantize
 
 ATOL = 2e-5
 kernel_required = pytest.mark.skipif(native.load() is None, reason="the C decode kernel cannot be built here")
@@ -91,7 +91,7 @@ def test_layers_share_one_work_buffer_without_seeing_each_other():
 
 def test_without_a_compiler_the_torch_forms_serve_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setattr(nativelib.build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(tokenyard.nativelib.build.shutil, "which", lambda name: None)
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger=native.__name__):
@@ -111,7 +111,7 @@ def test_the_environment_keeps_the_torch_forms(monkeypatch):
 
 
 def test_the_build_is_cached_by_source_and_flags(tmp_path):
-    if nativelib.build.compiler() is None:
+    if tokenyard.nativelib.build.compiler() is None:
         pytest.skip("no C compiler")
     lib = native.compile_library(tmp_path)
     stamp = lib.stat().st_mtime_ns

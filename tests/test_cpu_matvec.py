@@ -1,4 +1,4 @@
-"""The C decode step's matrix-vector products alone (kernels/cpu_matvec.c via Library.matvec).
+"""The C decode step's matrix-vector products alone (tokenyard/kernels/cpu_matvec.c via Library.matvec).
 
 Products run in register tiles of rows x tokens with 1-row and 1-token edges and a scalar tail
 along k, over blocks of tokens; quantised weights are widened in the tile or, for larger batches,
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_decode_step
-from kernels.cpu_decode_step import INT4, INT4_ROWS16, Library, StepLinear, fp16_carries, int4_rows16
-from nativelib.build import cached_library, compiler
+from tokenyard.kernels import cpu_decode_step
+from tokenyard.kernels.cpu_decode_step import INT4, INT4_ROWS16, Library, StepLinear, fp16_carries, int4_rows16
+from tokenyard.nativelib.build import cached_library, compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
 

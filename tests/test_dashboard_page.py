@@ -15,7 +15,7 @@ import pytest
 import redis
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
-from gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.api_keys import KeyStore
 
 CHROMIUM = os.environ.get("TOKENYARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = ROOT / "tests" / "artifacts"

@@ -10,9 +10,9 @@ import pytest
 import redis
 from gateway_helpers import KEY, SHARED_REDIS, add_key, delete_prefix, mock_deployment, running_gateway, unique_prefix
 
-from gateway.auth.api_keys import KeyStore
-from gateway.auth.sessions import COOKIE
-from gateway.observability.metrics_access import _is_loopback
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.sessions import COOKIE
+from tokenyard.gateway.observability.metrics_access import _is_loopback
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 

@@ -11,10 +11,10 @@ import json
 import pytest
 from gateway_helpers import ROOT, mock_deployment, running_gateway
 
-from engines.core.config import EngineConfig
-from engines.model import kv_cache
-from engines.model.model_config import ModelConfig
-from gateway.config.deployment import load_deployment
+from tokenyard.engines.core.config import EngineConfig
+from tokenyard.engines.model import kv_cache
+from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.gateway.config.deployment import load_deployment
 
 
 def _kv_capacity_tokens(model, options: dict) -> tuple[int, int]:
@@ -48,9 +48,9 @@ def test_models_list_reports_max_model_len():
 
 def test_generate_holds_the_default_models_full_context(monkeypatch):
     """`tokenyard generate` without --model (SmolLM2) had 256 MiB of KV: 5,824 of 8,192 tokens."""
-    from cli.main import main
-    from engines.core.errors import CheckpointError
-    from engines.serving import generate_cli
+    from tokenyard.cli.main import main
+    from tokenyard.engines.core.errors import CheckpointError
+    from tokenyard.engines.serving import generate_cli
 
     built = []
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.evaluate import ENGINE_OPTIONS, measure
+from tokenyard.demo.evaluate import ENGINE_OPTIONS, measure
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "bench" / "demo_sample_accuracy.json"
@@ -52,7 +52,7 @@ def test_engine_shows_the_recorded_gap_between_small_and_large(record, measured)
 
 
 def test_eval_command_writes_the_record_format(tmp_path, record):
-    from cli.main import main
+    from tokenyard.cli.main import main
 
     out = tmp_path / "acc.json"
     small = str(ROOT / "models" / "demo-small")

@@ -1,14 +1,14 @@
 """The demo training command runs end to end in smoke mode, so it cannot rot; on one machine a
 rerun gives the same weights bit for bit (across machines only accuracy reproduces: see
-demo/train.py and tests/test_demo_models.py)."""
+tokenyard/demo/train.py and tests/test_demo_models.py)."""
 import json
 
 import pytest
 import torch
 
-from demo.train import SPECS, TrainConfig, make_model, train
-from engines import LLM, SamplingParams
-from engines.text.tokenizer import Tokenizer
+from tokenyard.demo.train import SPECS, TrainConfig, make_model, train
+from tokenyard.engines import LLM, SamplingParams
+from tokenyard.engines.text.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 
@@ -52,7 +52,7 @@ def test_rerun_on_one_machine_gives_the_same_bits(tmp_path):
 
 
 def test_cli_smoke(capsys):
-    from cli.main import main
+    from tokenyard.cli.main import main
 
     assert main(["demo", "train", "--which", "small", "--smoke"]) == 0
     assert "wrote" in capsys.readouterr().out

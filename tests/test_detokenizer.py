@@ -1,4 +1,4 @@
-"""engines.text.detokenizer: streamed deltas are whole characters, add up to the text, and obey stops."""
+"""tokenyard.engines.text.detokenizer: streamed deltas are whole characters, add up to the text, and obey stops."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizer_factory import build_byte_fallback_dir, build_byte_level_dir
 
-from engines.core.errors import RequestError
-from engines.text.detokenizer import IncrementalDetokenizer
-from engines.text.tokenizer import Tokenizer
+from tokenyard.engines.core.errors import RequestError
+from tokenyard.engines.text.detokenizer import IncrementalDetokenizer
+from tokenyard.engines.text.tokenizer import Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

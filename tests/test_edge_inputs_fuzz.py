@@ -14,7 +14,7 @@ from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique
 from policy_gateway_helpers import BASE_POLICY, bearer, make_keys, put_policy, two_engine_deployment
 from reliability_common import ErrorLogs
 
-from gateway.auth.sessions import COOKIE
+from tokenyard.gateway.auth.sessions import COOKIE
 
 NASTY = ["\u00b2", "\u09e9", "9" * 5000, "-1", "0", "nan", "inf", "-inf", "1e308", "1" + "0" * 400,
          "18446744073709551616-0.acme", "\ud800", "%", "\x00", " ", "", "7d" * 300, "0001-01-01T00:00:00+14:00"]

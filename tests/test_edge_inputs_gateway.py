@@ -13,7 +13,7 @@ import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, make_keys, put_policy, two_engine_deployment
 
-from gateway.auth.sessions import COOKIE
+from tokenyard.gateway.auth.sessions import COOKIE
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 SUPERSCRIPT_TWO = "\u00b2"        # "²".isdigit() is True, int("²") raises
@@ -140,7 +140,7 @@ def test_spend_readers_survive_a_stored_surrogate(world):
     """A record written before the edge refused surrogates (or by another writer) must not make
     the drill-down answer 500 for the 30 days it is kept."""
     srv, keys, prefix = world
-    from gateway.spend.redis_keys import stream_key
+    from tokenyard.gateway.spend.redis_keys import stream_key
     client = redis.Redis.from_url(SHARED_REDIS)
     try:
         rec = json.loads(client.xrevrange(stream_key(prefix, "acme"), count=1)[0][1][b"r"])

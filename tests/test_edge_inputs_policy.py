@@ -11,8 +11,8 @@ import pytest
 from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique_prefix
 from policy_gateway_helpers import BASE_POLICY, bearer, make_keys, put_policy, two_engine_deployment
 
-from policies import PolicyError, load_policy
-from policies.line_diff import unified_diff
+from tokenyard.policies import PolicyError, load_policy
+from tokenyard.policies.line_diff import unified_diff
 
 
 def laughs(levels: int = 9, width: int = 9) -> str:

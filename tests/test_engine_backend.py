@@ -1,4 +1,4 @@
-"""Every engine the gateway can drive offers the same backend interface (engines/core/backend.py), with
+"""Every engine the gateway can drive offers the same backend interface (tokenyard/engines/core/backend.py), with
 the same parameter names, so admission and dispatch never need to know which one they hold."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 
-from engines.core.async_engine import AsyncEngine
-from engines.core.backend import EngineBackend
-from gateway.backends.remote_engine import RemoteEngine
-from gateway.backends.replica_pool import ReplicaPool
+from tokenyard.engines.core.async_engine import AsyncEngine
+from tokenyard.engines.core.backend import EngineBackend
+from tokenyard.gateway.backends.remote_engine import RemoteEngine
+from tokenyard.gateway.backends.replica_pool import ReplicaPool
 
 MEMBERS = ["dead", "max_model_len", "num_in_flight", "start", "stop", "add_request", "abort", "stats"]
 

@@ -1,8 +1,8 @@
 """Continuous batching: batch invariance, block accounting, bad input."""
 import pytest
 
-from engines import LLM, Engine, RequestError, SamplingParams
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import LLM, Engine, RequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

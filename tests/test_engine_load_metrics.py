@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from gateway_helpers import mock_deployment, running_gateway
 
-from engines.core.engine import Engine
-from engines.core.outputs import BATCH_BUCKETS
-from engines.core.sampling_params import SamplingParams
-from gateway.web.dashboard_view import live_stats
+from tokenyard.engines.core.engine import Engine
+from tokenyard.engines.core.outputs import BATCH_BUCKETS
+from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.gateway.web.dashboard_view import live_stats
 
 
 def test_engine_counts_its_load(checkpoint_dir):

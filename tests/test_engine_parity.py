@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
 from tests.engine_helpers import prompt_logits, random_prompts
+from tokenyard.engines import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 ARCHS = ["llama", "mistral", "qwen2"]

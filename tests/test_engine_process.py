@@ -1,4 +1,4 @@
-"""An engine stepped in a child process (engines/serving/engine_process.py), with the mock engine:
+"""An engine stepped in a child process (tokenyard/engines/serving/engine_process.py), with the mock engine:
 streams, refusals as 400-shaped outputs, aborts, a killed child (requests fail at once, the process
 starts again), a build that fails (its exception reaches the caller), a step that raises inside the
 child, and the gateway serving through it (`server.engine_process`)."""
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 from gateway_helpers import ROOT, mock_deployment, running_gateway, sse_events
 
-from engines.core.errors import EngineDeadError, RequestError
-from engines.serving.engine_process import EngineProcess, EngineRecipe, _child_main, _Link
-from engines.serving.mock_engine import MockEngine
+from tokenyard.engines.core.errors import EngineDeadError, RequestError
+from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe, _child_main, _Link
+from tokenyard.engines.serving.mock_engine import MockEngine
 
 MODEL = ROOT / "models" / "demo-small"
 
@@ -224,21 +224,21 @@ def test_several_engines_in_processes_are_warned_about(monkeypatch, caplog):
     """They step at the same time (in-process engines take turns): the operator is told at start."""
     import logging
 
-    from gateway.backends import engine_pool
-    from gateway.config.deployment import parse_deployment
+    from tokenyard.gateway.backends import engine_pool
+    from tokenyard.gateway.config.deployment import parse_deployment
 
     doc = mock_deployment()
     doc["engines"]["other"] = dict(doc["engines"]["mock"])
     dep = parse_deployment(doc, base_dir=ROOT)
     built = []
     monkeypatch.setattr(engine_pool, "EngineProcess", lambda recipe, name: built.append((recipe, name)) or name)
-    with caplog.at_level(logging.WARNING, logger="gateway.backends.engine_pool"):
+    with caplog.at_level(logging.WARNING, logger="tokenyard.gateway.backends.engine_pool"):
         handles = engine_pool.load_engines(dep.engines, engine_process=True)
     assert [n for _, n in built] == ["mock", "other"] and handles["other"].engine == "other"
     assert built[0][0] == EngineRecipe("mock", MODEL, {})
     assert "mock, other each step in a process of their own" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="gateway.backends.engine_pool"):
+    with caplog.at_level(logging.WARNING, logger="tokenyard.gateway.backends.engine_pool"):
         handles = engine_pool.load_engines({"mock": dep.engines["mock"]}, engine_process=True)
     assert "at the same time" not in caplog.text
 

@@ -1,4 +1,4 @@
-"""Weighted fair share in the admission queue (gateway/admission/fair_queue.py), on its own.
+"""Weighted fair share in the admission queue (tokenyard/gateway/admission/fair_queue.py), on its own.
 
 Each test drives the queue the way an engine under saturation does: every tenant keeps requests
 waiting, and the engine takes one request whenever one finishes. The tokens each tenant is served
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from gateway.admission.fair_queue import FairQueue, Waiter
+from tokenyard.gateway.admission.fair_queue import FairQueue, Waiter
 
 
 def _waiter(tenant: str, cost: int, weight: int = 1, priority: int = 0) -> Waiter:

@@ -1,4 +1,4 @@
-"""Upload file names are display names, never paths (gateway/batch/file_names.py): the basename, no
+"""Upload file names are display names, never paths (tokenyard/gateway/batch/file_names.py): the basename, no
 control or format characters, valid UTF-8, at most 255 bytes, a fallback when nothing is left; and
 a refused upload's 400 names the expected field instead of echoing an object's repr."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import unicodedata
 import pytest
 from batch_helpers import batch_gateway, chat_line, client, jsonl
 
-from gateway.batch.file_names import FALLBACK, MAX_BYTES, safe_filename
+from tokenyard.gateway.batch.file_names import FALLBACK, MAX_BYTES, safe_filename
 
 BODY = jsonl([chat_line("a")])
 

@@ -4,7 +4,8 @@ real engine, dashboard pages also signed in. No 5xx; every 4xx body is OpenAI's
 {"error": {"message", "type", "param", "code"}} (the one HTML exception: a refused dashboard
 sign-in shows the form again, as documented); no error logged.
 
-Fast here (1,000+ cases, ~15 s); the full run (3,000+ cases): `pytest -m reliability` or `python -m bench.reliability fuzz`."""
+Fast here (1,000+ cases, ~15 s); the full run (3,000+ cases): `pytest -m reliability` or
+`python -m tokenyard.bench.reliability fuzz`."""
 from __future__ import annotations
 
 import json

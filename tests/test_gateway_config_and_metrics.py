@@ -8,7 +8,7 @@ import pytest
 import redis
 from gateway_helpers import ROOT, mock_deployment, running_gateway
 
-from gateway.config.deployment import (
+from tokenyard.gateway.config.deployment import (
     AdmissionConfig,
     DeploymentError,
     Prices,
@@ -17,8 +17,8 @@ from gateway.config.deployment import (
     load_deployment,
     parse_deployment,
 )
-from gateway.observability.metrics import GatewayMetrics
-from gateway.store.embedded_redis import EmbeddedRedis
+from tokenyard.gateway.observability.metrics import GatewayMetrics
+from tokenyard.gateway.store.embedded_redis import EmbeddedRedis
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -99,7 +99,7 @@ def test_serve_sets_the_processes_switch_interval(monkeypatch):
     """serve() applies the knob before anything starts (stopped right after, at the fd limit)."""
     import sys
 
-    from gateway.http import server
+    from tokenyard.gateway.http import server
 
     class Stop(Exception):
         pass

@@ -12,12 +12,12 @@ import time
 import pytest
 from gateway_helpers import KEY, ROOT, running_gateway
 
-from engines.core.async_engine import AsyncEngine
-from engines.core.engine import Engine
-from engines.core.sampling_params import SamplingParams
-from engines.text.tokenizer import Tokenizer
-from gateway.backends.engine_pool import EngineHandle
-from gateway.config.deployment import Prices
+from tokenyard.engines.core.async_engine import AsyncEngine
+from tokenyard.engines.core.engine import Engine
+from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.text.tokenizer import Tokenizer
+from tokenyard.gateway.backends.engine_pool import EngineHandle
+from tokenyard.gateway.config.deployment import Prices
 
 MODEL = ROOT / "models" / "demo-small"
 MAX_TOKENS = 400

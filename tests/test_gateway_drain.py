@@ -41,7 +41,7 @@ def test_sigterm_drains_then_exits(tmp_path):
         "engines": {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small"), "token_ms": 25}}}))
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379", "TOKENYARD_DEV_KEY": "drain-key",
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "serve", "--config", str(cfg)], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30

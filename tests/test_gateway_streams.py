@@ -10,10 +10,10 @@ import openai
 import pytest
 from gateway_helpers import KEY, ROOT, mock_deployment, running_gateway, sse_events
 
-from engines.core.async_engine import AsyncEngine
-from engines.serving.mock_engine import MockEngine
-from gateway.backends.engine_pool import EngineHandle
-from gateway.config.deployment import Prices
+from tokenyard.engines.core.async_engine import AsyncEngine
+from tokenyard.engines.serving.mock_engine import MockEngine
+from tokenyard.gateway.backends.engine_pool import EngineHandle
+from tokenyard.gateway.config.deployment import Prices
 
 MODEL = ROOT / "models" / "demo-small"
 

@@ -1,5 +1,5 @@
 """GGUF weights kept quantised: Q4_0/Q4_1 blocks as the engine's int4 layout (group 32), the rest
-requantised with its error measured (engines/quant/gguf_quantized.py `load_gguf_quantized`).
+requantised with its error measured (tokenyard/engines/quant/gguf_quantized.py `load_gguf_quantized`).
 
 Tolerances:
 - Q4_0/Q4_1 -> int4 and the reference matmul: exact (rtol = atol = 0). The layout holds gguf's
@@ -22,17 +22,17 @@ import numpy as np
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from engines.core.errors import CheckpointError
-from engines.quant.gguf_quantized import load_gguf_quantized
-from engines.quant.quantized_linear import QuantLinear
-from engines.weights import gguf_reader as gr
-from engines.weights.gguf_loader import load_gguf_model
-from engines.weights.gguf_models import smollm2_path
-from kernels.quant_layout import dequantize_int4_weight, dequantize_int8, unpack_int4
 from tests.engine_helpers import prompt_logits
 from tests.test_gguf_reader import write_gguf
 from tests.triton_mode import DEVICE
+from tokenyard.engines import LLM, SamplingParams
+from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.quant.gguf_quantized import load_gguf_quantized
+from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.weights import gguf_reader as gr
+from tokenyard.engines.weights.gguf_loader import load_gguf_model
+from tokenyard.engines.weights.gguf_models import smollm2_path
+from tokenyard.kernels.quant_layout import dequantize_int4_weight, dequantize_int8, unpack_int4
 
 T = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -120,7 +120,7 @@ def _quant_modules(model):
 
 def _dequantised(m: QuantLinear) -> torch.Tensor:
     if m.int4:
-        from kernels.quant_layout import dequantize_int4
+        from tokenyard.kernels.quant_layout import dequantize_int4
         return dequantize_int4(m.packed, m.scales, m.zeros, m.group_size, mins=m.mins)
     return dequantize_int8(m.w_q, m.scales)
 
@@ -151,7 +151,7 @@ def test_int8_from_q8_0_and_other_requantisations_report_their_error(checkpoint_
     cases = [("int8", 32, "int8"), ("int4", 32, "int4")]
     for mode, group, proj_mode in cases:
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="engines.quant.gguf_quantized"):
+        with caplog.at_level(logging.INFO, logger="tokenyard.engines.quant.gguf_quantized"):
             model, cfg, report = load_gguf_quantized(path, torch.float32, CPU, 64, mode, group, backend="torch",
                                                      progress=False)
         assert report.native == 0 and len(report.requantised) == 7 * cfg.num_layers + 1

@@ -8,20 +8,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines import LLM
-from engines.core.errors import CheckpointError
-from engines.model.model_config import ModelConfig, llama3_inv_freq
-from engines.text.byte_level import byte_level_table
-from engines.text.tokenizer import Tokenizer
-from engines.weights.checkpoint import load_model
 from tests.engine_helpers import prompt_logits
+from tokenyard.engines import LLM
+from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.model.model_config import ModelConfig, llama3_inv_freq
+from tokenyard.engines.text.byte_level import byte_level_table
+from tokenyard.engines.text.tokenizer import Tokenizer
+from tokenyard.engines.weights.checkpoint import load_model
 
 T = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "l l", "e ll", "ell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-# HF name pieces -> llama.cpp's (spelled out here, independently of engines.weights.gguf_reader).
+# HF name pieces -> llama.cpp's (spelled out here, independently of tokenyard.engines.weights.gguf_reader).
 LAYER_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -136,7 +136,7 @@ def expected_params(hf_dir, qtype):
 
 def engine_param(model, cfg: ModelConfig, hf: str) -> torch.Tensor:
     """The rows of our (fused) parameter that hold HF tensor `hf`."""
-    from engines.weights.weight_names import parameter_targets
+    from tokenyard.engines.weights.weight_names import parameter_targets
 
     ours, rows, _ = parameter_targets(cfg)[hf]
     p = dict(model.named_parameters())[ours]

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from engines.core.errors import CheckpointError
-from engines.text.chat_template import apply_chat_template
-from engines.weights.gguf_models import smollm2_path
 from tests.engine_helpers import prompt_logits
+from tokenyard.engines import LLM, SamplingParams
+from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.text.chat_template import apply_chat_template
+from tokenyard.engines.weights.gguf_models import smollm2_path
 
 PARITY_TOL = 1e-4
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _smollm2_engine() -> dict:
     try:
-        from engines.weights.gguf_models import smollm2_path
+        from tokenyard.engines.weights.gguf_models import smollm2_path
         smollm2_path()
     except Exception as e:  # noqa: BLE001 - the reason is the skip message
         if os.environ.get("CI") == "true":

@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh --dry-run: the whole GPU check, run the way the GPU machine runs it (a fresh
+"""tokenyard/bench/gpu_check.sh --dry-run: the whole GPU check, run the way the GPU machine runs it (a fresh
 process, PYTHONPATH=., kernels interpreted on the CPU at toy sizes), so the script cannot rot
 between GPU sessions. The figures prove the plumbing only; the GPU run proves the kernels."""
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import Check
-from bench.gpu_check_summary import summary_rows
+from tokenyard.bench.gpu_check import Check
+from tokenyard.bench.gpu_check_summary import summary_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("triton", reason="triton is not installed: the GPU check's kernels cannot run")
@@ -20,7 +20,7 @@ def test_dry_run_passes_and_reports_every_row(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
     env["PYTHON"] = sys.executable
-    proc = subprocess.run([str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
+    proc = subprocess.run([str(ROOT / "tokenyard" / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

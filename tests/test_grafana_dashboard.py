@@ -9,7 +9,7 @@ import sys
 
 from gateway_helpers import ROOT, mock_deployment, running_gateway
 
-from gateway.observability.device_metrics import NAMES as GPU_NAMES
+from tokenyard.gateway.observability.device_metrics import NAMES as GPU_NAMES
 
 BOARD = ROOT / "docs" / "grafana" / "tokenyard.json"
 SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")

@@ -20,7 +20,7 @@ import pytest
 from gateway_helpers import AUTH, ROOT, running_gateway
 from slow_grammar_recipe import SlowGrammarRecipe
 
-from gateway.backends import engine_pool
+from tokenyard.gateway.backends import engine_pool
 
 DEMO = str(ROOT / "models" / "demo-small")
 EOS = 1961                      # demo-small's end of sequence, banned so the other stream runs long
@@ -150,9 +150,9 @@ def test_engine_process_prepare_while_idle_and_when_the_child_dies(monkeypatch):
     import os
     import signal
 
-    from engines.core.errors import EngineDeadError
-    from engines.core.sampling_params import SamplingParams
-    from engines.serving.engine_process import EngineProcess
+    from tokenyard.engines.core.errors import EngineDeadError
+    from tokenyard.engines.core.sampling_params import SamplingParams
+    from tokenyard.engines.serving.engine_process import EngineProcess
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
     fmt = {"type": "json_schema", "schema": schema(5)["json_schema"]["schema"]}
@@ -190,7 +190,7 @@ def running_replica(engine):
     """`tokenyard engine serve`'s app over `engine`, served on a thread of this process."""
     import uvicorn
 
-    from engines.serving.replica_server import ReplicaState, build_app
+    from tokenyard.engines.serving.replica_server import ReplicaState, build_app
 
     state = ReplicaState(engine)
 
@@ -253,9 +253,9 @@ def test_a_replica_prepares_grammars_off_its_loop(monkeypatch, one_torch_thread)
     """The replica server awaits the engine's prepare before add_request: while a new schema compiles
     (a 1.2 s sleep here), its other stream keeps its pace and /health answers; a schema over the
     compile budget is a 400 of kind grammar (the gateway's 400 naming response_format)."""
-    from engines.core.async_engine import AsyncEngine
-    from engines.core.engine import Engine
-    from engines.core.structured_output import Grammars
+    from tokenyard.engines.core.async_engine import AsyncEngine
+    from tokenyard.engines.core.engine import Engine
+    from tokenyard.engines.core.structured_output import Grammars
 
     real, seen = Grammars.compile, set()
 

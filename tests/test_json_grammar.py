@@ -1,4 +1,4 @@
-"""The grammars response_format schemas compile to (engines.core.json_grammar, schema_keywords): numbers and
+"""The grammars response_format schemas compile to (tokenyard.engines.core.json_grammar, schema_keywords): numbers and
 strings bounded, no raw control characters, every keyword we accept enforced. Walks run over a small
 vocabulary (single bytes, a few UTF-8 characters and multi-character tokens) so they take milliseconds."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import xgrammar as xgr
 from pydantic import BaseModel, Field
 from test_schema_keywords import Order as PydanticOrder
 
-from engines.core.json_grammar import (
+from tokenyard.engines.core.json_grammar import (
     DEFAULT_MAX_ITEMS,
     DEFAULT_MAX_STRING,
     MAX_EXPONENT_DIGITS,
@@ -22,7 +22,7 @@ from engines.core.json_grammar import (
     MAX_INT_DIGITS,
     json_schema_ebnf,
 )
-from engines.core.structured_output import Grammars
+from tokenyard.engines.core.structured_output import Grammars
 
 EOS = 0
 TOKENS = ([b"</s>"] + [bytes([b]) for b in range(128)]

@@ -1,5 +1,5 @@
 """A key's own --rpm/--tpm is never loosened by a policy's rate class: with the shipped default
-policy (policies/examples/default.yaml: every tenant in the "standard" class, 600 requests per
+policy (tokenyard/policies/examples/default.yaml: every tenant in the "standard" class, 600 requests per
 minute) a key made with --rpm 5 gets 5 requests, and its headers say 5. The class still limits the
 tenant's keys together, and a stricter class tightens a key's looser limit."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import redis
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix
 from policy_gateway_helpers import MODEL, bearer, put_policy
 
-from gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.api_keys import KeyStore
 
-SHIPPED_POLICY = (ROOT / "policies" / "examples" / "default.yaml").read_text()
+SHIPPED_POLICY = (ROOT / "tokenyard" / "policies" / "examples" / "default.yaml").read_text()
 MESSAGES = [{"role": "user", "content": "Add 12 and 30."}]
 
 

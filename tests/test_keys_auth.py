@@ -10,8 +10,8 @@ import redis
 import yaml
 from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix
 
-from cli import main as cli
-from gateway.auth.api_keys import KeyStore, hash_key, key_id_of
+from tokenyard.cli import main as cli
+from tokenyard.gateway.auth.api_keys import KeyStore, hash_key, key_id_of
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

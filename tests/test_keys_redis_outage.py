@@ -8,7 +8,7 @@ import time
 import redis
 from gateway_helpers import PrivateRedis, mock_deployment, running_gateway
 
-from gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.api_keys import KeyStore
 
 BODY = {"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,4 +1,4 @@
-"""Quantised KV cache (EngineConfig.kv_cache_dtype int8 / fp8_e4m3; kernels/kv_quant.py).
+"""Quantised KV cache (EngineConfig.kv_cache_dtype int8 / fp8_e4m3; tokenyard/kernels/kv_quant.py).
 
 Error bounds of one stored value x of a (token, kv head) row with scale s = max|x| / QMAX:
 int8 stores round(x / s), so |x - x'| <= s / 2 (plus fp32 rounding of the division and the
@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import Engine, SamplingParams
-from engines.core.config import EngineConfig
-from engines.model.kv_cache import bytes_per_block
-from engines.model.model_config import ModelConfig
-from kernels import kv_quant
-from kernels import paged_attention_torch as torch_path
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.config import EngineConfig
+from tokenyard.engines.model.kv_cache import bytes_per_block
+from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.kernels import kv_quant
+from tokenyard.kernels import paged_attention_torch as torch_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SMALL, DEMO_LARGE = ROOT / "models" / "demo-small", ROOT / "models" / "demo-large"
@@ -157,7 +157,7 @@ def test_blocks_follow_the_byte_budget_and_stats_report_bytes_per_block(model_dt
 
 
 def test_gateway_metric_reports_bytes_per_block():
-    from gateway.observability.metrics import GatewayMetrics
+    from tokenyard.gateway.observability.metrics import GatewayMetrics
 
     class _Eng:   # the backend surface the collector reads
         num_failed_steps = 0

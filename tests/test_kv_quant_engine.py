@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engines import LLM, Engine, SamplingParams
-from kernels import kv_quant
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import LLM, Engine, SamplingParams
+from tokenyard.kernels import kv_quant
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SMALL, DEMO_LARGE = ROOT / "models" / "demo-small", ROOT / "models" / "demo-large"
@@ -38,7 +38,7 @@ AGREEMENT_FLOOR = {("demo-small", "int8"): 0.90, ("demo-small", "fp8_e4m3"): 0.7
 
 @pytest.mark.parametrize("model", [DEMO_SMALL, DEMO_LARGE], ids=["demo-small", "demo-large"])
 def test_greedy_replies_agree_with_unquantised_kv_on_demo_tasks(model):
-    from demo import task_suite
+    from tokenyard.demo import task_suite
     items = task_suite.generate_items("test", ITEMS[model.name], seed=0)
     ref = _chat_replies(model, "auto", items)
     for kv in QUANT:

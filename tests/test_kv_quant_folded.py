@@ -1,4 +1,4 @@
-"""Decode-group attention on CPU (kernels/decode_group_torch.py): every form, over fp32 and
+"""Decode-group attention on CPU (tokenyard/kernels/decode_group_torch.py): every form, over fp32 and
 quantised caches, against a dense reference written here (dequantise the whole cache, then per
 sequence and head softmax(q . K^T * scale + mask) . V with the GQA head mapping spelled out).
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_decode_native
-from kernels import decode_group_torch as dg
-from kernels import paged_attention_torch as pa
-from kernels.kv_quant import QuantizedCache, dequantize, quantize
+from tokenyard.kernels import cpu_decode_native
+from tokenyard.kernels import decode_group_torch as dg
+from tokenyard.kernels import paged_attention_torch as pa
+from tokenyard.kernels.kv_quant import QuantizedCache, dequantize, quantize
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 16, 16
 ATOL = 2e-5

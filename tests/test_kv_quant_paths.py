@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines import Engine, SamplingParams
-from kernels import kv_quant
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.kernels import kv_quant
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

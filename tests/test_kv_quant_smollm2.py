@@ -10,7 +10,7 @@ against fp32 weights agree on 52% of 200 replies, bench/results/smollm2.json). A
 free-running greedy reply flips at near-ties, so the floors sit two flips below the 8-chat
 figures and under the larger runs' rates. The test loads the model three times; at load average
 5-6 on this 2-core VM it took minutes, most of it waiting for a core.
-bench/kv_quant_bench.py measures the per-token NLL change (bench/RESULTS.md).
+tokenyard/bench/kv_quant_bench.py measures the per-token NLL change (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import os
 
 import pytest
 
-from engines import LLM, SamplingParams
-from engines.core.errors import CheckpointError
-from engines.weights.gguf_models import smollm2_path
+from tokenyard.engines import LLM, SamplingParams
+from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.weights.gguf_models import smollm2_path
 
 FLOORS = {"int8": (0.62, 0.75), "fp8_e4m3": (0.5, 0.7)}   # (identical replies, shared-prefix share)
 
@@ -42,7 +42,7 @@ def _replies(path, kv: str, chats) -> list[list[int]]:
 
 
 def test_greedy_replies_agree_with_unquantised_kv(path):
-    from demo import task_suite
+    from tokenyard.demo import task_suite
     chats = [list(it.messages) for it in task_suite.generate_items("test", 8, seed=0)]
     ref = _replies(path, "auto", chats)
     for kv, (floor_exact, floor_prefix) in FLOORS.items():

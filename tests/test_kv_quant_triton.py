@@ -1,4 +1,4 @@
-"""The Triton KV kernels on quantised caches (kernels/kv_quant.py: int8 / fp8 e4m3 codes with one
+"""The Triton KV kernels on quantised caches (tokenyard/kernels/kv_quant.py: int8 / fp8 e4m3 codes with one
 fp32 scale per kv head and slot) against the torch path: compiled on a CUDA device, else on the
 CPU under Triton's interpreter (tests/triton_mode.py decides, once per run).
 
@@ -24,9 +24,9 @@ from tests.triton_mode import DEVICE, INTERPRETED, patch_interpreter_bf16
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
-from kernels import kv_quant  # noqa: E402
-from kernels import paged_attention_torch as pa_ref  # noqa: E402
-from kernels import paged_attention_triton as pa  # noqa: E402
+from tokenyard.kernels import kv_quant  # noqa: E402
+from tokenyard.kernels import paged_attention_torch as pa_ref  # noqa: E402
+from tokenyard.kernels import paged_attention_triton as pa  # noqa: E402
 
 QUANT = ("int8", "fp8_e4m3")
 ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from engines import LLM, RequestError, SamplingParams
 from tests.test_tensor_parallel import OPTS
+from tokenyard.engines import LLM, RequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

@@ -13,8 +13,8 @@ import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix
 from policy_gateway_helpers import bearer
 
-from gateway.auth.api_keys import KeyStore
-from policies import EngineState, RequestFeatures, TenantSpend, decide, load_policy
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.policies import EngineState, RequestFeatures, TenantSpend, decide, load_policy
 
 MESSAGES = [{"role": "user", "content": "Add 12 and 30."}]
 

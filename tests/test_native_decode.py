@@ -1,4 +1,4 @@
-"""The C decode step (kernels/cpu_decode_step.c via engines/model/native_decoder.py, knob cpu_decode_step).
+"""The C decode step (tokenyard/kernels/cpu_decode_step.c via tokenyard/engines/model/native_decoder.py, knob cpu_decode_step).
 
 Its logits and the K/V it writes must equal the eager forward's to fp32 rounding (atol 1e-4 on
 logits of magnitude ~3: the sums run in another order) for every architecture feature the tests'
@@ -16,17 +16,17 @@ import platform
 import pytest
 import torch
 
-from engines import Engine, SamplingParams
-from engines.core.sequence import Sequence
-from engines.model import model_runner, native_decoder
-from engines.model.attention import AttentionMetadata
-from engines.model.native_decoder import NativeDecoder, step_linear
-from engines.quant.quantized_linear import QuantLinear
-from kernels import cpu_decode_step
-from kernels.cpu_decode_step import INT4_ROWS16, linear_slots
-from kernels.quant_layout import dequantize_int4_weight, quantize_int4
-from nativelib.build import compiler
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.sequence import Sequence
+from tokenyard.engines.model import model_runner, native_decoder
+from tokenyard.engines.model.attention import AttentionMetadata
+from tokenyard.engines.model.native_decoder import NativeDecoder, step_linear
+from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.kernels import cpu_decode_step
+from tokenyard.kernels.cpu_decode_step import INT4_ROWS16, linear_slots
+from tokenyard.kernels.quant_layout import dequantize_int4_weight, quantize_int4
+from tokenyard.nativelib.build import compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
 
@@ -281,7 +281,7 @@ def test_models_the_step_cannot_run_fall_back_under_auto_and_raise_under_on(chec
         Engine(path, cpu_decode_step="on", **int8_kv)
     # no compiler (or a failed build): a warning under auto, an error under on; the engine still serves
     monkeypatch.setattr(native_decoder.cpu_decode_step, "load", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="engines.model.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="tokenyard.engines.model.model_runner"):
         engine = Engine(path, cpu_decode_step="auto", **OPTIONS)
     assert engine.runner.native is None and "unavailable" in caplog.text
     engine.add_request("x", random_prompts(1, 4, 4, 100)[0], SamplingParams(temperature=0.0, max_tokens=3))

@@ -1,4 +1,4 @@
-"""Eager fp32 linears on oneDNN's packed weights (engines/model/onednn_linear.py, knob cpu_onednn_linear):
+"""Eager fp32 linears on oneDNN's packed weights (tokenyard/engines/model/onednn_linear.py, knob cpu_onednn_linear):
 the same products as F.linear to fp32 rounding, only plain fp32 layers packed, parameters shared, and
 the engine's greedy tokens unchanged."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines import Engine, SamplingParams
-from engines.model import model_runner, onednn_linear
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.model import model_runner, onednn_linear
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="this torch build has no oneDNN linear ops")
 

@@ -1,4 +1,4 @@
-"""The peer harness's pure parts (bench/peers/peer_bench.py): parsing llama-bench's JSON, the SSE
+"""The peer harness's pure parts (tokenyard/bench/peers/peer_bench.py): parsing llama-bench's JSON, the SSE
 lines of a streamed /v1/completions, spreads and served figures. llama.cpp is never built or run."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from bench.peers import models as pm
-from bench.peers import peer_bench as pb
-from bench.serving_metrics import RequestRecord
+from tokenyard.bench.peers import models as pm
+from tokenyard.bench.peers import peer_bench as pb
+from tokenyard.bench.serving_metrics import RequestRecord
 
 # The fields llama-bench -o json writes per test that the harness reads (values made up).
 _ENTRY = {"build_commit": "abc1234", "build_number": 1, "cpu_info": "x86", "model_type": "llama ?B all F32",
@@ -105,7 +105,7 @@ def test_served_runs_per_server():
 
 
 def test_served_gap_variants_parse_names_and_environment():
-    from bench.served_gap import parse_variant
+    from tokenyard.bench.served_gap import parse_variant
     assert parse_variant("default") == ("default", {})
     assert parse_variant("spin:TOKENYARD_STEP_SPIN=2000,OMP_WAIT_POLICY=PASSIVE") == (
         "spin", {"TOKENYARD_STEP_SPIN": "2000", "OMP_WAIT_POLICY": "PASSIVE"})

@@ -3,7 +3,7 @@
 - A stage killed mid-stream: every in-flight request fails with an error naming the stage, well
   before tp_timeout_s; the engine refuses new work; a new engine serves.
 - A stage that hangs (stopped, sockets open): the engine gives up after tp_timeout_s.
-- "Separate nodes": rank 1 started on its own as `python -m engines.pp.stage_worker --once` with
+- "Separate nodes": rank 1 started on its own as `python -m tokenyard.engines.pp.stage_worker --once` with
   the torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) over loopback,
   and the engine (rank 0) meeting it there instead of spawning: same greedy tokens as one process,
   as a pipeline stage (P=2) and as a tensor-parallel rank (TP=2).
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from engines import Engine, SamplingParams
-from engines.core.errors import EngineDeadError
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.errors import EngineDeadError
 
 OPTS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64, progress=False, tp_timeout_s=30.0)
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_ranks_meet_through_the_torch_distributed_environment(checkpoint_dir, mo
     want = run_to_completion(single)
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    node2 = subprocess.Popen([sys.executable, "-m", "engines.pp.stage_worker", "--once", "--timeout", "60"],
+    node2 = subprocess.Popen([sys.executable, "-m", "tokenyard.engines.pp.stage_worker", "--once", "--timeout", "60"],
                              env={**os.environ, **env, "RANK": "1", "OMP_NUM_THREADS": "1"}, cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

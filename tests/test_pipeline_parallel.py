@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.random_checkpoint import build_random_checkpoint
-from engines import Engine, SamplingParams
-from engines.core.errors import CheckpointError
-from engines.pp.stage_split import stage_layers
 from tests.engine_helpers import random_prompts
 from tests.test_tensor_parallel import runner_logits
+from tokenyard.bench.random_checkpoint import build_random_checkpoint
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.pp.stage_split import stage_layers
 
 OPTS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64, progress=False, tp_timeout_s=30.0)
 LOGIT_TOL = 1e-4   # relative, as the tensor-parallel parity test

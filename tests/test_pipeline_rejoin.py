@@ -1,4 +1,4 @@
-"""Workers on other "nodes" outlive engines: one `python -m engines.pp.stage_worker` process (the
+"""Workers on other "nodes" outlive engines: one `python -m tokenyard.engines.pp.stage_worker` process (the
 torch.distributed environment over loopback, no --once) serves engine after engine that rank 0
 builds in the same process on the same MASTER_PORT (each engine a new generation in rank 0's
 store); when it is killed mid-stream the engine fails naming it, and a restarted worker (a pod
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from engines import Engine, SamplingParams
 from tests.engine_helpers import run_to_completion
 from tests.test_pipeline_faults import OPTS, REPO, _free_port
+from tokenyard.engines import Engine, SamplingParams
 
 
 @pytest.mark.timeout(180)
@@ -25,7 +25,7 @@ def test_worker_rejoins_rebuilt_engines_and_a_restarted_worker_joins(checkpoint_
     log = open(tmp_path / "worker.log", "w")
 
     def start_worker() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "engines.pp.stage_worker", "--timeout", "60"],
+        return subprocess.Popen([sys.executable, "-m", "tokenyard.engines.pp.stage_worker", "--timeout", "60"],
                                 env={**os.environ, **env, "RANK": "1", "OMP_NUM_THREADS": "1"}, cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT)
 

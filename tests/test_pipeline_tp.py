@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engines import Engine, SamplingParams
 from tests.engine_helpers import random_prompts, run_to_completion
 from tests.test_tensor_parallel import runner_logits
+from tokenyard.engines import Engine, SamplingParams
 
 OPTS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64, progress=False, tp_timeout_s=30.0)
 LOGIT_TOL = 1e-4   # relative, as the tensor-parallel parity test

@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from policies import EngineState, PolicyError, RequestFeatures, TenantSpend, decide, load_policy
-from policies.export import policy_hash, policy_to_yaml
-from policies.schema import Budget, TenantPolicy
+from tokenyard.policies import EngineState, PolicyError, RequestFeatures, TenantSpend, decide, load_policy
+from tokenyard.policies.export import policy_hash, policy_to_yaml
+from tokenyard.policies.schema import Budget, TenantPolicy
 
 TWO = """\
 version: 1
@@ -116,7 +116,7 @@ def test_overflow_never_moves_to_a_tier_the_deployment_lacks():
 
 
 def test_a_tier_the_deployment_does_not_run_is_a_deployment_problem():
-    from gateway.policy.store import deployment_problems
+    from tokenyard.gateway.policy.store import deployment_problems
     policy = load_policy(THREE)
     assert deployment_problems(policy, ["demo-small", "demo-medium", "demo-large"]) == []
     problems = deployment_problems(policy, ["demo-small", "demo-large"])

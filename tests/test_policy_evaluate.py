@@ -2,8 +2,8 @@
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from policies import EngineState, RequestFeatures, TenantSpend, decide, load_policy
-from policies.schema import Budget, Overflow, RouterSettings, TenantPolicy
+from tokenyard.policies import EngineState, RequestFeatures, TenantSpend, decide, load_policy
+from tokenyard.policies.schema import Budget, Overflow, RouterSettings, TenantPolicy
 
 HEAD = """\
 version: 1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from policies import (
+from tokenyard.policies import (
     PolicyError,
     PolicyVersion,
     canonical_json,
@@ -17,9 +17,9 @@ from policies import (
     policy_to_yaml,
     rollback_to,
 )
-from policies.schema import Prices
+from tokenyard.policies.schema import Prices
 
-EXAMPLE = (Path(__file__).resolve().parent.parent / "policies" / "examples" / "default.yaml").read_text()
+EXAMPLE = (Path(__file__).resolve().parent.parent / "tokenyard" / "policies" / "examples" / "default.yaml").read_text()
 
 DOC = """\
 # a comment

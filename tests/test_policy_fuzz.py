@@ -5,11 +5,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies import PolicyError, build_policy, load_policy, policy_hash, policy_to_yaml
-from policies.rule_validation import ACTION_KEYS, MATCH_KEYS, RANGE_KEYS, RULE_KEYS
-from policies.validation import BUDGET_KEYS, OVERFLOW_KEYS, PRICE_KEYS, RATE_KEYS, ROUTER_KEYS, TENANT_KEYS, TOP_KEYS
+from tokenyard.policies import PolicyError, build_policy, load_policy, policy_hash, policy_to_yaml
+from tokenyard.policies.rule_validation import ACTION_KEYS, MATCH_KEYS, RANGE_KEYS, RULE_KEYS
+from tokenyard.policies.validation import BUDGET_KEYS, OVERFLOW_KEYS, PRICE_KEYS, RATE_KEYS, ROUTER_KEYS, TENANT_KEYS, TOP_KEYS
 
-EXAMPLE = (Path(__file__).resolve().parent.parent / "policies" / "examples" / "default.yaml").read_text()
+EXAMPLE = (Path(__file__).resolve().parent.parent / "tokenyard" / "policies" / "examples" / "default.yaml").read_text()
 KEYS = sorted(set(TOP_KEYS + ACTION_KEYS + BUDGET_KEYS + MATCH_KEYS + OVERFLOW_KEYS + PRICE_KEYS + RANGE_KEYS
                   + RATE_KEYS + ROUTER_KEYS + RULE_KEYS + TENANT_KEYS + ("small", "large", "demo-small", "demo-large",
                                                                         "*", "x")))

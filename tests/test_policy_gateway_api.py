@@ -9,9 +9,9 @@ import pytest
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, chat, make_keys, put_policy, two_engine_deployment
 
-from gateway.config.deployment import parse_deployment
-from gateway.http.app import create_app
-from gateway.state import StartupError
+from tokenyard.gateway.config.deployment import parse_deployment
+from tokenyard.gateway.http.app import create_app
+from tokenyard.gateway.state import StartupError
 
 BAD = BASE_POLICY + """\
 rules:
@@ -153,7 +153,7 @@ def test_learned_router_scores_auto_requests_into_headers_metrics_and_records(gw
 
 def test_bad_router_artifact_fails_the_start(tmp_path):
     bad = tmp_path / "router.json"
-    body = json.loads((ROOT / "router_models" / "artifacts" / "demo_router.json").read_text())
+    body = json.loads((ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json").read_text())
     body["training"]["tampered"] = True                    # the checksum no longer matches
     bad.write_text(json.dumps(body))
     doc = two_engine_deployment("tytest:x:", router={"artifact": str(bad)})

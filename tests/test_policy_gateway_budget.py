@@ -8,7 +8,7 @@ import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique_prefix
 from policy_gateway_helpers import BASE_POLICY, chat, make_keys, put_policy, two_engine_deployment
 
-from gateway.spend.redis_keys import hours_key, rollup_key, tenants_key
+from tokenyard.gateway.spend.redis_keys import hours_key, rollup_key, tenants_key
 
 POLICY = BASE_POLICY + """\
 tenants:

@@ -5,7 +5,7 @@ import yaml
 from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, chat, make_keys, two_engine_deployment, wait_for
 
-from cli.main import main
+from tokenyard.cli.main import main
 
 
 def test_policy_cli_round_trip(tmp_path, capsys):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import estimate_cost, format_money, load_policy, parse_money
-from policies.schema import Prices
+from tokenyard.policies import estimate_cost, format_money, load_policy, parse_money
+from tokenyard.policies.schema import Prices
 
 PRICES = {"s": Prices(input=50_000, cached_input=10_000, output=200_000),
           "odd": Prices(input=333_333, cached_input=1, output=999_999)}
@@ -53,7 +53,7 @@ def test_rounding_is_half_up_once_per_request():
 
 
 def test_agrees_with_the_gateway_price_rule():
-    from gateway.config.deployment import Prices as GatewayPrices
+    from tokenyard.gateway.config.deployment import Prices as GatewayPrices
     g = GatewayPrices(input=333_333, cached_input=1, output=999_999)
     for p, c, o in [(0, 0, 0), (1, 0, 1), (1000, 17, 999), (123_456, 100_000, 7)]:
         assert estimate_cost(PRICES, "odd", p, c, o) == g.cost(p, c, o)

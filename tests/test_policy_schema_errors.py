@@ -3,8 +3,8 @@ import textwrap
 
 import pytest
 
-from policies import PolicyError, build_policy, check_policy, load_policy, load_policy_file
-from policies.schema import TimeRange
+from tokenyard.policies import PolicyError, build_policy, check_policy, load_policy, load_policy_file
+from tokenyard.policies.schema import TimeRange
 
 BASE = """\
 version: 1
@@ -198,7 +198,7 @@ def test_times_are_not_sexagesimal_and_wrap_midnight():
 
 def test_example_file_is_valid(tmp_path):
     from pathlib import Path
-    policy = load_policy_file(Path(__file__).resolve().parent.parent / "policies" / "examples" / "default.yaml")
+    policy = load_policy_file(Path(__file__).resolve().parent.parent / "tokenyard" / "policies" / "examples" / "default.yaml")
     assert (policy.engines.small, policy.engines.large) == ("demo-small", "demo-large")
     with pytest.raises(PolicyError):
         load_policy_file(tmp_path / "missing.yaml")

@@ -4,8 +4,8 @@ from collections import Counter
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
-from policies import EngineState, TenantSpend, UsageFeatures, compare, decide, estimate_cost, load_policy, simulate
-from policies.schema import RouterSettings
+from tokenyard.policies import EngineState, TenantSpend, UsageFeatures, compare, decide, estimate_cost, load_policy, simulate
+from tokenyard.policies.schema import RouterSettings
 
 DOC = """\
 version: 1

@@ -1,6 +1,6 @@
 """The CPU backend's dense prefill path for weight-only int4/int8 (issue 26 item 4): from
 INT4_DENSE_MIN_ROWS / INT8_DENSE_MIN_ROWS rows on, QuantLinear dequantises the packed weight to
-bf16 tile by tile and runs bf16 GEMMs (kernels/quant_matmul_torch.py) instead of torch's packed op.
+bf16 tile by tile and runs bf16 GEMMs (tokenyard/kernels/quant_matmul_torch.py) instead of torch's packed op.
 
 Tolerances (u = 2^-9, the bf16 unit roundoff; x_b = x rounded to bf16, the input both paths see):
 - Weights: exact. The dense path's bf16 weight equals the packed op's weight rounded to bf16, bit
@@ -26,13 +26,13 @@ import platform
 import pytest
 import torch
 
-import engines.quant.quantized_linear as ql
-from engines import Engine
-from engines.quant.quantized_linear import QuantLinear
-from kernels import cpu_gemm
-from kernels import quant_matmul_torch as qm
-from kernels.quant_layout import Int4Weight, dequantize_int4_weight, dequantize_int8, quantize_int4, quantize_int8
+import tokenyard.engines.quant.quantized_linear as ql
 from tests.engine_helpers import prompt_logits
+from tokenyard.engines import Engine
+from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.kernels import cpu_gemm
+from tokenyard.kernels import quant_matmul_torch as qm
+from tokenyard.kernels.quant_layout import Int4Weight, dequantize_int4_weight, dequantize_int8, quantize_int4, quantize_int8
 
 ULP = 2.0 ** -9
 NEVER = 1 << 60
@@ -200,7 +200,7 @@ def test_int4pack_dense_tiles():
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_compiled_graphs_take_the_packed_op_without_guarding_the_row_count(path, mode):
     """The CPU decode graph is compiled with the batch dynamic over 2..max_num_seqs
-    (engines/model/compiled_decoder.py, mark_dynamic): a branch on the row count would guard that
+    (tokenyard/engines/model/compiled_decoder.py, mark_dynamic): a branch on the row count would guard that
     range at the threshold, which dynamo refuses (ConstraintViolationError). Under torch.compile
     QuantLinear takes the packed op at every size, eager calls switch at the threshold. dynamo with
     fullgraph (a graph break is an error) and the eager backend: no compiler needed."""

@@ -14,15 +14,15 @@ import json
 import pytest
 import torch
 
-from engines import LLM, Engine, SamplingParams
-from engines.core.config import EngineConfig
-from engines.quant.quantization import quantize_model, save_quantized
-from engines.quant.quantized_linear import QuantLinear
-from engines.weights.engine_model import load_engine_model
-from kernels import quant_matmul_torch as ref_ops
-from kernels.quant_layout import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 from tests.engine_helpers import prompt_logits, random_prompts
 from tests.triton_mode import DEVICE
+from tokenyard.engines import LLM, Engine, SamplingParams
+from tokenyard.engines.core.config import EngineConfig
+from tokenyard.engines.quant.quantization import quantize_model, save_quantized
+from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.weights.engine_model import load_engine_model
+from tokenyard.kernels import quant_matmul_torch as ref_ops
+from tokenyard.kernels.quant_layout import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 
 ULP = 2.0 ** -9  # bf16 unit roundoff (8 significant bits)
 
@@ -83,7 +83,7 @@ def test_int4_cpu_matmul_matches_dequantised(group, m, n):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_triton_backend_wiring_matches_reference(mode):
-    """The CUDA path (kernels.quant_matmul_triton) as QuantLinear calls it, fp32: compiled on a GPU,
+    """The CUDA path (tokenyard.kernels.quant_matmul_triton) as QuantLinear calls it, fp32: compiled on a GPU,
     under the interpreter elsewhere (tests/triton_mode.py)."""
     pytest.importorskip("triton")
     g = torch.Generator().manual_seed(5)
@@ -167,7 +167,7 @@ def test_bad_quantization_options_are_clear_errors(checkpoint_dir, tmp_path):
 
 
 def test_quantize_cli(checkpoint_dir, tmp_path, capsys):
-    from cli.main import main
+    from tokenyard.cli.main import main
 
     out = tmp_path / "q4"
     assert main(["quantize", "--model", str(checkpoint_dir("qwen2")), "--mode", "int4", "--group-size", "32",
@@ -181,7 +181,7 @@ def test_quantize_cli(checkpoint_dir, tmp_path, capsys):
 
 # -- quality on the demo model ------------------------------------------------------------------
 #
-# Measured with bench/quant_bench.py (256 held-out items; bench/RESULTS.md): on demo-large, bf16
+# Measured with tokenyard/bench/quant_bench.py (256 held-out items; bench/RESULTS.md): on demo-large, bf16
 # alone moves the answer NLL by ~0.001-0.002 nats and flips ~2% of teacher-forced argmaxes
 # (these small models have many near-ties); int8 stays within ~0.002 nats and >= 97% top-1
 # agreement; int4 (group 128) within ~0.01 nats and ~93%. On the 64 items used here (fixed,
@@ -198,13 +198,13 @@ QUALITY_BOUNDS = {  # mode, group -> (max |NLL delta| nats/answer token, min top
 
 @pytest.fixture(scope="module")
 def demo_reference():
-    from bench.quant_bench import DEMO_MODELS, answer_nll, encoded_items, load_mode
+    from tokenyard.bench.quant_bench import DEMO_MODELS, answer_nll, encoded_items, load_mode
 
     model_dir = DEMO_MODELS[1]
     encoded = encoded_items(model_dir, 64)
     ref = load_mode(model_dir, "float32", "none", 128, False)
     nll, argmax = answer_nll(ref, encoded)
-    from demo import task_suite
+    from tokenyard.demo import task_suite
 
     items = task_suite.generate_items("test", 32, seed=7)
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=64 << 20, progress=False)
@@ -214,7 +214,7 @@ def demo_reference():
 
 @pytest.mark.parametrize("mode,group", list(QUALITY_BOUNDS))
 def test_demo_model_quality_within_measured_bounds(demo_reference, mode, group):
-    from bench.quant_bench import answer_nll, load_mode
+    from tokenyard.bench.quant_bench import answer_nll, load_mode
 
     model_dir, encoded, ref_nll, ref_argmax, items, ref_tokens = demo_reference
     max_delta, min_top1, min_greedy = QUALITY_BOUNDS[(mode, group)]
@@ -231,7 +231,7 @@ def test_demo_model_quality_within_measured_bounds(demo_reference, mode, group):
 
 
 def test_quantize_model_none_is_a_no_op_and_keeps_embedding(checkpoint_dir):
-    from engines.model.model_config import ModelConfig
+    from tokenyard.engines.model.model_config import ModelConfig
 
     src = checkpoint_dir("qwen2")
     cfg = ModelConfig.from_dir(src)

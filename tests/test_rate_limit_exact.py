@@ -23,10 +23,10 @@ SHARED_REDIS = "redis://127.0.0.1:6379"   # (not imported from gateway_helpers: 
 def _limiter(prefix: str, tokens: int):
     import redis.asyncio as aioredis
 
-    from gateway.admission.rate_limiter import RateLimiter
-    from gateway.config.deployment import RateLimits
-    from gateway.observability.metrics import GatewayMetrics
-    from gateway.store.redis_guard import RedisGuard
+    from tokenyard.gateway.admission.rate_limiter import RateLimiter
+    from tokenyard.gateway.config.deployment import RateLimits
+    from tokenyard.gateway.observability.metrics import GatewayMetrics
+    from tokenyard.gateway.store.redis_guard import RedisGuard
     metrics = GatewayMetrics(lambda: {})
     client = aioredis.Redis.from_url(SHARED_REDIS)
     cfg = RateLimits(window_s=WINDOW_S, requests=0, tokens=tokens)
@@ -35,8 +35,8 @@ def _limiter(prefix: str, tokens: int):
 
 def hammer(prefix: str, seed: int, start_at: float, out: str) -> None:
     """One process: reserve random amounts as fast as it can; refund a random part of some."""
-    from gateway.auth.api_keys import new_record
-    from gateway.http.errors import RateLimited
+    from tokenyard.gateway.auth.api_keys import new_record
+    from tokenyard.gateway.http.errors import RateLimited
 
     async def run() -> list[tuple[int, int]]:
         client, limiter = _limiter(prefix, LIMIT)
@@ -63,8 +63,8 @@ def hammer(prefix: str, seed: int, start_at: float, out: str) -> None:
 
 
 async def _steady(prefix: str) -> tuple[int, int]:
-    from gateway.auth.api_keys import new_record
-    from gateway.http.errors import RateLimited
+    from tokenyard.gateway.auth.api_keys import new_record
+    from tokenyard.gateway.http.errors import RateLimited
     client, limiter = _limiter(prefix, STEADY_LIMIT)
     rec = new_record("steady", "steady")
     sent = refused = 0

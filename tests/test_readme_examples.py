@@ -29,7 +29,7 @@ import pytest
 import yaml
 from gateway_helpers import KEY, ROOT, running_gateway
 
-from engines.text.tokenizer import Tokenizer
+from tokenyard.engines.text.tokenizer import Tokenizer
 
 README = ROOT / "README.md"
 DOC_URL = "http://127.0.0.1:8000"
@@ -165,9 +165,9 @@ def test_offline_example_runs(monkeypatch):
 
 
 def test_generate_default_is_the_one_the_readme_names(monkeypatch):
-    from cli.main import main
-    from engines.core.errors import CheckpointError
-    from engines.serving import generate_cli
+    from tokenyard.cli.main import main
+    from tokenyard.engines.core.errors import CheckpointError
+    from tokenyard.engines.serving import generate_cli
 
     ((_, code, line),) = _blocks("generate")
     first = next(c for c in code.splitlines() if c.startswith("tokenyard generate") and "--model" not in c)

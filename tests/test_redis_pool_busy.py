@@ -1,4 +1,4 @@
-"""A full Redis pool is load, not an outage (gateway/store/redis_guard.py): calls beyond the guard's
+"""A full Redis pool is load, not an outage (tokenyard/gateway/store/redis_guard.py): calls beyond the guard's
 places wait a bounded time and are then shed with 503 gateway_busy + Retry-After; Redis stays
 "available", no error is counted, nothing fails open. A real outage still is one. And the
 pool built by the gateway is a blocking one of the configured size."""
@@ -12,8 +12,8 @@ from gateway_helpers import SHARED_REDIS, mock_deployment, running_gateway, uniq
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 
-from gateway.observability.metrics import GatewayMetrics
-from gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable, is_pool_exhausted
+from tokenyard.gateway.observability.metrics import GatewayMetrics
+from tokenyard.gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable, is_pool_exhausted
 
 
 def _errors(metrics: GatewayMetrics) -> float:

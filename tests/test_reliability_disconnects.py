@@ -5,7 +5,7 @@ gateway), and the spend ledger equals the usage (one record per request that rea
 records equal to what complete clients saw, hourly rollups equal to the sum of the records).
 
 Fast sizes here; full sizes (10,000 mock / 1,000 demo-small) with `pytest -m reliability` or
-`python -m bench.reliability disconnects`."""
+`python -m tokenyard.bench.reliability disconnects`."""
 from __future__ import annotations
 
 import pytest

@@ -4,7 +4,7 @@ each against `tokenyard serve` in a process of its own.
 
 Fast here (2 s phases; 6,000 slow connections with the gateway's open-file limit at 4,096, so
 without the connection guard it runs out of descriptors); full size: `pytest -m reliability` or
-`python -m bench.reliability flood` / `slow-connections`."""
+`python -m tokenyard.bench.reliability flood` / `slow-connections`."""
 from __future__ import annotations
 
 import json

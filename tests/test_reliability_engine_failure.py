@@ -13,9 +13,9 @@ import pytest
 from reliability_common import MODEL, explain, full_run_selected
 from reliability_failures import run_step_exceptions, run_tp_worker_kills, tp_checkpoint
 
-from engines.core.async_engine import AsyncEngine
-from engines.core.errors import EngineDeadError
-from engines.serving.mock_engine import MockEngine
+from tokenyard.engines.core.async_engine import AsyncEngine
+from tokenyard.engines.core.errors import EngineDeadError
+from tokenyard.engines.serving.mock_engine import MockEngine
 
 
 def test_step_exception_fails_in_flight_cleanly_and_engine_restarts():

@@ -5,7 +5,7 @@ the intended 503 sheds, no hung request (each finishes or is shed within deadlin
 (the request deadline), the engine drains to zero KV blocks afterwards. Shed latency is measured
 by the client (send to reply read) and by the gateway (its access log's duration_ms).
 
-Fast here (4 s); the full run is 60 s: `pytest -m reliability` or `python -m bench.reliability overload`."""
+Fast here (4 s); the full run is 60 s: `pytest -m reliability` or `python -m tokenyard.bench.reliability overload`."""
 from __future__ import annotations
 
 import json

@@ -6,7 +6,7 @@ Retry-After), keys unknown to the cache get 503 auth_unavailable, bad keys never
 it, limits apply again (a key over its rpm is 429 again) and no spend is lost: one record per
 served request, equal to the usage the client saw, rollups equal to the records.
 
-Fast here (~2 s outage); full (30 s): `pytest -m reliability` or `python -m bench.reliability redis`."""
+Fast here (~2 s outage); full (30 s): `pytest -m reliability` or `python -m tokenyard.bench.reliability redis`."""
 from __future__ import annotations
 
 import json

@@ -45,7 +45,7 @@ def test_three_gateways_on_one_redis_keep_rate_limits_exact(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENYARD_DEV_KEY": KEY}
     env.pop("REDIS_URL", None)
     ports = [free_port() for _ in range(3)]
-    procs = [subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg), "--port", str(p)],
+    procs = [subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "serve", "--config", str(cfg), "--port", str(p)],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"gw{p}.log").open("wb"))
              for p in ports]
     try:

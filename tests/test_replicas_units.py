@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from replica_helpers import ROOT, pool_deployment, start_replicas
 
-from gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
-from gateway.backends.remote_engine import empty_stats
-from gateway.backends.replica_config import PoolConfig
-from gateway.backends.replica_pool import Replica, ReplicaPool
-from gateway.config.deployment import DeploymentError, parse_deployment
+from tokenyard.gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
+from tokenyard.gateway.backends.remote_engine import empty_stats
+from tokenyard.gateway.backends.replica_config import PoolConfig
+from tokenyard.gateway.backends.replica_pool import Replica, ReplicaPool
+from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
 
 
 def test_hash_chain_follows_shared_leading_blocks_and_salt():

@@ -5,15 +5,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router_models.runtime import artifact as art_mod
-from router_models.runtime.artifact import ArtifactError, load, save
-from router_models.runtime.features import DENSE_NAMES, FEATURE_VERSION, FeatureSpec, extract, matrix, prompt_text
-from router_models.runtime.scorer import Scorer
-from router_models.training.train import load_labels, predict, train_router
+from tokenyard.router_models.runtime import artifact as art_mod
+from tokenyard.router_models.runtime.artifact import ArtifactError, load, save
+from tokenyard.router_models.runtime.features import DENSE_NAMES, FEATURE_VERSION, FeatureSpec, extract, matrix, prompt_text
+from tokenyard.router_models.runtime.scorer import Scorer
+from tokenyard.router_models.training.train import load_labels, predict, train_router
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "router_models" / "data"
-SHIPPED = ROOT / "router_models" / "artifacts" / "demo_router.json"
+DATA = ROOT / "tokenyard" / "router_models" / "data"
+SHIPPED = ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json"
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +133,11 @@ def test_features_are_stable_and_need_no_engine():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert prompt_text(messages) == "Be brief.\nHi"
     # The serving path (scorer, artifact, gateway hook) loads no engine, torch, scikit-learn or scipy.
-    heavy = {"engines", "torch", "sklearn", "scipy"}
-    for module in ("router_models.runtime.scorer", "gateway.routing.learned_router"):
-        assert not heavy & {name.split(".")[0] for name in _imports_of(module)}, module
+    heavy = {"tokenyard.engines", "torch", "sklearn", "scipy"}
+    for module in ("tokenyard.router_models.runtime.scorer", "tokenyard.gateway.routing.learned_router"):
+        tops = {".".join(name.split(".")[:2]) if name.startswith("tokenyard.") else name.split(".")[0]
+                for name in _imports_of(module)}
+        assert not heavy & tops, module
 
 
 def _imports_of(module: str) -> list[str]:
@@ -147,7 +149,7 @@ def _imports_of(module: str) -> list[str]:
 
 
 def test_threshold_override_is_saved_and_checked(tmp_path):
-    from router_models.runtime.artifact import with_threshold
+    from tokenyard.router_models.runtime.artifact import with_threshold
 
     art = load(SHIPPED)
     path = tmp_path / "manual.json"

@@ -1,4 +1,4 @@
-"""The N-engine router (router_models/runtime/engine_set.py, selection.py, training/train_engines.py,
+"""The N-engine router (tokenyard/router_models/runtime/engine_set.py, selection.py, training/train_engines.py,
 engine_curves.py): selection rules, numpy scorer == scikit-learn per engine, the version-2 artifact
 and its refusals, version-1 artifacts unchanged, labels joined by id, curves on a cost axis."""
 from __future__ import annotations
@@ -9,23 +9,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router_models.runtime.artifact import Artifact, ArtifactError
-from router_models.runtime.artifact import load as load_v1
-from router_models.runtime.engine_set import EngineScorer, load_router, save
-from router_models.runtime.selection import (
+from tokenyard.router_models.runtime.artifact import Artifact, ArtifactError
+from tokenyard.router_models.runtime.artifact import load as load_v1
+from tokenyard.router_models.runtime.engine_set import EngineScorer, load_router, save
+from tokenyard.router_models.runtime.selection import (
     best_under_cost_cap,
     cheapest_good_enough,
     choose_all,
     cost_table,
     lam_for_cost_cap,
 )
-from router_models.training.engine_curves import cost_cap_curve, evaluate_engines, random_curve
-from router_models.training.routing_metrics import apgr, routing_curve
-from router_models.training.train_engines import EngineLabels, engine_labels, probabilities, train_engine_set
+from tokenyard.router_models.training.engine_curves import cost_cap_curve, evaluate_engines, random_curve
+from tokenyard.router_models.training.routing_metrics import apgr, routing_curve
+from tokenyard.router_models.training.train_engines import EngineLabels, engine_labels, probabilities, train_engine_set
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "router_models" / "data"
-SHIPPED_V1 = ROOT / "router_models" / "artifacts" / "demo_router.json"
+DATA = ROOT / "tokenyard" / "router_models" / "data"
+SHIPPED_V1 = ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json"
 COST = np.array([1.0, 2.0, 5.0])
 
 
@@ -146,7 +146,7 @@ def test_tampered_or_malformed_engine_set_is_refused(three, tmp_path):
     path.write_text(json.dumps(body))
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         load_router(path)
-    from router_models.runtime.artifact import checksum
+    from tokenyard.router_models.runtime.artifact import checksum
     body["model"]["engines"][1]["intercept"] -= 1.0
     body["calibration"]["quantiles"] = [0.5, 0.4]
     body["checksum"] = checksum(body)
@@ -196,7 +196,7 @@ def test_two_engine_curves_match_the_threshold_curve_and_random_is_the_line():
 
 
 def test_cli_refuses_engine_training_without_a_cost_for_every_engine(three, tmp_path, capsys):
-    from router_models.training.cli import main
+    from tokenyard.router_models.training.cli import main
 
     *_, path = three
     out = tmp_path / "r.json"

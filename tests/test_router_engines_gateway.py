@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
-from gateway.config.deployment import parse_deployment
-from gateway.http.app import create_app
-from gateway.state import StartupError
-from router_models.runtime.engine_set import EngineModel, EngineSet, save
-from router_models.runtime.features import DENSE_NAMES, FeatureSpec
+from tokenyard.gateway.config.deployment import parse_deployment
+from tokenyard.gateway.http.app import create_app
+from tokenyard.gateway.state import StartupError
+from tokenyard.router_models.runtime.engine_set import EngineModel, EngineSet, save
+from tokenyard.router_models.runtime.features import DENSE_NAMES, FeatureSpec
 
 MODEL = str(ROOT / "models" / "demo-small")
 # Intercept-only models: P(good) is the same for every prompt, so the choice is known in advance.

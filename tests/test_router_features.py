@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from router_models.runtime import features as F
-from router_models.runtime.features import DENSE_NAMES, FeatureSpec, extract, row, vocabulary_of, window_of
+from tokenyard.router_models.runtime import features as F
+from tokenyard.router_models.runtime.features import DENSE_NAMES, FeatureSpec, extract, row, vocabulary_of, window_of
 
 M = 1 << 64
 

@@ -5,13 +5,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router_models.runtime.artifact import load
-from router_models.runtime.scorer import Scorer
-from router_models.training.cli import main as router_main
-from router_models.training.judgments import read_judgements, to_labelled
+from tokenyard.router_models.runtime.artifact import load
+from tokenyard.router_models.runtime.scorer import Scorer
+from tokenyard.router_models.training.cli import main as router_main
+from tokenyard.router_models.training.judgments import read_judgements, to_labelled
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "router_models" / "data"
+DATA = ROOT / "tokenyard" / "router_models" / "data"
 
 
 def _write(path: Path, lines: list) -> Path:

@@ -1,8 +1,8 @@
 """Label generation without engines: split construction and the labelling rule."""
 from collections import Counter
 
-from demo import task_suite
-from demo.router_labels import draw_items, half_of, input_key, label_rows
+from tokenyard.demo import task_suite
+from tokenyard.demo.router_labels import draw_items, half_of, input_key, label_rows
 
 
 def test_splits_are_uniform_disjoint_and_hold_out_phrasing_3():

@@ -4,13 +4,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.config.deployment import Routing
-from gateway.routing.interim_rule import Router
-from gateway.routing.learned_router import LearnedRouter, RouterSettings, parse_router_settings, route_auto
-from router_models.runtime.calibration import large_share, score_quantiles, threshold_for_large_share, threshold_from_quantiles
-from router_models.training.routing_metrics import apgr, cpt, oracle_scores, random_curve, routing_curve, threshold_for_quality
+from tokenyard.gateway.config.deployment import Routing
+from tokenyard.gateway.routing.interim_rule import Router
+from tokenyard.gateway.routing.learned_router import LearnedRouter, RouterSettings, parse_router_settings, route_auto
+from tokenyard.router_models.runtime.calibration import (
+    large_share,
+    score_quantiles,
+    threshold_for_large_share,
+    threshold_from_quantiles,
+)
+from tokenyard.router_models.training.routing_metrics import (
+    apgr,
+    cpt,
+    oracle_scores,
+    random_curve,
+    routing_curve,
+    threshold_for_quality,
+)
 
-ARTIFACT = Path(__file__).resolve().parent.parent / "router_models" / "artifacts" / "demo_router.json"
+ARTIFACT = Path(__file__).resolve().parent.parent / "tokenyard" / "router_models" / "artifacts" / "demo_router.json"
 
 
 def test_random_routing_apgr_is_half_and_cpt_is_the_target():
@@ -99,7 +111,7 @@ def test_router_settings_are_validated(tmp_path):
 
 
 def test_bootstrap_intervals_cover_the_estimate_and_shrink_with_more_prompts():
-    from router_models.training.routing_metrics import bootstrap
+    from tokenyard.router_models.training.routing_metrics import bootstrap
 
     rng = np.random.default_rng(1)
 

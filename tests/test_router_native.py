@@ -1,4 +1,4 @@
-"""The router's C feature row (router_models/runtime/native_row.c) is the numpy row, bit for bit:
+"""The router's C feature row (tokenyard/router_models/runtime/native_row.c) is the numpy row, bit for bit:
 same columns in the same order, same block factors, same dense values; and a machine without a
 C compiler still routes, through numpy, with one warning."""
 import logging
@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router_models.runtime import artifact, features, native
-from router_models.runtime.features import DENSE_NAMES, FeatureSpec, Weights, row, row_numpy
-from router_models.runtime.scorer import Scorer
-from router_models.training.train import read_jsonl
+from tokenyard.router_models.runtime import artifact, features, native
+from tokenyard.router_models.runtime.features import DENSE_NAMES, FeatureSpec, Weights, row, row_numpy
+from tokenyard.router_models.runtime.scorer import Scorer
+from tokenyard.router_models.training.train import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACT = ROOT / "router_models" / "artifacts" / "demo_router.json"
+ARTIFACT = ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json"
 
 kernel_required = pytest.mark.skipif(native.load() is None, reason="the C row kernel could not be built here "
                                      "(no C compiler); the numpy path is what serves")
@@ -42,7 +42,7 @@ def _same(text: str, tokens: int, spec: FeatureSpec) -> None:
 @kernel_required
 def test_every_test_split_prompt_gives_the_numpy_row():
     spec = artifact.load(ARTIFACT).spec
-    rows = read_jsonl(ROOT / "router_models" / "data" / "test.jsonl")
+    rows = read_jsonl(ROOT / "tokenyard" / "router_models" / "data" / "test.jsonl")
     for r in rows[::3]:
         _same(features.prompt_text(r["messages"]), int(r["prompt_tokens"]), spec)
 
@@ -94,7 +94,10 @@ def test_a_lone_surrogate_is_scored_not_raised():
 @kernel_required
 def test_the_scorer_sums_the_same_logit_on_either_path(monkeypatch):
     scorer = Scorer(artifact.load(ARTIFACT))
-    texts = [features.prompt_text(r["messages"]) for r in read_jsonl(ROOT / "router_models" / "data" / "test.jsonl")[:200]]
+    texts = [
+        features.prompt_text(r["messages"])
+        for r in read_jsonl(ROOT / "tokenyard" / "router_models" / "data" / "test.jsonl")[:200]
+    ]
     native_z = [scorer.logit(t, len(t) // 4) for t in texts]
     monkeypatch.setattr(features.compiled(scorer.spec), "kernel", None)
     numpy_z = [scorer.logit(t, len(t) // 4) for t in texts]
@@ -150,10 +153,13 @@ def test_the_environment_can_choose_numpy(monkeypatch):
 
 @kernel_required
 def test_the_engine_set_scorer_gives_the_same_probabilities_on_either_path(monkeypatch):
-    from router_models.runtime.engine_set import EngineScorer, load_router
+    from tokenyard.router_models.runtime.engine_set import EngineScorer, load_router
 
-    scorer = EngineScorer(load_router(ROOT / "router_models" / "artifacts" / "demo_router_3.json"))
-    texts = [features.prompt_text(r["messages"]) for r in read_jsonl(ROOT / "router_models" / "data" / "test.jsonl")[:200]]
+    scorer = EngineScorer(load_router(ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router_3.json"))
+    texts = [
+        features.prompt_text(r["messages"])
+        for r in read_jsonl(ROOT / "tokenyard" / "router_models" / "data" / "test.jsonl")[:200]
+    ]
     native_p = np.array([scorer.probabilities(t, len(t) // 4) for t in texts])
     monkeypatch.setattr(features.compiled(scorer.spec), "kernel", None)
     numpy_p = np.array([scorer.probabilities(t, len(t) // 4) for t in texts])

@@ -7,7 +7,7 @@ kernels, sums in another order, and lbfgs stops at a slightly different point, s
 artifact matches the shipped one within the tolerances below, with identical structure and
 identical routing decisions on (almost) every held-out prompt.
 
-Everything reads the committed label files (router_models/data/, made by demo/router_labels.py);
+Everything reads the committed label files (tokenyard/router_models/data/, made by tokenyard/demo/router_labels.py);
 no engine runs here.
 """
 import json
@@ -16,16 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router_models.runtime.artifact import load
-from router_models.runtime.calibration import threshold_for_large_share
-from router_models.runtime.scorer import Scorer
-from router_models.training.evaluation import evaluate, score_all
-from router_models.training.routing_metrics import at_threshold
-from router_models.training.train import from_rows, hash_split, load_labels, read_jsonl, train_router
+from tokenyard.router_models.runtime.artifact import load
+from tokenyard.router_models.runtime.calibration import threshold_for_large_share
+from tokenyard.router_models.runtime.scorer import Scorer
+from tokenyard.router_models.training.evaluation import evaluate, score_all
+from tokenyard.router_models.training.routing_metrics import at_threshold
+from tokenyard.router_models.training.train import from_rows, hash_split, load_labels, read_jsonl, train_router
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "router_models" / "data"
-SHIPPED = ROOT / "router_models" / "artifacts" / "demo_router.json"
+DATA = ROOT / "tokenyard" / "router_models" / "data"
+SHIPPED = ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json"
 # Measured APGR on the test split: router 0.883 vs random 0.500 (bench/results/router_eval.json).
 APGR_MARGIN_OVER_RANDOM = 0.15
 
@@ -78,7 +78,7 @@ def fresh(splits):
 
 
 def _hyper(art) -> dict:
-    """The hyper-parameters the artifact records (chosen on calibration, bench/router_select.py)."""
+    """The hyper-parameters the artifact records (chosen on calibration, tokenyard/bench/router_select.py)."""
     return {k: art.training[k] for k in ("C", "labels", "folds")}
 
 

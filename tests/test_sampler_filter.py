@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.model.sampler import filter_logits
+from tokenyard.engines.model.sampler import filter_logits
 
 PROBS = [0.15, 0.5, 0.05, 0.3]          # sorted: 0.5 (id 1), 0.3 (id 3), 0.15 (id 0), 0.05 (id 2)
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from gateway_helpers import KEY, running_gateway
 
-from engines import Engine, SamplingParams
-from engines.core.sampling_params import ParamError
-from engines.model.sampler import LogitAdjust, apply_adjustments, greedy_tokens, sample
-from engines.text.tokenizer import Tokenizer
 from tests.engine_helpers import prompt_logits, random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.sampling_params import ParamError
+from tokenyard.engines.model.sampler import LogitAdjust, apply_adjustments, greedy_tokens, sample
+from tokenyard.engines.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(dtype="float32", progress=False, max_num_batched_tokens=64, kv_cache_memory=4 << 20)

@@ -3,12 +3,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines import Engine, SamplingParams
-from engines.core.block_manager import BlockManager
-from engines.core.block_pool import BlockPool
-from engines.core.scheduler import Scheduler, SchedulerConfig
-from engines.core.sequence import Sequence, SequenceStatus
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.block_manager import BlockManager
+from tokenyard.engines.core.block_pool import BlockPool
+from tokenyard.engines.core.scheduler import Scheduler, SchedulerConfig
+from tokenyard.engines.core.sequence import Sequence, SequenceStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=20, ignore_eos=True)

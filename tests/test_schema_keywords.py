@@ -10,8 +10,8 @@ import pytest
 from gateway_helpers import mock_deployment, running_gateway
 from pydantic import BaseModel, Field
 
-from engines.core.schema_keywords import ANNOTATIONS, ENFORCED, REFUSED, SchemaError, check_schema, rewrite_schema
-from engines.core.structured_output import GrammarError, check_response_format
+from tokenyard.engines.core.schema_keywords import ANNOTATIONS, ENFORCED, REFUSED, SchemaError, check_schema, rewrite_schema
+from tokenyard.engines.core.structured_output import GrammarError, check_response_format
 
 INT = {"type": "integer"}
 

@@ -23,10 +23,10 @@ from gateway_helpers import (
     wait_ledger,
 )
 
-import gateway.auth.api_keys
-import gateway.auth.csrf
-from gateway.auth.api_keys import KeyStore
-from gateway.auth.sessions import COOKIE
+import tokenyard.gateway.auth.api_keys
+import tokenyard.gateway.auth.csrf
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.sessions import COOKIE
 
 
 def _dump(client: redis.Redis, prefix: str) -> bytes:
@@ -151,9 +151,11 @@ def test_key_and_csrf_comparisons_are_constant_time(monkeypatch):
             return real(a, b)
         return compare
 
-    monkeypatch.setattr(gateway.auth.api_keys.hmac, "compare_digest", counting("key"))
+    monkeypatch.setattr(tokenyard.gateway.auth.api_keys.hmac, "compare_digest", counting("key"))
     with running_gateway(mock_deployment()) as srv:
-        monkeypatch.setattr(gateway.auth.csrf, "hmac", type("H", (), {"compare_digest": staticmethod(counting("csrf"))}))
+        monkeypatch.setattr(
+            tokenyard.gateway.auth.csrf, "hmac", type("H", (), {"compare_digest": staticmethod(counting("csrf"))})
+        )
         for _ in range(5):
             assert srv.chat({"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})[0] == 200
         assert calls["key"] >= 5, "API keys are not compared with hmac.compare_digest"
@@ -165,6 +167,6 @@ def test_key_and_csrf_comparisons_are_constant_time(monkeypatch):
         _sign_in(srv, KEY)
         assert calls["csrf"] >= 1, "CSRF tokens are not compared with hmac.compare_digest"
     # And the comparison is over the full hashes: a key whose hash shares the record's id still fails.
-    rec = gateway.auth.api_keys.new_record("ty-" + "a" * 43, "acme")
+    rec = tokenyard.gateway.auth.api_keys.new_record("ty-" + "a" * 43, "acme")
     forged = rec.key_hash[:16] + "0" * 48
     assert not rec.matches(forged)

@@ -14,8 +14,8 @@ from gateway_helpers import KEY, SHARED_REDIS, delete_prefix, mock_deployment, r
 from reliability_common import openai_error_shape
 from starlette.routing import Route
 
-from gateway.auth.api_keys import KeyStore
-from gateway.auth.sessions import COOKIE
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.sessions import COOKIE
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 GUARDED = ("/v1/spend", "/admin", "/dashboard", "/metrics")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from engines import Engine, SamplingParams
-from engines.core.block_manager import BlockManager
-from engines.core.scheduler import Scheduler, SchedulerConfig
-from engines.core.sequence import Sequence
 from tests.engine_helpers import run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.block_manager import BlockManager
+from tokenyard.engines.core.scheduler import Scheduler, SchedulerConfig
+from tokenyard.engines.core.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 

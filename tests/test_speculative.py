@@ -6,10 +6,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bench.random_checkpoint import build_random_checkpoint
-from engines import Engine, SamplingParams
-from engines.spec import spec_acceptance
 from tests.engine_helpers import prompt_logits, random_prompts, run_to_completion
+from tokenyard.bench.random_checkpoint import build_random_checkpoint
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.speculative import spec_acceptance
 
 BASE = dict(dtype="float32", progress=False, max_num_batched_tokens=48, kv_cache_memory=3 << 20)
 

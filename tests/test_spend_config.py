@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from gateway_helpers import ROOT, mock_deployment
 
-from gateway.config.deployment import DeploymentError, parse_deployment
-from gateway.spend.config import DashboardConfig, MetricsConfig, SpendConfig
+from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
+from tokenyard.gateway.spend.config import DashboardConfig, MetricsConfig, SpendConfig
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 

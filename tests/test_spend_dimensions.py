@@ -11,11 +11,11 @@ import time
 import pytest
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
-from gateway.spend import reports
-from gateway.spend.config import SpendConfig
-from gateway.spend.ledger import SpendLedger
-from gateway.spend.queries import read_report
-from gateway.spend.usage import UsageRecord
+from tokenyard.gateway.spend import reports
+from tokenyard.gateway.spend.config import SpendConfig
+from tokenyard.gateway.spend.ledger import SpendLedger
+from tokenyard.gateway.spend.queries import read_report
+from tokenyard.gateway.spend.usage import UsageRecord
 
 N = 100_000
 HOURS = 6

@@ -13,9 +13,9 @@ import pytest
 import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
-from gateway.auth.api_keys import KeyStore
-from gateway.config.deployment import Prices
-from gateway.spend.redis_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.config.deployment import Prices
+from tokenyard.gateway.spend.redis_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
 
 PRICES = {"input": 123_457, "cached_input": 61_729, "output": 987_653}   # odd numbers: rounding matters
 OUTPUT_LEN = 30

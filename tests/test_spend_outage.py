@@ -15,7 +15,7 @@ import redis
 from gateway_helpers import PrivateRedis, mock_deployment, running_gateway, wait_ledger
 from test_spend_ledger import read_records, read_rollups, sum_records
 
-from gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.auth.api_keys import KeyStore
 
 PREFIX = "outage:"
 
@@ -114,8 +114,8 @@ def test_redis_outage_spools_and_replays_exactly_once(tmp_path):
 
 def test_spool_left_by_a_previous_run_is_replayed_on_start(tmp_path):
     """A gateway that died with records in its spool: the next one replays them when it starts."""
-    from gateway.spend.spool import SpendSpool
-    from gateway.spend.usage import UsageRecord
+    from tokenyard.gateway.spend.spool import SpendSpool
+    from tokenyard.gateway.spend.usage import UsageRecord
     private = PrivateRedis()
     try:
         rec = UsageRecord(request_id="old-1", time=time.time() - 60, engine="mock", requested_model="mock",

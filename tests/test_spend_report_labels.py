@@ -17,9 +17,9 @@ import yaml
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, unique_prefix, wait_ledger
 from policy_gateway_helpers import BASE_POLICY, bearer, put_policy, two_engine_deployment
 
-from cli.main import main as cli_main
-from gateway.auth.api_keys import KeyStore
-from gateway.policy.admin import comparison_rows
+from tokenyard.cli.main import main as cli_main
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.policy.admin import comparison_rows
 
 COOKIE = "ty_session"
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}

@@ -16,9 +16,9 @@ import time
 import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix
 
-from gateway.auth.api_keys import KeyStore
-from gateway.spend.redis_keys import stream_key, tenants_key
-from gateway.spend.usage import UsageRecord
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.spend.redis_keys import stream_key, tenants_key
+from tokenyard.gateway.spend.usage import UsageRecord
 
 N = 25_000
 HEALTH_BOUND_S = 0.5

@@ -11,10 +11,10 @@ import redis
 import yaml
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
-from cli.main import main as cli_main
-from gateway.auth.api_keys import KeyStore
-from gateway.spend import reports as reports
-from gateway.spend.store import RollupRow, encode_cursor
+from tokenyard.cli.main import main as cli_main
+from tokenyard.gateway.auth.api_keys import KeyStore
+from tokenyard.gateway.spend import reports as reports
+from tokenyard.gateway.spend.store import RollupRow, encode_cursor
 
 PER_TENANT = {"acme": 5, "globex": 3}
 

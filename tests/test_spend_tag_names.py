@@ -14,13 +14,13 @@ import pytest
 import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
-from gateway.config.deployment import DeploymentError, parse_deployment
-from gateway.spend import reports
-from gateway.spend.config import SpendConfig
-from gateway.spend.ledger import SpendLedger
-from gateway.spend.queries import read_report
-from gateway.spend.redis_keys import tag_names_key
-from gateway.spend.usage import UsageRecord
+from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
+from tokenyard.gateway.spend import reports
+from tokenyard.gateway.spend.config import SpendConfig
+from tokenyard.gateway.spend.ledger import SpendLedger
+from tokenyard.gateway.spend.queries import read_report
+from tokenyard.gateway.spend.redis_keys import tag_names_key
+from tokenyard.gateway.spend.usage import UsageRecord
 
 NAMES = 8
 N = 400

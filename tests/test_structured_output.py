@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.core.errors import RequestError
-from engines.core.sampling_params import SamplingParams
-from engines.core.structured_output import MAX_SCHEMA_CHARS, GrammarError, Grammars, check_response_format
-from engines.model.sampler import apply_token_masks, sample
+from tokenyard.engines.core.errors import RequestError
+from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.structured_output import MAX_SCHEMA_CHARS, GrammarError, Grammars, check_response_format
+from tokenyard.engines.model.sampler import apply_token_masks, sample
 
 PERSON = {
     "type": "object",
@@ -49,7 +49,7 @@ SCHEMAS = {
 
 def _smollm2():
     try:
-        from engines.weights.gguf_models import smollm2_path
+        from tokenyard.engines.weights.gguf_models import smollm2_path
         return smollm2_path()
     except Exception as e:  # noqa: BLE001 - the reason is the skip message
         if os.environ.get("CI") == "true":
@@ -59,7 +59,7 @@ def _smollm2():
 
 @pytest.fixture(scope="module")
 def vocab():
-    from engines.text.tokenizer import Tokenizer
+    from tokenyard.engines.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(_smollm2())
     grammars = Grammars.from_model_dir(_smollm2(), tok.vocab_size, list(tok.eos_token_ids))
     return tok, grammars
@@ -173,7 +173,7 @@ def test_the_sampler_masks_exactly_the_constrained_rows():
 # -- the engine on the real model ----------------------------------------------------------------
 
 def _llm(**options):
-    from engines.core.llm import LLM
+    from tokenyard.engines.core.llm import LLM
     return LLM(_smollm2(), quantization="int4", quant_group_size=32, progress=False, **options)
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from test_gguf_smollm2_gateway import _smollm2_engine
 from test_structured_output import SCHEMAS
 
-from engines.core.structured_output import MAX_SCHEMA_CHARS
+from tokenyard.engines.core.structured_output import MAX_SCHEMA_CHARS
 
 
 class Colour(str, Enum):
@@ -132,7 +132,7 @@ class IssueOrder(BaseModel):    # issue 45: a bounded int, a bool and a string a
 @pytest.mark.parametrize("model, prompt", [(IssueCity, "Describe Paris."), (IssueCity, "Describe Tokyo."),
                                            (IssueOrder, "Two pizzas, express please.")])
 def test_sdk_parse_of_ordinary_models_ends_well_before_max_tokens(client, model, prompt):
-    """The small version of bench/structured_parse_bench.py: numbers and strings are bounded in the grammar,
+    """The small version of tokenyard/bench/structured_parse_bench.py: numbers and strings are bounded in the grammar,
     so greedy SmolLM2 finishes with a valid document in few tokens instead of looping to max_tokens."""
     messages = [{"role": "system", "content": "Reply with JSON only."}, {"role": "user", "content": prompt}]
     r = client.chat.completions.parse(model="smollm2-135m", messages=messages, response_format=model,

@@ -1,4 +1,4 @@
-"""demo.task_suite: determinism, disjoint splits, held-out phrasing, uniform mix, strict checkers."""
+"""tokenyard.demo.task_suite: determinism, disjoint splits, held-out phrasing, uniform mix, strict checkers."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from demo.task_suite import (
+from tokenyard.demo.task_suite import (
     CITIES,
     HELD_OUT_PHRASING,
     LEVELS,

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from engines import Engine, SamplingParams
-from engines.core.errors import CheckpointError, EngineDeadError
-from engines.core.sequence import Sequence
-from engines.model.model_runner import StepInputs
 from tests.engine_helpers import random_prompts, run_to_completion
+from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.core.errors import CheckpointError, EngineDeadError
+from tokenyard.engines.core.sequence import Sequence
+from tokenyard.engines.model.model_runner import StepInputs
 
 OPTS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64, progress=False,
             tp_timeout_s=30.0)

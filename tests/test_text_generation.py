@@ -6,7 +6,7 @@ import pytest
 import torch
 from tokenizer_factory import build_byte_level_dir
 
-from engines import LLM, SamplingParams
+from tokenyard.engines import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,7 +16,7 @@ TEXTS = ["Hello world, this is Tokenyard.", "def add(a, b):\n    return a + b", 
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
-    from bench.random_checkpoint import build_random_checkpoint
+    from tokenyard.bench.random_checkpoint import build_random_checkpoint
 
     d = tmp_path_factory.mktemp("textmodel")
     build_random_checkpoint(d, "llama", vocab_size=706, seed=4, bos_token_id=700, eos_token_id=705)
@@ -69,7 +69,7 @@ def test_chat_applies_template(text_model):
 
 
 def test_generate_cli_streams_text(text_model, capsys):
-    from engines.serving import generate_cli
+    from tokenyard.engines.serving import generate_cli
 
     d, llm, _, _ = text_model
     buf = io.StringIO()

@@ -1,4 +1,4 @@
-"""engines.text.tokenizer against transformers on tokenizers built here (no downloads).
+"""tokenyard.engines.text.tokenizer against transformers on tokenizers built here (no downloads).
 
 Three formats: Llama-3 style tokenizer.json (byte-level BPE), the same vocabulary as a
 tiktoken-format tokenizer.model (transformers 5 converts it, so it is compared with
@@ -22,9 +22,9 @@ from tokenizer_factory import (
     byte_level_alphabet,
 )
 
-from engines.core.errors import CheckpointError, RequestError
-from engines.text.byte_level import byte_level_table
-from engines.text.tokenizer import Tokenizer
+from tokenyard.engines.core.errors import CheckpointError, RequestError
+from tokenyard.engines.text.byte_level import byte_level_table
+from tokenyard.engines.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()  # the tiktoken file first fails as SentencePiece, loudly

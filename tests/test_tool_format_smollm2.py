@@ -8,9 +8,9 @@ import json
 import pytest
 from test_tool_calls import CONVERSATION, WEATHER, run
 
-from engines.text.chat_template import FALLBACK_CHAT_TEMPLATE, apply_chat_template, tool_style
-from gateway.http.tool_prompt import template_messages
-from gateway.http.tool_request import parse_tools
+from tokenyard.engines.text.chat_template import FALLBACK_CHAT_TEMPLATE, apply_chat_template, tool_style
+from tokenyard.gateway.http.tool_prompt import template_messages
+from tokenyard.gateway.http.tool_request import parse_tools
 
 # SmolLM2-135M-Instruct's template, as its GGUF's tokenizer.chat_template holds it.
 SMOLLM2_TEMPLATE = (

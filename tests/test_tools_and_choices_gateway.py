@@ -102,7 +102,7 @@ def test_a_conversation_with_a_tool_result_is_answered(client):
 @pytest.mark.timeout(300)
 def test_the_round_trip_with_auto_tools_ends_in_a_plain_answer(client):
     # Issue 45.6: the tool result went back as a <tool_response> turn and the model echoed it as its
-    # answer. SmolLM2 now gets its own format, and the result in plain words (gateway/http/tool_prompt.py).
+    # answer. SmolLM2 now gets its own format, and the result in plain words (tokenyard/gateway/http/tool_prompt.py).
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_7", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
@@ -144,7 +144,7 @@ def test_n_choices_prefill_once_and_differ(srv, client):
     # only the partial block after the cached ones, which rounds differently; and choices 1..3 joined
     # when choice 0's first token reached the gateway, a step later or two as the event loop was busy.
     # Now a seeded prefill computes that block apart either way, and the engine holds choices 1..3
-    # until choice 0's first token (engines/core/scheduler.py), whenever they arrive.
+    # until choice 0's first token (tokenyard/engines/core/scheduler.py), whenever they arrive.
     again = client.chat.completions.create(model=MODEL, messages=messages, n=4, max_tokens=16, temperature=1.0, seed=11)
     assert [c.message.content for c in again.choices] == texts
     record = srv.records[-1]

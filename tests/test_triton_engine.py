@@ -2,9 +2,9 @@
 fp32: Triton compiled on a GPU, interpreted on the CPU elsewhere (tests/triton_mode.py)."""
 import pytest
 
-from engines import Engine, SamplingParams
 from tests.engine_helpers import random_prompts, run_to_completion
 from tests.triton_mode import INTERPRETED
+from tokenyard.engines import Engine, SamplingParams
 
 pytest.importorskip("triton")
 
@@ -60,13 +60,13 @@ def test_cuda_graphs_match_eager_on_gpu(checkpoint_dir):
 
 
 def test_gpu_decode_script_dry_run_static_buffer_path_matches_eager():
-    """bench/gpu_decode.py (the GPU check's eager-vs-graphs decode) runs end to end on a tiny fp32
+    """tokenyard/bench/gpu_decode.py (the GPU check's eager-vs-graphs decode) runs end to end on a tiny fp32
     model on the CPU, so the script cannot rot between GPU sessions. Nothing is captured here (no
     GPU): its "cuda graphs" rows run CudaGraphDecoder's static-buffer, padded path eagerly, which
     must give the plain eager path's logits; graph replay itself is checked on a GPU only."""
     if not INTERPRETED:
-        pytest.skip("kernels compile for CUDA in this run; bench/gpu_check.sh runs the real decode check here")
-    from bench import gpu_decode
+        pytest.skip("kernels compile for CUDA in this run; tokenyard/bench/gpu_check.sh runs the real decode check here")
+    from tokenyard.bench import gpu_decode
 
     results = gpu_decode.run([1, 3], context=20, steps=2, bandwidth_bytes_per_ms=5e7, dry_run=True)
     assert [(r.batch, r.mode) for r in results] == [(1, "eager"), (1, gpu_decode.UNCAPTURED), (3, "eager"),

@@ -25,11 +25,11 @@ from tests.triton_mode import DEVICE, INTERPRETED, patch_interpreter_bf16
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
-from kernels import paged_attention_torch as pa_ref  # noqa: E402
-from kernels import paged_attention_triton as pa  # noqa: E402
-from kernels import quant_layout as ql  # noqa: E402
-from kernels import quant_matmul_torch as qm_ref  # noqa: E402
-from kernels import quant_matmul_triton as qm  # noqa: E402
+from tokenyard.kernels import paged_attention_torch as pa_ref  # noqa: E402
+from tokenyard.kernels import paged_attention_triton as pa  # noqa: E402
+from tokenyard.kernels import quant_layout as ql  # noqa: E402
+from tokenyard.kernels import quant_matmul_torch as qm_ref  # noqa: E402
+from tokenyard.kernels import quant_matmul_triton as qm  # noqa: E402
 
 ATTN_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 MATMUL_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

@@ -1,6 +1,6 @@
 """Build small tokenizer folders for tests, offline, in a few hundred milliseconds.
 
-Every builder writes a folder that `engines.text.tokenizer.Tokenizer.from_dir` (and transformers'
+Every builder writes a folder that `tokenyard.engines.text.tokenizer.Tokenizer.from_dir` (and transformers'
 `AutoTokenizer.from_pretrained`) can load, and returns its path:
 
 - `build_byte_level_dir`: Llama-3 style tokenizer.json (byte-level BPE trained on `CORPUS`,
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from demo.bpe import byte_level_alphabet, train_byte_level_bpe  # noqa: F401  (alphabet re-exported)
+from tokenyard.demo.bpe import byte_level_alphabet, train_byte_level_bpe  # noqa: F401  (alphabet re-exported)
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -1,1 +1,0 @@
-"""Small C sources built on the machine that runs them (see nativelib/build.py)."""

@@ -1,0 +1,51 @@
+"""`tokenyard engine serve`: one engine of a deployment as a replica process.
+
+    tokenyard engine serve --engine demo-large --port 9000 [--config deploy.yaml] [--host 0.0.0.0]
+
+The engine is built from the deployment's engine spec (type, model and engine keys; its
+`replicas`/`replica_pool`/`prices` keys are the gateway's business and are ignored here) and
+served by tokenyard/engines/serving/replica_server.py. Gateways list the replica under `engines.NAME.replicas`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    sub = ap.add_subparsers(dest="engine_command", required=True)
+    serve = sub.add_parser("serve", help="serve one engine of the deployment as a replica over internal HTTP")
+    serve.add_argument("--engine", required=True, help="engine name under `engines` in the deployment file")
+    serve.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, required=True, help="listen port")
+    serve.add_argument("--drain-grace-s", type=float, default=None,
+                       help="on SIGTERM, how long requests in flight may take (default: server.drain_grace_s)")
+    serve.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenyard.cli.deployment_arg import UsageError, load_or_exit
+    from tokenyard.gateway.config.deployment import DeploymentError, apply_env
+
+    try:
+        dep = apply_env(load_or_exit(args.config))
+    except DeploymentError as e:        # a bad value in the environment (TOKENYARD_GIL_SWITCH_MS)
+        raise UsageError(str(e)) from None
+    spec = dep.engines.get(args.engine)
+    if spec is None:
+        print(f"tokenyard: no engine {args.engine!r} in the deployment (known: {', '.join(dep.engines)})",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenyard.engines.core.async_engine import AsyncEngine
+    from tokenyard.engines.serving.engine_process import EngineProcess
+    from tokenyard.engines.serving.replica_server import serve
+    from tokenyard.gateway.backends.engine_pool import _build, _recipe, tokenizer_fingerprint
+    # a replica's event loop and its engine's step thread share the GIL as a gateway's do; or the
+    # engine steps in a process of its own (server.engine_process), as behind a gateway
+    sys.setswitchinterval(dep.gil_switch_interval_ms / 1000.0)
+    engine = EngineProcess(_recipe(spec), spec.name) if dep.engine_process else AsyncEngine(_build(spec), spec.name)
+    grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
+    return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model))

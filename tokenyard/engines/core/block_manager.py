@@ -1,0 +1,124 @@
+"""Per-sequence KV block tables on top of the BlockPool, with prefix caching.
+
+A sequence's block table always covers exactly the slots it needs: blocks are added just ahead
+of use (`grow`), dropped from the tail on rollback (`truncate`), and all released at the end
+(`free`, tail first, so the deepest blocks of a chain are evicted before the shared roots).
+
+The hash chain: block i of a sequence is keyed by (block i-1's id, its token ids); block 0 by
+(("salt", cache_salt), its token ids). A tenant's salt therefore keeps its cache private.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenyard.engines.core.block_pool import BlockPool
+from tokenyard.engines.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    blocks: list[int]
+    hashes: list[int]
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- growth and release -------------------------------------------------------------------
+    def can_grow(self, block_table: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        return max(0, self.blocks_needed(num_tokens) - len(block_table)) + reserve <= self.pool.num_free
+
+    def grow(self, block_table: list[int], num_tokens: int) -> None:
+        """Append blocks so the table holds `num_tokens` slots. Caller checked can_grow."""
+        extra = self.blocks_needed(num_tokens) - len(block_table)
+        if extra > 0:
+            block_table.extend(self.pool.allocate(extra))
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the blocks past `num_tokens` slots (speculative rollback keeps the rest)."""
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(seq.block_table):
+            dropped = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.pool.release(dropped[::-1])
+        del seq.block_hashes[num_tokens // self.block_size:]
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table[::-1])
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> PrefixHit:
+        """The cached blocks that start this sequence. At least one token is always left to
+        compute (its logits are needed), so a fully cached prompt recomputes its last block."""
+        hit = PrefixHit([], [])
+        if not self.enable_prefix_caching:
+            return hit
+        bs = self.block_size
+        parent_hash = hash(("tokenyard-prefix", seq.cache_salt))
+        parent: object = ("salt", seq.cache_salt)
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash((parent_hash, tokens))
+            b = self.pool.lookup(h, (parent, tokens))
+            if b is None:
+                break
+            hit.blocks.append(b)
+            hit.hashes.append(h)
+            parent_hash, parent = h, b
+        return hit
+
+    def can_admit(self, seq: Sequence, hit: PrefixHit, reserve: int) -> bool:
+        """Room for the whole uncached prompt plus `reserve` free blocks to spare."""
+        free_hits = sum(1 for b in hit.blocks if self.pool.is_free(b))
+        need = self.blocks_needed(seq.num_tokens) - len(hit.blocks)
+        return need + reserve <= self.pool.num_free - free_hits
+
+    def adopt(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Give an admitted sequence its cached prefix: those tokens need no compute."""
+        for b in hit.blocks:
+            self.pool.touch(b)
+        seq.block_table[:] = hit.blocks
+        seq.block_hashes[:] = hit.hashes
+        seq.num_computed_tokens = len(hit.blocks) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.queried_tokens += seq.num_prompt_tokens
+            self.hit_tokens += seq.num_cached_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed (full, computed) blocks."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if i:
+                parent_hash, parent = seq.block_hashes[i - 1], seq.block_table[i - 1]
+            else:
+                parent_hash, parent = hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
+            h = hash((parent_hash, tokens))
+            self.pool.register(seq.block_table[i], h, (parent, tokens))
+            seq.block_hashes.append(h)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

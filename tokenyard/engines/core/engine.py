@@ -1,0 +1,392 @@
+"""The engine behind one narrow, message-shaped interface.
+
+    add_request(request_id, prompt_token_ids, params, priority)   validate and enqueue
+    abort(request_id)                                             stop it at the next step
+    step() -> list[StepOutput]                                    run one batch
+    stats() -> EngineStats
+
+add_request and abort may be called from any thread (the gateway's event loop); they only put
+messages in an inbox. step() runs on one thread (tokenyard.engines.core.executor) and drains the inbox first,
+so the scheduler's state is only ever touched by that thread.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenyard.engines.core.block_manager import BlockManager
+from tokenyard.engines.core.config import EngineConfig
+from tokenyard.engines.core.errors import EngineDeadError, RequestError
+from tokenyard.engines.core.grammar_worker import GrammarBudget
+from tokenyard.engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
+from tokenyard.engines.core.request_inbox import RequestInbox
+from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenyard.engines.core.sequence import Sequence
+from tokenyard.engines.core.structured_output import GrammarError, Grammars
+from tokenyard.engines.model import kv_cache
+from tokenyard.engines.model.attention import resolve_backend
+from tokenyard.engines.model.cpu_allocator import keep_freed_memory
+from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.model.model_runner import ModelRunner
+from tokenyard.engines.pp.pipeline_runner import uses_pipeline
+from tokenyard.engines.tp.tensor_parallel import check_divisible, shard_model_
+from tokenyard.engines.weights.engine_model import load_engine_model
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise ValueError("pass either an EngineConfig or keyword options, not both")
+        cfg = config or EngineConfig.from_options(options)
+        cfg.validate()
+        self.config = cfg
+        self.device = cfg.torch_device()
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.dtype = cfg.torch_dtype(self.device)
+        model_dir = Path(model_dir)
+        mcfg = ModelConfig.from_dir(model_dir)
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings
+        kv_cache.check_kv_cache_dtype(cfg.kv_cache_dtype, self.device, resolve_backend(cfg.attention_backend, self.device))
+        budget = kv_cache.kv_budget_bytes(self.device, cfg.kv_cache_fraction, cfg.kv_cache_memory, cfg.kv_cache_cpu_default_bytes)
+        num_blocks = kv_cache.num_blocks_for(mcfg, cfg.block_size, self.dtype, budget, cfg.kv_cache_dtype)
+        # Per block, over all layers and (under tensor parallelism) all ranks: what the budget buys.
+        self.kv_bytes_per_block = kv_cache.bytes_per_block(mcfg, cfg.block_size, self.dtype, cfg.kv_cache_dtype)
+        capacity = num_blocks * cfg.block_size
+        if max_len > capacity:
+            log.warning("max_model_len %d exceeds the KV cache capacity of %d tokens; capping it", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        tp = cfg.tensor_parallel_size
+        if tp > 1:
+            check_divisible(mcfg, tp)  # before any worker starts
+        self.micro = None   # pipeline parallelism: the micro-batch stepper (tokenyard.engines.pp)
+        pipelined = uses_pipeline(cfg)
+        if pipelined:
+            # Pipeline stages, quantised TP, or ranks met through the torch.distributed
+            # environment: every rank loads its own part; rank 0 keeps stage 0's.
+            from tokenyard.engines.pp.pipeline_runner import start_pipeline
+            self.runner = start_pipeline(cfg, model_dir, self.dtype, self.device, max_len, num_blocks)
+            self.model, self.model_config = self.runner.model, self.runner.model_config
+        else:
+            # Plain, quantised at load (cfg.quantization), or a pre-quantised checkpoint as stored.
+            self.model, self.model_config = load_engine_model(model_dir, self.dtype, self.device, max_len,
+                                                              cfg.progress, mcfg, cfg.quantization,
+                                                              cfg.quant_group_size)
+        self.model_dir = model_dir
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
+                            watermark_blocks=max(1, num_blocks // 100), prefill_burst_tokens=cfg.prefill_burst_tokens),
+            self.blocks)
+        self._dead: str | None = None
+        if pipelined:
+            if cfg.pipeline_parallel_size > 1:
+                from tokenyard.engines.pp.micro_batches import MicroBatcher
+                self.micro = MicroBatcher(self, cfg.pipeline_parallel_size)
+        elif tp > 1:
+            self.runner = self._start_tensor_parallel(model_dir, num_blocks)
+        else:
+            kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device,
+                                   cfg.kv_cache_dtype)
+            self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
+                                      cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                                      cfg.cpu_compile, cfg.max_num_seqs, cfg.cpu_decode_step,
+                                      cfg.cpu_decode_step_max_batch, cfg.cpu_onednn_linear)
+        self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
+        self._seed_rng = random.Random(cfg.seed)
+        self._grammars: Grammars | None = None   # built by warm_grammars() or the first response_format request
+        # What a schema may cost to compile (AsyncEngine's grammar gate holds requests to it).
+        self.grammar_budget = GrammarBudget(float(cfg.grammar_compile_timeout_s), cfg.grammar_compile_memory_mb)
+        self.grammar_model_dir: Path | None = model_dir   # whose tokenizer the grammar worker compiles for
+        self._grammars_lock = threading.Lock()
+        self._inbox: RequestInbox[Sequence] = RequestInbox()
+        self._arrivals = 0
+        self._num_steps = 0
+        self._last_step_tokens = 0
+        self._last_step_seconds = 0.0
+        # Load counters for utilisation: seconds spent in steps (busy fraction = its rate), tokens
+        # computed for prompts and tokens emitted, and a histogram of sequences per step.
+        self._busy_seconds = 0.0
+        self._prefill_tokens = 0
+        self._output_tokens = 0
+        self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
+
+    # -- the interface ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a request. priority: lower is more urgent (ties: arrival order). cache_salt:
+        prefix-cache entries are shared only between requests with the same salt."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead ({self._dead}); start a new one")
+        params = self._check_params(params)
+        prompt = self._check_prompt(prompt_token_ids)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id must be a non-empty string")
+        # A cache hit when the request was prepared (AsyncEngine.prepare: compiled off the event loop);
+        # otherwise compiled here, in the caller's thread (offline use): a rejected schema fails now.
+        constraint = self._grammar_set().constraint(params.response_format) if params.response_format else None
+
+        def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids,
+                           cache_salt=cache_salt, constraint=constraint)
+            self._arrivals += 1
+            return seq
+
+        self._inbox.add(request_id, make)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed and an "abort" output is emitted at the next step.
+        Unknown or already finished ids are ignored (the race with completion is normal)."""
+        self._inbox.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self._inbox.has_live
+
+    def step(self) -> list[StepOutput]:
+        if self.micro is not None:   # pipeline parallelism: batches overlap (tokenyard.engines.pp.micro_batches)
+            return self.micro.step()
+        outputs = [self._finish(seq, "abort", []) for seq in self._take_aborts()]
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            return outputs
+        try:
+            if self.spec is not None:
+                results = [(r.new_tokens, r.num_computed) for r in self.spec.execute(batch)]
+            else:
+                tokens = iter(self.runner.execute(batch))
+                results = [([next(tokens)] if c.samples else [], c.num_tokens) for c in batch.chunks]
+        except Exception as exc:  # noqa: BLE001 - the step's state is unknown: fail everything
+            return outputs + self._fail_all(exc)
+        return outputs + self._apply(batch, results, t0)
+
+    def _take_aborts(self) -> list[Sequence]:
+        """Queue the new requests; return the live sequences whose abort was asked for."""
+        new, aborts = self._inbox.take()
+        for seq in new:
+            self.scheduler.add(seq)
+        live = (self._inbox.get(rid) for rid in aborts)
+        return [seq for seq in live if seq is not None and not seq.is_finished]
+
+    def _apply(self, batch: SchedulerOutput, results: list[tuple[list[int], int]], t0: float) -> list[StepOutput]:
+        """Apply a computed batch: per chunk (new tokens, tokens computed). Returns the outputs."""
+        outputs: list[StepOutput] = []
+        samples = [c.samples for c in batch.chunks]
+        prefill = sum(c.num_tokens for c in batch.chunks if c.seq.num_computed_tokens < c.seq.num_prompt_tokens)
+        for chunk, sampled, (new_tokens, num_computed) in zip(batch.chunks, samples, results):
+            seq = chunk.seq
+            seq.num_computed_tokens += num_computed
+            if not sampled:
+                self.blocks.cache_full_blocks(seq)
+                continue
+            # Several tokens when speculation accepted drafts; stop at the first that ends it.
+            emitted: list[int] = []
+            reason = None
+            for tok in new_tokens:
+                seq.token_ids.append(tok)
+                emitted.append(tok)
+                if seq.constraint is not None and not seq.constraint.accept(tok):
+                    reason = "grammar"   # the mask should make this impossible
+                    break
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    break
+            # K/V is valid for every token but the last emitted one.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.blocks.cache_full_blocks(seq)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+            if reason == "grammar":
+                outputs.append(self._finish(seq, "error", emitted[:-1], f"token {emitted[-1]} breaks the grammar"))
+            elif reason is not None:
+                outputs.append(self._finish(seq, reason, emitted, logprobs=logprobs))
+            else:
+                outputs.append(StepOutput(seq.request_id, emitted, num_prompt_tokens=seq.num_prompt_tokens,
+                                          num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs))
+        self._num_steps += 1
+        self._last_step_tokens = batch.num_tokens
+        self._last_step_seconds = time.perf_counter() - t0
+        self._busy_seconds += self._last_step_seconds
+        self._output_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self._prefill_tokens += prefill
+        self._batch_counts[bisect.bisect_left(BATCH_BUCKETS, len(batch.chunks))] += 1
+        return outputs
+
+    def stats(self) -> EngineStats:
+        total = self.blocks.num_blocks
+        free = self.blocks.num_free_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting) + self._inbox.num_new,
+            num_free_blocks=free, num_total_blocks=total, kv_usage=(total - free) / total,
+            block_size=self.config.block_size, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=self.blocks.hit_rate, prefix_cache_hit_tokens=self.blocks.hit_tokens,
+            num_steps=self._num_steps, last_step_tokens=self._last_step_tokens,
+            last_step_seconds=self._last_step_seconds, max_num_seqs=self.config.max_num_seqs,
+            busy_seconds=self._busy_seconds, prefill_tokens=self._prefill_tokens, output_tokens=self._output_tokens,
+            batch_size_counts=list(self._batch_counts),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            kv_cache_dtype=kv_cache.kv_cache_dtype_name(self.config.kv_cache_dtype, self.dtype),
+            kv_bytes_per_block=self.kv_bytes_per_block, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return dict(spec_proposer=st.proposer, spec_num_proposed=st.num_proposed,
+                    spec_num_accepted=st.num_accepted, spec_acceptance_rate=st.acceptance_rate,
+                    spec_mean_accepted_length=st.mean_accepted_length)
+
+    def close(self) -> None:
+        """Release what outlives the object: tensor-parallel workers. Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine failed, or None while it is healthy."""
+        return self._dead
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _start_tensor_parallel(self, model_dir: Path, num_blocks: int) -> ModelRunner:
+        from tokenyard.engines.model.kv_cache import allocate_kv_cache as alloc
+        from tokenyard.engines.tp.tp_runner import TensorParallelRunner, start
+
+        cfg = self.config
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        spec = dict(world=cfg.tensor_parallel_size, backend="nccl" if self.device.type == "cuda" else "gloo",
+                    model_dir=str(model_dir), dtype=dtype_name, device=self.device.type,
+                    max_model_len=self.max_model_len, num_blocks=num_blocks, block_size=cfg.block_size,
+                    kv_cache_dtype=cfg.kv_cache_dtype, attention_backend=cfg.attention_backend, timeout_s=float(cfg.tp_timeout_s))
+        group = start(cfg.tensor_parallel_size, spec, float(cfg.tp_timeout_s))
+        try:
+            shard_model_(self.model, 0, cfg.tensor_parallel_size)
+            kv = alloc(self.model.local_cfg, num_blocks, cfg.block_size, self.dtype, self.device, cfg.kv_cache_dtype)
+            # CUDA graphs stay off under tensor parallelism (collectives inside captured graphs are
+            # not wired up yet); decode runs eagerly on every rank.
+            return TensorParallelRunner(group, self.model, kv, cfg.block_size, self.device, cfg.attention_backend)
+        except BaseException:
+            group.close()
+            raise
+
+    def _build_speculation(self, num_blocks: int) -> "SpeculativeDecoder":  # noqa: F821 - imported inside (optional feature)
+        from tokenyard.engines.speculative.spec_decode import SpeculativeDecoder
+
+        cfg = self.config
+        if cfg.speculative_method == "ngram":
+            from tokenyard.engines.speculative.ngram_proposer import NgramProposer
+            proposer = NgramProposer(cfg.ngram_min, cfg.ngram_max)
+        else:
+            from tokenyard.engines.speculative.draft_proposer import DraftProposer
+            # The draft gets as many (much smaller) blocks as the target, so it never runs out first.
+            proposer = DraftProposer(cfg.draft_model, self.model_config, self.dtype, self.device, self.max_model_len,
+                                     num_blocks, cfg.block_size, cfg.attention_backend, cfg.kv_cache_dtype)
+        return SpeculativeDecoder(self.runner, self.blocks, proposer, cfg.num_speculative_tokens,
+                                  cfg.spec_max_batch, self.max_model_len)
+
+    def _fail_all(self, exc: Exception) -> list[StepOutput]:
+        """A step raised: the KV and scheduler state of this step are unknown, so every in-flight
+        request ends with an error and the engine refuses new work until it is replaced."""
+        self._dead = f"{type(exc).__name__}: {exc}"
+        log.error("engine step failed; failing all in-flight requests: %s", self._dead, exc_info=exc)
+        live = self._inbox.clear()
+        outs = []
+        for seq in live:
+            if seq in self.scheduler.running or seq in self.scheduler.waiting:
+                self.scheduler.remove(seq)
+            if self.spec is not None:
+                self.spec.release(seq)
+            seq.finish_reason = "error"
+            outs.append(StepOutput(seq.request_id, [], finished=True, finish_reason="error",
+                                   num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                   error=self._dead))
+        self.close()
+        return outs
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int], error: str | None = None,
+                logprobs: list | None = None) -> StepOutput:
+        self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+        seq.finish_reason = reason
+        self._inbox.done(seq.request_id)
+        return StepOutput(seq.request_id, new_tokens, finished=True, finish_reason=reason,
+                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                          error=error, logprobs=logprobs)
+
+    def prepare_grammar(self, fmt: dict) -> None:
+        """Compile a response format into the grammar cache (any thread; GrammarError when refused)."""
+        self._grammar_set().compile(fmt)
+
+    def warm_grammars(self) -> None:
+        """Build the grammar set (the tokenizer's vocabulary for the compiler) ahead of the first request."""
+        self._grammar_set()
+
+    def _grammar_set(self) -> Grammars:
+        """The engine's grammar compiler, built once from the model's tokenizer (thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    self._grammars = Grammars.from_model_dir(self.model_dir, self.model_config.vocab_size,
+                                                             sorted(self.eos_token_ids))
+                except GrammarError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - no tokenizer files next to the weights, ...
+                    raise GrammarError(f"response_format is unavailable on this engine: {e}") from e
+            return self._grammars
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and tok in seq.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if seq.constraint is not None and seq.constraint.is_terminated:
+            return "stop"   # the document is complete (the grammar accepted a stop token)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _check_params(self, params: SamplingParams | dict | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        params.validate()
+        params.check_vocab(self.model_config.vocab_size)
+        return params
+
+    def _check_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"prompt_token_ids must be a list of integers, got {type(prompt).__name__}")
+        if not prompt:
+            raise RequestError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise RequestError(f"prompt token {t!r} is not an integer id in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}: "
+                f"it must be shorter to leave room for at least one output token")
+        return list(prompt)

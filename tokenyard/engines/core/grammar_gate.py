@@ -1,0 +1,80 @@
+"""The step a constrained request takes before it enters its engine: its grammar, checked and built
+off the event loop and off the engine's step.
+
+    gate = GrammarGate(GrammarWorker(model_dir, budget, name), build=engine.prepare_grammar,
+                       warm=engine.warm_grammars)
+    await gate.start()                 # the worker's vocabulary and the engine's grammar set, warmed
+    await gate.prepare(fmt)            # GrammarError: refused (the gateway's 400 response_format)
+    engine.add_request(..., params)    # at once, no await between: the grammar is in its cache
+
+Rules:
+- A json_schema goes to the worker first (tokenyard/engines/core/grammar_worker.py: a process of its own
+  with a hard time and memory budget), so a schema too expensive to compile is refused without
+  ever being compiled where the engine runs. {"type": "json_object"} is one fixed, small grammar
+  (11 ms on SmolLM2's vocabulary) and skips the check.
+- Then `build(fmt)` compiles it into the engine's cache on this gate's own thread (the event loop
+  and the engine's step thread never compile). An in-process engine passes build; an engine in a
+  process of its own compiles there, on a thread of the child (tokenyard/engines/serving/engine_process.py).
+- `warm()` (the engine's grammar set: its tokenizer info, ~1.5 s on SmolLM2) runs on the same
+  thread at start-up, so the first schema does not pay it on the loop; a build waits behind it.
+- The engine's cache is an LRU of 64 compiled grammars and the gate has one thread: between
+  prepare() returning and the synchronous add_request at most one other compile can finish, so
+  the grammar prepared for a request is still cached when the request is added.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from tokenyard.engines.core.grammar_worker import GrammarWorker
+
+log = logging.getLogger(__name__)
+
+
+class GrammarGate:
+    def __init__(self, worker: GrammarWorker | None, build: Callable[[dict], None] | None = None,
+                 warm: Callable[[], None] | None = None, name: str = "engine") -> None:
+        self.worker = worker
+        self._build = build
+        self._warm = warm
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None    # made when first needed; close() ends it
+        self._warming: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        """Start the worker and warm the engine's grammar set, both in the background."""
+        if self.worker is not None:
+            try:
+                await self.worker.start()
+            except OSError:
+                log.warning("grammar worker did not start; the first response_format request retries",
+                            exc_info=True)
+        if self._warm is not None and self._warming is None:
+            self._warming = asyncio.get_running_loop().run_in_executor(self._executor(), self._quiet_warm)
+
+    async def prepare(self, fmt: dict) -> None:
+        """Check (json_schema) and build the request's grammar; GrammarError when it is refused."""
+        if self.worker is not None and fmt.get("type") != "json_object":
+            await self.worker.check(fmt)
+        if self._build is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor(), self._build, fmt)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool, self._warming = None, None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenyard-grammar-{self.name}")
+        return self._pool
+
+    def _quiet_warm(self) -> None:
+        try:
+            self._warm()
+        except Exception:  # noqa: BLE001 - no grammar support here: each request says why when it asks
+            log.info("grammar set not warmed", exc_info=True)

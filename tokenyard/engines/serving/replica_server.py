@@ -1,0 +1,251 @@
+"""One engine as its own process: the AsyncEngine interface over a small internal HTTP API.
+
+    POST /v1/engine/generate   {"request_id", "prompt_token_ids", "params", "priority", "cache_salt"}
+                               -> 200 and NDJSON, one StepOutput (its fields) per line, the last
+                                  one finished; 400 {"error"} bad input (a response_format over its
+                                  compile budget: kind "grammar"); 503 {"error"} draining or down
+    POST /v1/engine/abort      {"request_id"} -> 200 {"aborted": bool}
+    GET  /v1/engine/stats      EngineStats fields + name, max_model_len, in_flight, draining, dead,
+                               failed_steps, model_fingerprint
+    GET  /health               liveness: {"status": "ok"|"down", "ready", "draining"} (503 when down)
+    GET  /ready                200 while it takes new requests, else 503
+    GET  /metrics              a few Prometheus gauges (running, waiting, KV usage, ...) of this replica
+
+The gateway (tokenyard/gateway/backends/remote_engine.py) keeps one keep-alive connection pool per replica. A
+client that goes away mid-stream (the gateway aborting, or dying) aborts its request here, so
+the engine frees the blocks at its next step. SIGTERM drains: /ready turns false, new requests
+get 503 (the gateway retries them elsewhere: no token was sent), requests in flight run to the
+end for up to `grace_s`, then the process exits 0; a second signal exits at once.
+
+A request with a response_format has its grammar made ready first (`engine.prepare`: checked in a
+grammar worker under its time and memory budget, compiled on a thread), so neither this event loop
+nor the engine's step ever compiles one.
+
+Nothing here imports gateway/: starlette and uvicorn are imported when the server is built.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import asdict
+from typing import Any
+
+from tokenyard.engines.core.async_engine import AsyncEngine
+from tokenyard.engines.core.errors import EngineDeadError, RequestError
+from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
+from tokenyard.engines.core.structured_output import GrammarError
+
+log = logging.getLogger("tokenyard.replica")
+
+API = "/v1/engine"
+
+
+class ReplicaState:
+    """What the endpoints share: the engine, the drain flag, requests being streamed."""
+
+    def __init__(self, engine: AsyncEngine, model_fingerprint: str = "") -> None:
+        self.engine = engine
+        self.model_fingerprint = model_fingerprint
+        self.draining = False
+        self.ready = False
+        self.streaming = 0          # generate responses still open
+        self.preparing = 0          # generate requests whose grammar is being made ready
+
+
+def build_app(state: ReplicaState):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    engine = state.engine
+
+    async def generate(request: Request) -> Any:
+        if state.draining or not state.ready:
+            return JSONResponse({"error": "draining" if state.draining else "starting", "retryable": True}, 503)
+        try:
+            body = json.loads(await request.body())
+            rid = body["request_id"]
+            ids = body["prompt_token_ids"]
+            params = body.get("params") or {}
+            priority = int(body.get("priority", 0))
+            salt = body.get("cache_salt")
+        except (ValueError, KeyError, TypeError) as e:
+            return JSONResponse({"error": f"bad request body: {e}"}, 400)
+        try:
+            if not isinstance(params, dict):
+                raise RequestError(f"params must be an object, got {type(params).__name__}")
+            params = SamplingParams.from_dict(params)
+            if params.response_format is not None:
+                # Checked against its budget and compiled off this loop and off the step (the
+                # engine's grammar gate); add_request follows with no await between.
+                state.preparing += 1
+                try:
+                    await engine.prepare(params)
+                finally:
+                    state.preparing -= 1
+            stream = engine.add_request(rid, ids, params, priority=priority, cache_salt=salt)
+        except GrammarError as e:        # before RequestError, its base: the schema is the problem
+            return JSONResponse({"error": str(e), "param": "response_format", "kind": "grammar"}, 400)
+        except ParamError as e:
+            return JSONResponse({"error": str(e), "param": e.param, "code": e.code, "kind": "param"}, 400)
+        except (RequestError, ValueError, TypeError) as e:
+            return JSONResponse({"error": str(e)}, 400)
+        except EngineDeadError as e:
+            return JSONResponse({"error": str(e), "retryable": True}, 503)
+        return _NDJSONStream(state, rid, stream)
+
+    async def abort(request: Request) -> Response:
+        try:
+            rid = json.loads(await request.body())["request_id"]
+        except (ValueError, KeyError, TypeError) as e:
+            return JSONResponse({"error": f"bad request body: {e}"}, 400)
+        known = rid in engine._streams
+        engine.abort(rid)
+        return JSONResponse({"aborted": known})
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(stats_document(state))
+
+    async def health(request: Request) -> Response:
+        down = engine.dead is not None
+        body = {"status": "down" if down else "ok", "ready": state.ready and not state.draining and not down,
+                "draining": state.draining}
+        return JSONResponse(body, 503 if down else 200)
+
+    async def ready(request: Request) -> Response:
+        ok = state.ready and not state.draining and engine.dead is None
+        return JSONResponse({"ready": ok, "draining": state.draining}, 200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(metrics_text(state), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return Starlette(routes=[
+        Route(f"{API}/generate", generate, methods=["POST"]),
+        Route(f"{API}/abort", abort, methods=["POST"]),
+        Route(f"{API}/stats", stats, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ])
+
+
+def stats_document(state: ReplicaState) -> dict[str, Any]:
+    eng = state.engine
+    doc = asdict(eng.stats())
+    doc.update(name=eng.name, max_model_len=eng.max_model_len, in_flight=eng.num_in_flight,
+               draining=state.draining, dead=eng.dead, failed_steps=eng.num_failed_steps,
+               model_fingerprint=state.model_fingerprint)
+    return doc
+
+
+def metrics_text(state: ReplicaState) -> str:
+    """Gauges for an autoscaler that scrapes replicas directly (label engine, like the gateway's)."""
+    eng, s = state.engine, state.engine.stats()
+    name = eng.name.replace("\\", "\\\\").replace('"', '\\"')
+    rows = [("tokenyard_engine_running_requests", "Sequences running in the engine", s.num_running),
+            ("tokenyard_engine_waiting_requests", "Requests waiting inside the engine", s.num_waiting),
+            ("tokenyard_engine_kv_usage_ratio", "Fraction of KV-cache blocks in use", s.kv_usage),
+            ("tokenyard_engine_kv_bytes_per_block", "Bytes of one KV-cache block (all layers, K and V, scales)",
+             s.kv_bytes_per_block),
+            ("tokenyard_engine_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / admitted",
+             s.prefix_cache_hit_rate),
+            ("tokenyard_engine_in_flight_requests", "Requests streaming from this replica", eng.num_in_flight),
+            ("tokenyard_engine_max_num_seqs", "Most sequences in one step", s.max_num_seqs),
+            ("tokenyard_engine_draining", "1 while the replica drains after SIGTERM", int(state.draining))]
+    out = []
+    for metric, help_, value in rows:
+        out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge", f'{metric}{{engine="{name}"}} {value}']
+    return "\n".join(out) + "\n"
+
+
+class _NDJSONStream:
+    """The outputs of one request as NDJSON lines; a client that leaves aborts the request."""
+
+    def __init__(self, state: ReplicaState, request_id: str, stream) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        state, rid = self.state, self.request_id
+        state.streaming += 1
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+        finished = False
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/x-ndjson")]})
+            while not finished:
+                outs = [await self.stream.get()]
+                while (more := self.stream.get_nowait()) is not None:   # one write for what piled up
+                    outs.append(more)
+                finished = any(o.finished for o in outs)
+                data = b"".join(json.dumps(asdict(o), separators=(",", ":")).encode() + b"\n" for o in outs)
+                await send({"type": "http.response.body", "body": data, "more_body": not finished})
+        except OSError:
+            pass                                      # the client is gone: abort below
+        finally:
+            watcher.cancel()
+            if not finished:
+                state.engine.abort(rid)
+            state.streaming -= 1
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.state.engine.abort(self.request_id)     # wakes the writer with the "abort" output
+
+
+def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, model_fingerprint: str = "",
+          announce=lambda line: print(line, flush=True)) -> int:
+    """Run a replica until SIGTERM/SIGINT (drain) and return the exit status."""
+    import uvicorn
+
+    state = ReplicaState(engine, model_fingerprint)
+    app = build_app(state)
+
+    class _Server(uvicorn.Server):
+        drain_requested = False
+        drain_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig, frame) -> None:     # signal handler: set flags only
+            if self.drain_requested:
+                self.should_exit = self.force_exit = True
+            self.drain_requested = True
+
+        async def startup(self, sockets=None) -> None:
+            await engine.start()
+            state.ready = True
+            await super().startup(sockets)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_requested and self.drain_task is None:
+                state.draining = True
+                log.info("replica %s draining: %d request(s) in flight", engine.name, engine.num_in_flight)
+                self.drain_task = asyncio.get_running_loop().create_task(self._drain())
+            return await super().on_tick(counter)
+
+        async def _drain(self) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace_s
+            while (engine.num_in_flight or state.streaming or state.preparing) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if engine.num_in_flight:
+                log.warning("drain grace of %.1f s over; cutting %d request(s)", grace_s, engine.num_in_flight)
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            await engine.stop()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1, lifespan="off")
+    server = _Server(config)
+    announce(f"tokenyard: engine {engine.name} replica at http://{host}:{port} (internal API {API})")
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return 0 if server.started else 1

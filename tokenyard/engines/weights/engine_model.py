@@ -1,0 +1,50 @@
+"""What the engine calls to load its model: plain, quantised at load, a pre-quantised checkpoint as
+stored, or a GGUF file with its quantised blocks kept where the layouts agree.
+
+One dispatcher above the loaders, so that none of them needs to know the others.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenyard.engines.model.model import CausalLM
+from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.quant.gguf_quantized import load_gguf_quantized
+from tokenyard.engines.quant.quantization import check_mode, checkpoint_quantization, load_quantized_model, quantize_model
+from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.weights.checkpoint import load_model
+from tokenyard.engines.weights.gguf_reader import is_gguf
+
+
+def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+                      progress: bool, cfg: ModelConfig, quantization: str = "none",
+                      group_size: int = 128) -> tuple[CausalLM, ModelConfig]:
+    """The engine's loader: plain, quantised at load, or a pre-quantised checkpoint as stored."""
+    qc = checkpoint_quantization(model_dir)
+    if qc is not None:
+        if quantization not in ("none", qc["mode"]) or (quantization == "int4" and group_size != qc["group_size"]):
+            raise ValueError(f"{model_dir} is quantised to {qc['mode']}"
+                             + (f" with group size {qc['group_size']}" if qc["mode"] == "int4" else "")
+                             + f"; the engine asks for quantization={quantization} (group size {group_size}): "
+                               f"use the checkpoint's settings, or none")
+        return load_quantized_model(model_dir, dtype, device, max_positions, progress, cfg)
+    if quantization == "none":
+        return load_model(model_dir, dtype, device, max_positions, progress, cfg)
+    check_mode(quantization, group_size)
+    if is_gguf(model_dir):
+        # GGUF blocks that match a layout are taken as stored, the rest requantised (gguf_loader).
+        model, cfg, _report = load_gguf_quantized(model_dir, dtype, device, max_positions, quantization,
+                                                  group_size, progress=progress, cfg=cfg)
+        return model, cfg
+    # Quantise from float32 weights (as save_quantized does), then bring the rest to dtype.
+    model, cfg = load_model(model_dir, torch.float32, device, max_positions, progress, cfg)
+    quantize_model(model, quantization, group_size)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        for m in model.modules():
+            if isinstance(m, QuantLinear) and m.bias is not None:
+                m.bias = m.bias.to(dtype)
+    return model, cfg

