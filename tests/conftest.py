@@ -1,15 +1,20 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Tests live in sub-folders by area (tests/engines, tests/gateway, ...); the shared helpers
+# (gateway_helpers.py, engine_helpers.py, ...) stay here and are imported by name.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tests.triton_mode  # noqa: F401  first: compiled Triton kernels on CUDA, the interpreter elsewhere
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Engines' cpu_compile "auto" would compile every 20M+ model at start-up: a suite builds dozens of
 # short-lived engines, for which compiling costs far more than it saves. The compiled path has its
-# own tests (tests/test_compiled_decode.py), which set the variable back to auto or ask for "on".
+# own tests (tests/engines/test_compiled_decode.py), which set the variable back to auto or ask for "on".
 os.environ.setdefault("TOKENYARD_CPU_COMPILE", "off")
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -94,7 +94,7 @@ def check_ledger(client, prefix: str, tenants: list[str], reached: list[str], se
                  report: Report) -> None:
     """One record per request that reached the engine, usage equal to what complete clients saw,
     rollups equal to the sum of the records."""
-    from test_spend_ledger import read_records, read_rollups, sum_records
+    from tests.gateway.test_spend_ledger import read_records, read_rollups, sum_records
     records = read_records(client, prefix, tenants)
     by_rid = {r["client_request_id"]: r for r in records}
     report.figures["records"] = len(records)
