@@ -2,7 +2,7 @@
 
     python docs/grafana/make_dashboard.py
 
-Kept as code so each panel's PromQL is in one readable list; tests/test_grafana_dashboard.py checks
+Kept as code so each panel's PromQL is in one readable list; tests/gateway/test_grafana_dashboard.py checks
 that every metric an expression names is one the gateway exports. Import the JSON in Grafana
 (Dashboards > New > Import) and pick the Prometheus data source that scrapes the gateway.
 """

@@ -19,7 +19,7 @@ Runs from a plain checkout with the machine's own torch and triton; imports only
 Ends with one summary table: a row per check, ok / FAIL / skip and the figure behind it.
 
     tokenyard/bench/gpu_check.sh --dry-run    the same code on the CPU at toy sizes (kernels interpreted,
-                                    gloo for tp2); tests/test_gpu_check.py runs it in `make test`
+                                    gloo for tp2); tests/bench/test_gpu_check.py runs it in `make test`
                                     so the script cannot rot between GPU sessions.
 Exit status: 0 all correct, 1 a failure, 2 no CUDA device (without --dry-run).
 """
@@ -279,7 +279,7 @@ def time_quant(bw: float, timings: list[Timing]) -> None:
 
 def shrink_for_dry_run() -> None:
     """Toy sizes on the CPU, kernels under Triton's interpreter: the same functions, in seconds.
-    bf16 kernel parity is left to tests/test_triton_kernels.py there (the interpreter's own bf16
+    bf16 kernel parity is left to tests/kernels/test_triton_kernels.py there (the interpreter's own bf16
     dot is wrong; the tests correct it), so its rows here say skip."""
     g = globals()
     g.update(DEVICE="cpu", TIMING_DTYPE=torch.float32, DTYPES=(torch.float32, torch.float16), COPY_ELEMS=1 << 20,
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to torch (torch.cuda.is_available() is False); "
               "this check needs an NVIDIA GPU. On the CPU: tokenyard/bench/gpu_check.sh --dry-run, "
-              "pytest tests/test_triton_kernels.py")
+              "pytest tests/kernels/test_triton_kernels.py")
         return 2
     import triton
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32

@@ -51,7 +51,7 @@ def summary_rows(checks: list[Check], timings: list[Timing], decode: list, dry_r
             if group is None:
                 if dry_run and dtype == "bfloat16" and kind != "write_kv":
                     rows.append(Row("kernel parity", f"{kind} {dtype}", "skip",
-                                    "dry run: interpreter bf16 (tests/test_triton_kernels.py checks it)"))
+                                    "dry run: interpreter bf16 (tests/kernels/test_triton_kernels.py checks it)"))
                 continue
             worst = max(group, key=lambda c: c.rel_err / c.tol if c.tol else c.rel_err)
             ok = all(c.ok for c in group)

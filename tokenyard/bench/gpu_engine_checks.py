@@ -7,7 +7,7 @@ it that row is skipped with the reason.
 
 tp2: the same prompts, greedy, through Engine(tensor_parallel_size=1) and (=2): the tokens must be
 identical (fp32, so a near-tie cannot flip between the two summation orders). nccl on CUDA with
-two or more GPUs; skipped with one. The dry run uses gloo on the CPU, as tests/test_tensor_parallel.py.
+two or more GPUs; skipped with one. The dry run uses gloo on the CPU, as tests/engines/test_tensor_parallel.py.
 w2: the engine's LLM.generate against transformers' generate in static batches of 32
 (tokenyard/bench/w2_throughput.py's two runners), on the device, tokens/s of requested output.
 """

@@ -1,5 +1,5 @@
 """The reliability suite at full size (issue 15): the same scenarios as tests/test_reliability_*.py
-and tests/test_fuzz_openapi.py (tests/reliability_*.py), with the sizes of the issue.
+and tests/gateway/test_fuzz_openapi.py (tests/reliability_*.py), with the sizes of the issue.
 
     .venv/bin/python -m tokenyard.bench.reliability all            # everything below, one summary table
     .venv/bin/python -m tokenyard.bench.reliability overload       # 3x capacity for 60 s (--seconds)

@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
 
-# What every results file must carry (tests/test_bench_results.py checks these).
+# What every results file must carry (tests/bench/test_bench_results.py checks these).
 REQUIRED_KEYS = ("name", "date", "machine", "git_commit", "dirty", "command", "load_avg", "figures", "runs")
 MACHINE_KEYS = ("platform", "cpu_model", "cores", "ram_gib", "python", "torch", "torch_threads")
 

@@ -47,7 +47,7 @@ def medium_spec():
 
 def _engine(model: str, quantization: str = "none"):
     """LLM for a checkpoint folder (weights as stored, or int8/int4 weight-only), or SmolLM2 as
-    deploy/default.yaml serves it (int4)."""
+    tokenyard/deploy/default.yaml serves it (int4)."""
     import torch
 
     from tokenyard.engines import LLM

@@ -23,7 +23,7 @@ between the pair's sizes, or a checkpoint served with other weights).
    features included), as p50/p99 over the test prompts, against the two-engine router's (score
    and threshold): a second pass of each, interleaved.
 
-Costs per call are relative: demo-small 1, demo-large 5 (deploy/default.yaml prices the pair 5x
+Costs per call are relative: demo-small 1, demo-large 5 (tokenyard/deploy/default.yaml prices the pair 5x
 apart, input and output alike); the third engine's cost is --third-cost (default 2: demo-medium
 decodes about twice the small one's work per token; the int4 large model decodes 2.6-3.1x faster
 than bf16 at batch 1, bench/RESULTS.md "Weight-only quantisation", so about 2 as well).

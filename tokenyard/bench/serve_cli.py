@@ -12,7 +12,7 @@ A scenario (it starts and stops the servers itself, one at a time; JSON + PNG in
     #    arrivals held 60 s per rate, up to the first rate whose p99 TTFT misses the SLO
     tokenyard bench serve --scenario rate-sweep --w2 --rates 1,2,3 --duration-s 60 --ttft-slo-ms 5000
     #    ... or one burst of --num-prompts requests per rate (no --duration-s)
-    #    ... or on a demo model (--config deploy/default.yaml --engine demo-large)
+    #    ... or on a demo model (--config tokenyard/deploy/default.yaml --engine demo-large)
     tokenyard bench serve --scenario rate-sweep --engine demo-large --rates 1,2,4,8,16 --num-prompts 128
     # 2. interactive vs batch priorities under mixed load
     tokenyard bench serve --scenario priorities --engine demo-large --interactive-rate 2 --num-prompts 64
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "(default serve_<scenario>)")
     c.add_argument("--no-results", action="store_true", help="scenarios: do not write bench/results/")
     s = ap.add_argument_group("scenarios")
-    s.add_argument("--config", type=Path, default=ROOT / "deploy" / "default.yaml", help="gateway deployment")
+    s.add_argument("--config", type=Path, default=ROOT / "tokenyard" / "deploy" / "default.yaml", help="gateway deployment")
     s.add_argument("--engine", default="demo-large", help="the engine measured (its model feeds the baseline)")
     s.add_argument("--w2", action="store_true", help="rate-sweep on the W2-shaped random Llama "
                                                      "(deploy/bench_w2.yaml; built on first use)")

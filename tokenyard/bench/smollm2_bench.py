@@ -144,7 +144,7 @@ def bench_serve(requests: int = 32, concurrency: int = 4) -> dict:
     from tokenyard.bench.serve_datasets import task_suite
     from tokenyard.bench.serve_launch import gateway_process
     from tokenyard.bench.serving_metrics import summarize
-    src = yaml.safe_load((ROOT / "deploy" / "default.yaml").read_text())
+    src = yaml.safe_load((ROOT / "tokenyard" / "deploy" / "default.yaml").read_text())
     src["engines"] = {"smollm2-135m": src["engines"]["smollm2-135m"]}
     for key in ("router", "policy", "routing"):
         src.pop(key, None)

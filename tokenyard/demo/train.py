@@ -2,9 +2,9 @@
 
 Reproducible means: the seed fixes the tokenizer, the initial weights and the data order, so on
 one machine (same wheels, same thread count) a rerun gives the same weights bit for bit
-(tests/test_demo_training.py). On another CPU the float sums differ in their last bits and
+(tests/demo/test_demo_training.py). On another CPU the float sums differ in their last bits and
 thousands of AdamW steps grow that apart, so there the weights differ and what reproduces is the
-models' accuracy, within the tolerance tests/test_demo_models.py states.
+models' accuracy, within the tolerance tests/demo/test_demo_models.py states.
 
     tokenyard demo train [--which small|large|both] [--minutes M | --steps N] [--smoke]
 

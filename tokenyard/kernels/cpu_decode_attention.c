@@ -3,7 +3,7 @@
  * the dot products, and the per-(token, kv head) scales are applied to scores and probabilities
  * (scores = (q . codes_k) * s_k * scale; out = sum_j p_j * s_v[j] * codes_v[j]), the same folding as
  * tokenyard/kernels/decode_group_torch.py's hand-written forms, which stay the reference
- * (tests/test_cpu_decode_native.py).
+ * (tests/kernels/test_cpu_decode_native.py).
  *
  * Layout (tokenyard/kernels/kv_quant.py, engines' KV cache): codes [kvh, slots, hd], scales [kvh, slots];
  * a sequence's key j lives in slot blocks[j / bs] * bs + j % bs. q and out are [B, kvh, rows, hd]

@@ -14,7 +14,7 @@
  * with VNNI, else vpmaddubsw and vpmaddwd) and one scaled float add, in 8-lane vectors on AVX-512
  * too (a block is 32 bytes). The int4 group minimums still meet the exact fp32 input sums. Error:
  * |x - xq * d| <= d / 2 with d = the block's max |x| / 127, so a product moves by at most
- * sum_j |w_j| * d_j / 2 (tests/test_cpu_matvec.py checks that bound). -DTY_Q8_INPUTS=0 keeps fp32
+ * sum_j |w_j| * d_j / 2 (tests/kernels/test_cpu_matvec.py checks that bound). -DTY_Q8_INPUTS=0 keeps fp32
  * inputs. The tiles prefetch the next tile's rows: with this much arithmetic per byte the hardware
  * prefetchers alone kept too few reads in flight (scratch timings, one thread, SmolLM2's int8 LM head
  * from DRAM: 7.4 GB/s without, 14.6 with; int4 10.5 -> 14.9). */

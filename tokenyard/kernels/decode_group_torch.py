@@ -27,7 +27,7 @@ Over a quantised cache the hand-written forms fold the per-(token, kv head) scal
 side instead of dequantising the tiles: scores = (q . codes_k) * (s_k * scale), and
 out = (probs * s_v) . codes_v. The gathered codes are widened once and never multiplied; the
 scales touch [n * group, L] scores, not [L, head_dim] tiles. Numerically this is the same fp32
-arithmetic as dequantise-then-attend up to summation order (tests/test_kv_quant_folded.py).
+arithmetic as dequantise-then-attend up to summation order (tests/engines/test_kv_quant_folded.py).
 
 Thread use: none of its own; the plan's buffers belong to the one step that built the plan.
 """

@@ -12,7 +12,7 @@ dequantise them tile by tile along N: at most `tile_cols` output columns of bf16
 time. The bf16 weight they build equals, bit for bit, the weight the packed op uses rounded to
 bf16 (the packed ops compute w in fp32 and multiply it by the bf16 activations in fp32); the GEMM
 then accumulates in fp32 like the packed op. So the two paths differ by the bf16 rounding of each
-weight (relative 2^-9) and by summation order; tests/test_quant_prefill.py checks both the exact
+weight (relative 2^-9) and by summation order; tests/engines/test_quant_prefill.py checks both the exact
 weights and the output bounds.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ choice of an n > 1 or multi-prompt request, so a max_tokens cap cuts each choice
 and batch (a Batch API line, charged the replayed policy's batch_price_percent).
 
 Under the policy in force (and no budgets), the replay charges every record exactly what the
-ledger charged it, whatever the traffic mix: tests/test_policy_simulate_ledger.py.
+ledger charged it, whatever the traffic mix: tests/gateway/test_policy_simulate_ledger.py.
 
 Assumptions, stated because they bound the prediction's accuracy:
   - token counts are taken as recorded whatever engine the replay picks (the demo engines share

@@ -79,7 +79,7 @@ CTX_PER_SLOT = 800            # W2's longest request is 512 + 256 = 768 tokens
 LLAMA_CPP_PY_VERSION = os.environ.get("LLAMA_CPP_PY_VERSION", "0.3.36")
 
 
-# -- pure helpers (tests/test_peer_bench.py) ---------------------------------------------------
+# -- pure helpers (tests/bench/test_peer_bench.py) ---------------------------------------------------
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Median, min and max of repeated measurements (NaN-free input; None when empty)."""

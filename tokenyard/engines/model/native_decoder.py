@@ -12,7 +12,7 @@ What runs there: steps in which every scheduled sequence decodes one token, with
 win from about 32 sequences, else every batch, where it beats eager torch); everything else (prefill chunks,
 mixed and speculative verify steps, larger decode batches) runs as before. The step writes K/V to
 the same slots and returns the same logits as the eager forward, to fp32 rounding
-(tests/test_native_decode.py).
+(tests/engines/test_native_decode.py).
 
 Which models: fp32 on the CPU with plain fp32 KV caches, SiLU MLPs, no tensor or pipeline
 parallelism; projections that are fp32 nn.Linear, or QuantLinear int8 or int4 (groups of 32, 64

@@ -13,7 +13,7 @@ and keeps only what its backend reads:
   zero' = (8 - z) * scale (needs N % 16 == 0: other N are padded with zero rows here).
   The float-minimum form (w = q * scale + min, GGUF Q4_1) maps as zero' = min + 8 * scale. Scale
   and zero' are stored in bf16 by this op, so the CPU weight matches the layout's only to bf16
-  rounding of both (tests/test_gguf_quant.py measures it).
+  rounding of both (tests/engines/test_gguf_quant.py measures it).
 - "triton": `tokenyard.kernels.quant_matmul_triton` reads the stored layout directly (CUDA).
 - "torch": `tokenyard.kernels.quant_matmul_torch`, the reference (dequantises per call: slow, exact in
   fp32); used where a packed op is missing or a shape does not suit it.
@@ -191,7 +191,7 @@ class QuantLinear(nn.Module):
         # Eager calls pick the path by the row count. Under torch.compile the packed op, the decode
         # path, runs at every size: the compiled CPU decode graph for batch 2..max_num_seqs has a
         # dynamic row count, and a branch on it would guard the range at the threshold (dynamo's
-        # ConstraintViolationError under mark_dynamic; tests/test_quant_prefill.py). Prefill, where
+        # ConstraintViolationError under mark_dynamic; tests/engines/test_quant_prefill.py). Prefill, where
         # the dense path pays, runs eagerly (tokenyard/engines/model/compiled_decoder.py).
         m = xb.shape[0]
         eager = not torch.compiler.is_compiling()

@@ -85,7 +85,7 @@ class EngineSet:
 
 class EngineScorer:
     """P(good) of every engine for one prompt, from one feature row: the same numbers as each
-    engine's scikit-learn predict_proba (to 1e-9; tests/test_router_engines.py)."""
+    engine's scikit-learn predict_proba (to 1e-9; tests/router/test_router_engines.py)."""
 
     def __init__(self, es: EngineSet, costs: Sequence[float] | None = None, quality_target: float | None = None,
                  cost_cap: float | None = None) -> None:

@@ -5,7 +5,7 @@ sit at the end of a chat prompt), plus the full length as numbers: the token cou
 the character count and the number of lines. So a decision costs the same for an 8k-token prompt
 as for a 300-character one. The row is computed in C (native_row.c, loaded by native.py):
 one pass over the window, ~70 us a decision) or, where no C compiler exists, by the same
-definitions vectorised in numpy (`row_numpy`, ~3x slower; tests/test_router_native.py holds
+definitions vectorised in numpy (`row_numpy`, ~3x slower; tests/router/test_router_native.py holds
 the two equal). Neither keeps a cache, so there is no cold/warm difference either.
 
 Four blocks, laid out in one vector of `spec.dim` columns:
@@ -440,7 +440,7 @@ def _factors(squares: Sequence[float], cross_weight: float) -> np.ndarray:
 def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = None) -> Row:
     """The features of one prompt (see `Row`); `extract` and the scorer both read this. The hashed
     blocks come from the C kernel (tokenyard/router_models/runtime/native.py) when it is built, else from
-    numpy (`row_numpy`); the two agree bit for bit (tests/test_router_native.py). With `weights`
+    numpy (`row_numpy`); the two agree bit for bit (tests/router/test_router_native.py). With `weights`
     (of spec.dim columns), `Row.sums` holds each hashed block's sum of weights over its columns."""
     c = compiled(spec)
     if weights is not None and weights.values.shape[0] != spec.dim:

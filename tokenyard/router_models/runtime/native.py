@@ -6,7 +6,7 @@
 Why: the numpy path of `features.row` is about a hundred small array operations, and their
 dispatch (not the arithmetic) made the decision cost ~300 us at a 512-character window; the
 issue's budget is 200 us at p99 up to 8k-token prompts. The C pass computes the same columns in
-the same order (tests/test_router_native.py compares the two bit for bit), so artifacts trained
+the same order (tests/router/test_router_native.py compares the two bit for bit), so artifacts trained
 with either path score identically with either.
 
 Build: `cc -O2 -shared -fPIC` through tokenyard/nativelib/build.py (cached in ~/.cache/tokenyard/native

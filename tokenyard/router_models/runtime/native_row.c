@@ -1,6 +1,6 @@
 /* One router feature row in one pass of C: the same columns, in the same order, and the same
  * dense counts as the numpy path of tokenyard/router_models/runtime/features.py (`row_numpy`), which stays
- * the reference (tests/test_router_native.py checks that the two agree).
+ * the reference (tests/router/test_router_native.py checks that the two agree).
  *
  * Why C: the numpy path is about a hundred small array operations on a 512-character window, and
  * at ~2 us of dispatch each they, not the arithmetic, set the decision latency. Here an n-gram is

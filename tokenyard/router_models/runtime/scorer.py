@@ -5,7 +5,7 @@
     scorer.goes_large(p)                         # p < threshold (the artifact's, or an override)
 
 The same number scikit-learn's `LogisticRegression.predict_proba(X)[:, 1]` gives for the row
-`features.extract(text, tokens, spec)` (to 1e-9; tests/test_router_artifact.py), computed from
+`features.extract(text, tokens, spec)` (to 1e-9; tests/router/test_router_artifact.py), computed from
 a dense float64 weight vector without building the row: per hashed block, the weights of its
 n-gram occurrences summed and scaled once by the block's L2 factor (`features.row`).
 """

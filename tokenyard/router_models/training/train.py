@@ -40,7 +40,7 @@ Reproducible: features are hashed, lbfgs has no random state and runs on one BLA
 one machine the same rows give bit-identical artifacts. Another CPU (same wheels) may pick other
 BLAS kernels, which sum in another order; lbfgs then stops a hair away, so the weights agree to
 ~1e-4 and the scores to ~1e-5, not bit for bit (the tolerances and the measurements behind them
-are in tests/test_router_training.py).
+are in tests/router/test_router_training.py).
 """
 from __future__ import annotations
 
