@@ -2,7 +2,7 @@
 
     python -m tokenyard.bench.structured_parse_bench [--requests 50] [--max-tokens 1024] [--concurrency 4]
 
-`tokenyard serve` runs deploy/default.yaml cut down to its smollm2-135m engine (as `make serve` serves
+`tokenyard serve` runs tokenyard/deploy/default.yaml cut down to its smollm2-135m engine (as `make serve` serves
 it) in a process of its own; the SDK sends `requests` parse() calls round-robin over six ordinary pydantic
 models (an unbounded float, a bounded int with a bool, an enum list, a nested object, optional fields,
 a list of objects), a different prompt each, temperature 0 and 0.8 alternately (seeded).
@@ -142,7 +142,8 @@ def _percentile(values: list[int], q: float) -> float:
 
 
 def run(requests: int, max_tokens: int, concurrency: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    config = derive_deployment(ROOT / "deploy" / "default.yaml", OUT / "structured_parse.yaml", only_engines=[ENGINE])
+    config = derive_deployment(ROOT / "tokenyard" / "deploy" / "default.yaml", OUT / "structured_parse.yaml",
+                               only_engines=[ENGINE])
     models = list(PROMPTS)
     jobs = [(models[i % len(models)], PROMPTS[models[i % len(models)]][(i // len(models)) % 8], i)
             for i in range(requests)]
@@ -180,7 +181,7 @@ def main() -> None:
     args = ap.parse_args()
     recorder = RunRecorder("structured_parse_smollm2")
     figures, rows = run(args.requests, args.max_tokens, args.concurrency)
-    recorder.write(figures, rows, engine=ENGINE, deployment="deploy/default.yaml (smollm2-135m only)")
+    recorder.write(figures, rows, engine=ENGINE, deployment="tokenyard/deploy/default.yaml (smollm2-135m only)")
     print(json.dumps({k: v for k, v in figures.items() if k != "per_model"}, indent=1))
     for name, f in figures["per_model"].items():
         print(f"  {name:8s} valid {f['valid']}/{f['requests']}  max tokens {f['max_tokens_seen']}")

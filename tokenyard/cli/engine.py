@@ -17,7 +17,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     sub = ap.add_subparsers(dest="engine_command", required=True)
     serve = sub.add_parser("serve", help="serve one engine of the deployment as a replica over internal HTTP")
     serve.add_argument("--engine", required=True, help="engine name under `engines` in the deployment file")
-    serve.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    serve.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, required=True, help="listen port")
     serve.add_argument("--drain-grace-s", type=float, default=None,

@@ -22,7 +22,7 @@ from tokenyard.gateway.auth.api_keys import PRIORITIES, KeySpecError, KeyStore
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    ap.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
     ap.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
     sub = ap.add_subparsers(dest="keys_command", required=True)
     create = sub.add_parser("create", help="make a key and print it once")

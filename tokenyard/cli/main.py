@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tokenyard", description="Tokenyard: an LLM serving gateway")
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the gateway (default deployment: deploy/default.yaml)")
-    serve.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    serve.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
     serve.add_argument("--host", help="listen address (overrides server.host)")
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.set_defaults(func=_serve)

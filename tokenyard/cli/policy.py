@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    ap.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
     ap.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
     sub = ap.add_subparsers(dest="policy_command", required=True)
     apply = sub.add_parser("apply", help="validate FILE and make it the current version")

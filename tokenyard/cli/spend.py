@@ -26,7 +26,7 @@ from tokenyard.policies import format_money
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="deployment YAML file (default: deploy/default.yaml)")
+    ap.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
     ap.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
     sub = ap.add_subparsers(dest="spend_command", required=True)
     rep = sub.add_parser("report", help="spend, tokens, cost per 1M tokens and savings, grouped")

@@ -25,7 +25,9 @@ from tokenyard.gateway.routing.learned_router import parse_router_settings
 from tokenyard.gateway.spend.config import WebSettings, parse_web_settings
 from tokenyard.policies.schema import Prices
 
-DEFAULT_FILE = Path(__file__).resolve().parents[3] / "deploy" / "default.yaml"
+# The default deployment ships inside the package (tokenyard/deploy/default.yaml, with the demo models, router
+# artifact and policy it names), so an installed wheel serves without a checkout.
+DEFAULT_FILE = Path(__file__).resolve().parents[2] / "deploy" / "default.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENGINE_TYPES = ("torch", "mock")
 _PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
