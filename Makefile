@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: serve test reliability gpu-check bench install clean chromium bench-peers
+.PHONY: serve test docs reliability gpu-check bench install clean chromium bench-peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -49,7 +49,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-test: $(STAMP) chromium lint
+# The documentation site (mkdocs.yml, docs/*.md; mkdocs-material): built into site/ (ignored) with
+# --strict, so a broken link or anchor between pages fails `make test`. Open site/index.html to read it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: $(STAMP) chromium lint docs
 	$(BIN)/python -m pytest tests
 
 # The full-size reliability runs (tests marked `reliability`, deselected from `make test`): Redis
