@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenyard.cli.usage_error import UsageError
 from tokenyard.gateway.config.deployment import Deployment, DeploymentError, load_deployment
 
-
-class UsageError(Exception):
-    """Bad flags or a bad deployment file: the message says what to fix; the command exits with 2."""
+__all__ = ["UsageError", "load_or_exit"]
 
 
 def load_or_exit(path: str | Path | None) -> Deployment:

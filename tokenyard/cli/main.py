@@ -10,86 +10,82 @@
     tokenyard bench      serving benchmarks over HTTP (`tokenyard bench serve --scenario ...`)
     tokenyard generate   stream one completion from a checkpoint to the terminal
     tokenyard demo       train / eval / plot the demo model pair
+
+Start-up stays cheap: a command's module (and with it torch, the gateway, scikit-learn...) is imported
+only when that command runs, so `tokenyard --help`, `--version` and `tokenyard keys ...` never load
+torch (tests/packaging/test_cli_startup.py).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections import namedtuple
+
+# help: the line in `tokenyard --help`; module: holds add_arguments(parser), imported only when this command
+# runs; run: the module's function to run (None: add_arguments sets func itself). A namedtuple, not a
+# dataclass: importing dataclasses alone costs the start-up of every command a few ms.
+Command = namedtuple("Command", "help module run", defaults=(None,))
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from tokenyard.cli.deployment_arg import UsageError, load_or_exit
-    from tokenyard.gateway.config.deployment import DeploymentError, apply_env
-    from tokenyard.gateway.http.server import serve
+COMMANDS: dict[str, Command] = {
+    "serve": Command("start the gateway (default deployment: the packaged tokenyard/deploy/default.yaml)",
+                     "tokenyard.cli.serve"),
+    "keys": Command("create, list and revoke API keys", "tokenyard.cli.keys"),
+    "spend": Command("spend reports from the ledger (`tokenyard spend report --by model`)", "tokenyard.cli.spend"),
+    "policy": Command("routing policies: apply, show, history, rollback, simulate, validate", "tokenyard.cli.policy"),
+    "generate": Command("stream a completion from a checkpoint to the terminal",
+                        "tokenyard.engines.serving.generate_cli", "run"),
+    "quantize": Command("write an int8/int4 weight-only quantised checkpoint", "tokenyard.engines.quant.quantize_cli", "run"),
+    "demo": Command("train, evaluate and plot the demo model pair", "tokenyard.demo.cli"),
+    "bench": Command("benchmarks: `tokenyard bench serve` drives servers over HTTP", "tokenyard.bench.serve_cli", "run"),
+    "engine": Command("run one engine as a replica process (`tokenyard engine serve`)", "tokenyard.cli.engine"),
+    "router": Command("train and evaluate the learned router for model auto", "tokenyard.router_models.training.cli"),
+}
 
-    try:
-        dep = apply_env(load_or_exit(args.config))
-    except DeploymentError as e:        # a bad value in the environment (TOKENYARD_GIL_SWITCH_MS)
-        raise UsageError(str(e)) from None
-    if args.host is not None:
-        dep.host = args.host
-    if args.port is not None:
-        dep.port = args.port
-    from tokenyard.gateway.state import StartupError
-    try:
-        return serve(dep)
-    except StartupError as e:
-        print(f"tokenyard: {e}", file=sys.stderr)
-        return 2
+
+class _Version(argparse.Action):
+    """--version, read from the installed metadata only when asked (importlib.metadata costs ~20 ms)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        import tokenyard
+        print(f"tokenyard {tokenyard.__version__}")
+        parser.exit()
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The command named on the line: the first word that is not an option (top-level options take no value)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Every command is listed; only the one on the line gets its arguments (and its imports)."""
+    ap = argparse.ArgumentParser(prog="tokenyard", description="Tokenyard: an LLM serving gateway")
+    ap.add_argument("--version", action=_Version)
+    sub = ap.add_subparsers(dest="command", required=True)
+    chosen = _chosen(argv)
+    for name, cmd in COMMANDS.items():
+        parser = sub.add_parser(name, help=cmd.help)
+        if name != chosen:
+            continue
+        module = importlib.import_module(cmd.module)
+        module.add_arguments(parser)
+        if cmd.run is not None:
+            parser.set_defaults(func=getattr(module, cmd.run))
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tokenyard", description="Tokenyard: an LLM serving gateway")
-    sub = ap.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the gateway (default deployment: deploy/default.yaml)")
-    serve.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
-    serve.add_argument("--host", help="listen address (overrides server.host)")
-    serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
-    serve.set_defaults(func=_serve)
-    # --- keys ---
-    from tokenyard.cli import keys as keys_cli
-    keys = sub.add_parser("keys", help="create, list and revoke API keys")
-    keys_cli.add_arguments(keys)
-    # --- end keys ---
-    # --- spend ---
-    from tokenyard.cli import spend as spend_cli
-    spend = sub.add_parser("spend", help="spend reports from the ledger (`tokenyard spend report --by model`)")
-    spend_cli.add_arguments(spend)
-    # --- end spend ---
-    # --- policy ---
-    from tokenyard.cli import policy as policy_cli
-    pol = sub.add_parser("policy", help="routing policies: apply, show, history, rollback, simulate, validate")
-    policy_cli.add_arguments(pol)
-    # --- end policy ---
-    from tokenyard.engines.serving import generate_cli
-    gen = sub.add_parser("generate", help="stream a completion from a checkpoint to the terminal")
-    generate_cli.add_arguments(gen)
-    gen.set_defaults(func=generate_cli.run)
-    from tokenyard.engines.quant import quantize_cli
-    quant = sub.add_parser("quantize", help="write an int8/int4 weight-only quantised checkpoint")
-    quantize_cli.add_arguments(quant)
-    quant.set_defaults(func=quantize_cli.run)
-    from tokenyard.demo import cli as demo_cli
-    demo = sub.add_parser("demo", help="train, evaluate and plot the demo model pair")
-    demo_cli.add_arguments(demo)
-    # --- bench ---
-    from tokenyard.bench import serve_cli
-    bench = sub.add_parser("bench", help="benchmarks: `tokenyard bench serve` drives servers over HTTP")
-    serve_cli.add_arguments(bench)
-    bench.set_defaults(func=serve_cli.run)
-    # --- end bench ---
-    # --- engine replicas ---
-    from tokenyard.cli import engine as engine_cli
-    engine = sub.add_parser("engine", help="run one engine as a replica process (`tokenyard engine serve`)")
-    engine_cli.add_arguments(engine)
-    # --- end engine ---
-    # --- router ---
-    from tokenyard.router_models.training import cli as router_cli
-    router = sub.add_parser("router", help="train and evaluate the learned router for model auto")
-    router_cli.add_arguments(router)
-    # --- end router ---
-    args = ap.parse_args(argv)
-    from tokenyard.cli.deployment_arg import UsageError
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    from tokenyard.cli.usage_error import UsageError
     try:
         return args.func(args)
     except UsageError as e:
