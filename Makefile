@@ -3,8 +3,8 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# torch is pinned to the CPU wheel this machine keeps on disk; installing it first stops
-# pip from resolving a multi-GB CUDA build as a dependency of something else.
+# pyproject.toml asks for torch>=2.11 (a library's range); this machine pins the CPU wheel it keeps on
+# disk, installed first so pip never resolves a multi-GB CUDA build as a dependency of something else.
 TORCH := torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
@@ -24,15 +24,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# The gateway on 127.0.0.1:$(PORT) with deploy/default.yaml (both demo engines in-process);
-# an embedded redis-server under .tokenyard/redis unless REDIS_URL is set. On the first start it
+# The gateway on 127.0.0.1:$(PORT) with the packaged default deployment (tokenyard/deploy/default.yaml: the
+# demo pair and SmolLM2 in-process); an embedded redis-server under ~/.tokenyard/redis unless REDIS_URL is set. On the first start it
 # prints a development admin API key (once); `tokenyard keys create` makes more.
 PORT ?= 8000
 serve: $(STAMP)
 	@echo "Tokenyard base URL: http://127.0.0.1:$(PORT)/v1"
-	$(BIN)/tokenyard serve --config deploy/default.yaml --host 127.0.0.1 --port $(PORT)
+	$(BIN)/tokenyard serve --host 127.0.0.1 --port $(PORT)
 
-# The dashboard page tests (tests/test_dashboard_page.py) drive Debian's chromium through playwright
+# The dashboard page tests (tests/gateway/test_dashboard_page.py) drive Debian's chromium through playwright
 # (never a downloaded browser). Installed here when missing and allowed: as root, or with CI=true via
 # sudo. Otherwise, or if the install fails, those tests skip with the reason (under CI=true they fail).
 chromium:
