@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import uvicorn
 
 from tokenyard.gateway.config.deployment import parse_deployment
-from tokenyard.gateway.http.app import create_app
+from tokenyard.gateway.server.app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key"
@@ -69,7 +69,7 @@ class Running:
 
 @contextmanager
 def running_gateway(document: dict[str, Any], handles=None, usage_sink=None, guarded: bool = False) -> Iterator[Running]:
-    """guarded: serve as `tokenyard serve` does (tokenyard/gateway/http/server.py: connection deadlines, cap, 431)
+    """guarded: serve as `tokenyard serve` does (tokenyard/gateway/server/server.py: connection deadlines, cap, 431)
     instead of plain uvicorn."""
     if "spool_dir" not in (document.get("spend") or {}):
         # Records spooled during a test's Redis outage must never land in the repository's
@@ -95,7 +95,7 @@ def running_gateway(document: dict[str, Any], handles=None, usage_sink=None, gua
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     if guarded:
-        from tokenyard.gateway.http.server import GuardedServer, uvicorn_config
+        from tokenyard.gateway.server.server import GuardedServer, uvicorn_config
         server = GuardedServer(uvicorn_config(app, dep.connections))
     else:
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)

@@ -37,7 +37,7 @@ from pathlib import Path
 from gateway_helpers import KEY, ROOT, SHARED_REDIS, delete_prefix, unique_prefix
 from reliability_common import Report, pct, serve_process, stop_process
 
-from tokenyard.gateway.http.connection_guard import BACKLOG, FD_RESERVE
+from tokenyard.gateway.server.connection_guard import BACKLOG, FD_RESERVE
 
 MOCK = {"type": "mock", "model": str(ROOT / "models" / "demo-small"), "ttft_ms": 0, "token_ms": 0, "output_len": 4}
 BODY = json.dumps({"model": "mock", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})

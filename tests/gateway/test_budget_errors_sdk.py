@@ -10,7 +10,7 @@ from gateway_helpers import SHARED_REDIS, delete_prefix, running_gateway, unique
 from policy_gateway_helpers import BASE_POLICY, bearer, make_keys, put_policy, two_engine_deployment
 
 from tests.gateway.test_policy_gateway_budget import seed_spend
-from tokenyard.gateway.http.errors import should_retry
+from tokenyard.gateway.edge.errors import should_retry
 
 POLICY = BASE_POLICY + """\
 tenants:

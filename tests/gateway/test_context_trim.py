@@ -1,4 +1,4 @@
-"""Context that fits (tokenyard/gateway/http/context_trim.py): the oldest turns go, never the system message
+"""Context that fits (tokenyard/gateway/prompt/context_trim.py): the oldest turns go, never the system message
 nor the latest turn, and no more turns go than needed."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenyard.gateway.http.context_trim import ContextTooLong, trim_to_fit
+from tokenyard.gateway.prompt.context_trim import ContextTooLong, trim_to_fit
 
 
 def count(messages: list[dict]) -> int:

@@ -1,4 +1,4 @@
-"""What a connection may cost a gateway served as `tokenyard serve` does (tokenyard/gateway/http/connection_guard.py):
+"""What a connection may cost a gateway served as `tokenyard serve` does (tokenyard/gateway/server/connection_guard.py):
 a head that never completes and a body that stops half way are cut with 408 after their deadlines,
 a silent connection is closed, an oversized head (a 1 MB Bearer token) gets 431 that the client can
 read, the connection cap closes the oldest idle/slow connection instead of refusing a new client
@@ -17,7 +17,7 @@ import time
 
 from gateway_helpers import mock_deployment, running_gateway
 
-from tokenyard.gateway.http.connection_guard import QuietAcceptErrors, fit_max_connections, raise_fd_limit
+from tokenyard.gateway.server.connection_guard import QuietAcceptErrors, fit_max_connections, raise_fd_limit
 
 CHAT = {"model": "mock", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -16,10 +16,10 @@ from reliability_common import ErrorLogs
 
 @contextmanager
 def served_like_production(doc):
-    """The app under tokenyard/gateway/http/server.py's uvicorn settings (its guarded protocol), not the tests' plain one."""
+    """The app under tokenyard/gateway/server/server.py's uvicorn settings (its guarded protocol), not the tests' plain one."""
     from tokenyard.gateway.config.deployment import parse_deployment
-    from tokenyard.gateway.http.app import create_app
-    from tokenyard.gateway.http.server import GuardedServer, uvicorn_config
+    from tokenyard.gateway.server.app import create_app
+    from tokenyard.gateway.server.server import GuardedServer, uvicorn_config
     dep = parse_deployment(doc, base_dir=ROOT)
     app = create_app(dep, dev_key=KEY)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -1,6 +1,6 @@
 """A gateway that stops, and the process around it that exits, print nothing alarming (issue 45.8).
 
-The gateway freezes the GC after start-up (tokenyard/gateway/http/app.py). Frozen objects are never collected,
+The gateway freezes the GC after start-up (tokenyard/gateway/server/app.py). Frozen objects are never collected,
 not even when the interpreter exits, so Triton's nanobind module (imported by torch._dynamo when a
 torch engine loads) found its objects alive at exit and printed ~30 lines of "nanobind: leaked ..."
 after every stop of the gateway and at the end of `make test`, which reads like a crash. The child

@@ -99,7 +99,7 @@ def test_serve_sets_the_processes_switch_interval(monkeypatch):
     """serve() applies the knob before anything starts (stopped right after, at the fd limit)."""
     import sys
 
-    from tokenyard.gateway.http import server
+    from tokenyard.gateway.server import server
 
     class Stop(Exception):
         pass

@@ -16,7 +16,7 @@ from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, 
 
 from tokenyard.engines.core.structured_output import Grammars
 from tokenyard.engines.text.tokenizer import Tokenizer
-from tokenyard.gateway.http.prompt_guard import PROMPT_CHARS_PER_TOKEN
+from tokenyard.gateway.prompt.prompt_guard import PROMPT_CHARS_PER_TOKEN
 
 DEMO = str(ROOT / "models" / "demo-small")
 SIMPLE = {"type": "json_schema", "json_schema": {"name": "point", "schema": {

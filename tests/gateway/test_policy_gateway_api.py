@@ -10,7 +10,7 @@ from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, running_gateway, 
 from policy_gateway_helpers import BASE_POLICY, bearer, chat, make_keys, put_policy, two_engine_deployment
 
 from tokenyard.gateway.config.deployment import parse_deployment
-from tokenyard.gateway.http.app import create_app
+from tokenyard.gateway.server.app import create_app
 from tokenyard.gateway.state import StartupError
 
 BAD = BASE_POLICY + """\

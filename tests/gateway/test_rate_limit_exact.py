@@ -36,7 +36,7 @@ def _limiter(prefix: str, tokens: int):
 def hammer(prefix: str, seed: int, start_at: float, out: str) -> None:
     """One process: reserve random amounts as fast as it can; refund a random part of some."""
     from tokenyard.gateway.auth.api_keys import new_record
-    from tokenyard.gateway.http.errors import RateLimited
+    from tokenyard.gateway.edge.errors import RateLimited
 
     async def run() -> list[tuple[int, int]]:
         client, limiter = _limiter(prefix, LIMIT)
@@ -64,7 +64,7 @@ def hammer(prefix: str, seed: int, start_at: float, out: str) -> None:
 
 async def _steady(prefix: str) -> tuple[int, int]:
     from tokenyard.gateway.auth.api_keys import new_record
-    from tokenyard.gateway.http.errors import RateLimited
+    from tokenyard.gateway.edge.errors import RateLimited
     client, limiter = _limiter(prefix, STEADY_LIMIT)
     rec = new_record("steady", "steady")
     sent = refused = 0

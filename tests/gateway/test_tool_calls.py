@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenyard.engines.text.chat_template import FALLBACK_CHAT_TEMPLATE, apply_chat_template, renders_tools
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.errors import BadRequest
+from tokenyard.gateway.edge.tool_request import parse_tools
 from tokenyard.gateway.http.tool_calls import ToolCallStream, assemble
-from tokenyard.gateway.http.tool_prompt import template_messages
-from tokenyard.gateway.http.tool_request import parse_tools
+from tokenyard.gateway.prompt.tool_prompt import template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

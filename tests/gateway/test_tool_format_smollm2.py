@@ -9,8 +9,8 @@ import pytest
 
 from tests.gateway.test_tool_calls import CONVERSATION, WEATHER, run
 from tokenyard.engines.text.chat_template import FALLBACK_CHAT_TEMPLATE, apply_chat_template, tool_style
-from tokenyard.gateway.http.tool_prompt import template_messages
-from tokenyard.gateway.http.tool_request import parse_tools
+from tokenyard.gateway.edge.tool_request import parse_tools
+from tokenyard.gateway.prompt.tool_prompt import template_messages
 
 # SmolLM2-135M-Instruct's template, as its GGUF's tokenizer.chat_template holds it.
 SMOLLM2_TEMPLATE = (

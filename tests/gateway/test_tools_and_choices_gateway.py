@@ -103,7 +103,7 @@ def test_a_conversation_with_a_tool_result_is_answered(client):
 @pytest.mark.timeout(300)
 def test_the_round_trip_with_auto_tools_ends_in_a_plain_answer(client):
     # Issue 45.6: the tool result went back as a <tool_response> turn and the model echoed it as its
-    # answer. SmolLM2 now gets its own format, and the result in plain words (tokenyard/gateway/http/tool_prompt.py).
+    # answer. SmolLM2 now gets its own format, and the result in plain words (tokenyard/gateway/prompt/tool_prompt.py).
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_7", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},

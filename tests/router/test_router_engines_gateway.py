@@ -12,7 +12,7 @@ import pytest
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
 
 from tokenyard.gateway.config.deployment import parse_deployment
-from tokenyard.gateway.http.app import create_app
+from tokenyard.gateway.server.app import create_app
 from tokenyard.gateway.state import StartupError
 from tokenyard.router_models.runtime.engine_set import EngineModel, EngineSet, save
 from tokenyard.router_models.runtime.features import DENSE_NAMES, FeatureSpec

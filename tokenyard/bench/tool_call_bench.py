@@ -20,9 +20,9 @@ from tokenyard.bench.results_io import RunRecorder
 from tokenyard.engines import LLM, SamplingParams
 from tokenyard.engines.text.chat_template import apply_chat_template
 from tokenyard.engines.weights.gguf_models import smollm2_path
+from tokenyard.gateway.edge.tool_request import parse_tools
 from tokenyard.gateway.http.tool_calls import ToolCallStream, assemble
-from tokenyard.gateway.http.tool_prompt import template_messages
-from tokenyard.gateway.http.tool_request import parse_tools
+from tokenyard.gateway.prompt.tool_prompt import template_messages
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",

@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.errors import BadRequest
 from tokenyard.gateway.spend import reports as reports
 from tokenyard.gateway.spend import store as store
 from tokenyard.gateway.spend.queries import read_report

@@ -13,7 +13,7 @@ a thread of their own so they never hold up a real one.
 The step thread still shares the GIL with the event loop: it gives the GIL up inside every torch
 op and C step and must get it back after each, and with Python's 5 ms switch interval a busy event
 loop could keep it that long every time. The gateway shortens the interval
-(server.gil_switch_interval_ms; tokenyard/gateway/http/server.py), or steps the engine in a process of its
+(server.gil_switch_interval_ms; tokenyard/gateway/server/server.py), or steps the engine in a process of its
 own instead (server.engine_process; tokenyard/engines/serving/engine_process.py).
 
 Constrained requests: `await engine.prepare(params)` before add_request checks the response

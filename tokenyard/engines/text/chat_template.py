@@ -63,7 +63,7 @@ def renders_tools(tokenizer_or_template: Any) -> bool:
 
 
 def tool_style(tokenizer_or_template: Any) -> str:
-    """How tools reach this model (tokenyard/gateway/http/tool_prompt.py): "template" when its template renders
+    """How tools reach this model (tokenyard/gateway/prompt/tool_prompt.py): "template" when its template renders
     them, "smollm2" for SmolLM2-Instruct's template (no tools in it, but the model card documents a
     <tool_call>[...]</tool_call> format), else "tags" (a preamble of ours)."""
     template = tokenizer_or_template if isinstance(tokenizer_or_template, str) else (

@@ -29,7 +29,7 @@ from tokenyard.gateway.admission.fair_queue import FairQueue, Waiter
 from tokenyard.gateway.admission.shedding import ArrivalRate, ServiceRate, predicted_wait, shed
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
 from tokenyard.gateway.config.deployment import AdmissionConfig
-from tokenyard.gateway.http.edge_params import parse_int
+from tokenyard.gateway.edge.edge_params import parse_int
 
 if TYPE_CHECKING:
     from tokenyard.engines.core.backend import EngineBackend

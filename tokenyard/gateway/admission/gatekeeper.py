@@ -21,7 +21,7 @@ from tokenyard.gateway.admission.engine_queues import Admission, Slot
 from tokenyard.gateway.admission.rate_limiter import RateLimiter, Reservation
 from tokenyard.gateway.admission.shedding import shed
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
-from tokenyard.gateway.http.errors import RateLimited
+from tokenyard.gateway.edge.errors import RateLimited
 from tokenyard.gateway.spend.budget_hold import BudgetCharge, BudgetReached, Hold, refusal_message
 from tokenyard.gateway.spend.usage import UsageRecord, UsageSink
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.config.deployment import RateLimits
-from tokenyard.gateway.http.errors import RateLimited, Unavailable, retry_headers
+from tokenyard.gateway.edge.errors import RateLimited, Unavailable, retry_headers
 from tokenyard.gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable
 
 log = logging.getLogger("tokenyard.ratelimit")

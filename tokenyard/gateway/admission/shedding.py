@@ -25,7 +25,7 @@ import math
 import time
 from collections import deque
 
-from tokenyard.gateway.http.errors import APIError, RateLimited, Unavailable, retry_headers
+from tokenyard.gateway.edge.errors import APIError, RateLimited, Unavailable, retry_headers
 
 
 class ServiceRate:

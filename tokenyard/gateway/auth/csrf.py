@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 
 from tokenyard.gateway.auth.sessions import Session
-from tokenyard.gateway.http.errors import Forbidden
+from tokenyard.gateway.edge.errors import Forbidden
 
 FIELD = "csrf_token"
 

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from tokenyard.gateway.auth.api_keys import KeyRecord, events_channel, hash_key, key_id_of, record_name
-from tokenyard.gateway.http.errors import Unauthorized, Unavailable
+from tokenyard.gateway.edge.errors import Unauthorized, Unavailable
 from tokenyard.gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable
 
 log = logging.getLogger("tokenyard.keys")

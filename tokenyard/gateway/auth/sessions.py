@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.exceptions import RedisError
 
-from tokenyard.gateway.http.errors import Unavailable
+from tokenyard.gateway.edge.errors import Unavailable
 
 T = TypeVar("T")
 

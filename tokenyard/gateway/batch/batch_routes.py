@@ -20,9 +20,9 @@ from starlette.routing import Route
 from tokenyard.gateway.batch.batch_store import new_batch_id, to_openai
 from tokenyard.gateway.batch.file_routes import conflict, service_and_key, store_errors
 from tokenyard.gateway.batch.input_check import ENDPOINTS
+from tokenyard.gateway.edge.edge_params import parse_int
+from tokenyard.gateway.edge.errors import BadRequest, NotFound, Unavailable
 from tokenyard.gateway.http.completion_flow import read_json
-from tokenyard.gateway.http.edge_params import parse_int
-from tokenyard.gateway.http.errors import BadRequest, NotFound, Unavailable
 from tokenyard.gateway.state import gateway_of
 
 WINDOWS = ("24h",)

@@ -40,8 +40,8 @@ from tokenyard.gateway.batch.idle_capacity import IdleCapacity
 from tokenyard.gateway.batch.input_gone import end_without_input
 from tokenyard.gateway.batch.line_runner import RetryLater, run_line
 from tokenyard.gateway.batch.settings import BatchSettings
+from tokenyard.gateway.edge.errors import APIError, Unauthorized
 from tokenyard.gateway.http.completion_flow import BatchLane
-from tokenyard.gateway.http.errors import APIError, Unauthorized
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.policies.schema import DEFAULT_BATCH_PRICE_PERCENT
 

@@ -26,7 +26,7 @@ from typing import Any
 from redis.exceptions import WatchError
 
 from tokenyard.gateway.batch.file_records import users_key
-from tokenyard.gateway.http.errors import NotFound
+from tokenyard.gateway.edge.errors import NotFound
 
 _LUA = Path(__file__).resolve().parent / "lua"
 FINAL = ("completed", "failed", "expired", "cancelled")

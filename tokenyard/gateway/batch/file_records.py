@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenyard.gateway.batch.file_names import safe_filename
-from tokenyard.gateway.http.errors import NotFound
+from tokenyard.gateway.edge.errors import NotFound
 
 PURPOSES = ("batch", "batch_output")
 _LUA = Path(__file__).resolve().parent / "lua"

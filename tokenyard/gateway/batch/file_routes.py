@@ -29,8 +29,8 @@ from tokenyard.gateway.batch.file_names import safe_filename
 from tokenyard.gateway.batch.file_records import new_file_id, new_record
 from tokenyard.gateway.batch.input_check import check_batch_input
 from tokenyard.gateway.batch.service import BatchService
-from tokenyard.gateway.http.edge_params import parse_int
-from tokenyard.gateway.http.errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge, Unavailable
+from tokenyard.gateway.edge.edge_params import parse_int
+from tokenyard.gateway.edge.errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge, Unavailable
 from tokenyard.gateway.state import gateway_of
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from tokenyard.gateway.edge.errors import BadRequest
 from tokenyard.gateway.http.completion_flow import decode_json
-from tokenyard.gateway.http.errors import BadRequest
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID = 512

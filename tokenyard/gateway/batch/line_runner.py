@@ -17,12 +17,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tokenyard.gateway.auth.api_keys import KeyRecord
+from tokenyard.gateway.edge.chat_request import parse_chat_request
+from tokenyard.gateway.edge.completion_request import parse_completion_request
+from tokenyard.gateway.edge.errors import APIError, BadRequest, ServerError
 from tokenyard.gateway.http.chat_endpoint import render_chat
-from tokenyard.gateway.http.chat_request import parse_chat_request
 from tokenyard.gateway.http.completion_flow import BatchLane, Entry, generate
-from tokenyard.gateway.http.completion_request import parse_completion_request
 from tokenyard.gateway.http.completions_endpoint import render_text
-from tokenyard.gateway.http.errors import APIError, BadRequest, ServerError
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 

@@ -1,9 +1,9 @@
-"""The Batch API's part of /openapi.json (tokenyard/gateway/http/openapi.py adds these paths)."""
+"""The Batch API's part of /openapi.json (tokenyard/gateway/server/openapi.py adds these paths)."""
 from __future__ import annotations
 
 from typing import Any
 
-from tokenyard.gateway.http.openapi_parts import errors, json_body, path_param, query
+from tokenyard.gateway.edge.openapi_parts import errors, json_body, path_param, query
 
 _ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
 

@@ -1,6 +1,6 @@
 """A /v1/chat/completions body, validated into a typed request.
 
-Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are parsed by tokenyard/gateway/http/tool_request.py;
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) are parsed by tokenyard/gateway/edge/tool_request.py;
 the conversation may carry assistant messages with `tool_calls` and `tool` messages answering them.
 
 What the API defines but Tokenyard does not implement is refused with a 400 naming the
@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tokenyard.gateway.http.errors import BadRequest
-from tokenyard.gateway.http.tool_request import ToolSetup, parse_tools
+from tokenyard.gateway.edge.errors import BadRequest
+from tokenyard.gateway.edge.tool_request import ToolSetup, parse_tools
 from tokenyard.policies.schema import PRIORITIES
 
 MAX_STOP = 4

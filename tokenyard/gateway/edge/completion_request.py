@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tokenyard.gateway.http.chat_request import SamplingRequest, check_names, is_int, parse_common, parse_model
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.chat_request import SamplingRequest, check_names, is_int, parse_common, parse_model
+from tokenyard.gateway.edge.errors import BadRequest
 
 MAX_LOGPROBS = 5      # OpenAI's limit for the legacy endpoint
 MAX_PROMPTS = 32      # prompts in one batch

@@ -21,7 +21,7 @@ import re
 import time
 from datetime import datetime, timezone
 
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.errors import BadRequest
 
 MAX_DIGITS = 19                           # any count, version or limit fits; 2**63 has 19 digits
 _INT = re.compile(r"[+-]?[0-9]{1,%d}" % MAX_DIGITS)

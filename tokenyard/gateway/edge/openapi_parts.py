@@ -1,5 +1,5 @@
 """Pieces every part of /openapi.json uses: the error reference, JSON bodies, error responses and
-query and path parameters (tokenyard/gateway/http/openapi.py assembles the document)."""
+query and path parameters (tokenyard/gateway/server/openapi.py assembles the document)."""
 from __future__ import annotations
 
 from typing import Any

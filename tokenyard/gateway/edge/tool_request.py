@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.errors import BadRequest
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -1,2 +1,4 @@
-"""The HTTP edge: the app, the server and its connection guard, the chat endpoint, request parsing,
-edge parameters, streaming, errors, the OpenAPI document and the service endpoints."""
+"""The request flow of the OpenAI endpoints: chat and text completions from the parsed request
+through the route plan, admission and the engine to the reply or its stream (completion_flow.py),
+tool calls parsed from the model's text. Below it: edge/ (errors, parameters, request bodies),
+prompt/ (templating, tools, trimming); above it: server/ (the app and the server)."""

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the shared flow (tokenyard/gateway/http/completion_flow.py) with the chat
-parser (tokenyard/gateway/http/chat_request.py), rendered as chat.completion objects (or their chunks):
+parser (tokenyard/gateway/edge/chat_request.py), rendered as chat.completion objects (or their chunks):
 one choice per `n`, each message's text parsed into content and tool_calls when the request has tools.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.routing import Route
 
-from tokenyard.gateway.http.chat_request import parse_chat_request
+from tokenyard.gateway.edge.chat_request import parse_chat_request
 from tokenyard.gateway.http.completion_flow import CompletionResponse, start_generation
 from tokenyard.gateway.http.generation import Generation
 from tokenyard.gateway.http.generation_group import GenerationGroup

@@ -25,14 +25,14 @@ from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
-from tokenyard.gateway.http.chat_request import ChatRequest
-from tokenyard.gateway.http.completion_request import CompletionRequest
-from tokenyard.gateway.http.edge_params import json_int, parse_int, read_int
-from tokenyard.gateway.http.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
+from tokenyard.gateway.edge.chat_request import ChatRequest
+from tokenyard.gateway.edge.completion_request import CompletionRequest
+from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
+from tokenyard.gateway.edge.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from tokenyard.gateway.http.generation import EngineFailed, Generation, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
-from tokenyard.gateway.http.prompt_guard import charge_refused, check_prompt_size, off_loop
 from tokenyard.gateway.http.streaming import wait_disconnect
+from tokenyard.gateway.prompt.prompt_guard import charge_refused, check_prompt_size, off_loop
 from tokenyard.gateway.routing.plan import plan_route, tokenize_prompt
 from tokenyard.gateway.spend.usage import RecordContext
 

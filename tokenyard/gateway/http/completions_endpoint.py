@@ -11,8 +11,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.routing import Route
 
+from tokenyard.gateway.edge.completion_request import parse_completion_request
 from tokenyard.gateway.http.completion_flow import CompletionResponse, start_generation
-from tokenyard.gateway.http.completion_request import parse_completion_request
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.streaming import TextSSEResponse
 

@@ -19,7 +19,7 @@ from tokenyard.engines.core.outputs import StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.text.text_stream import TextStream
 from tokenyard.gateway.backends.engine_pool import EngineHandle
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.errors import BadRequest
 from tokenyard.gateway.observability.metrics import GatewayMetrics, prompt_bucket
 from tokenyard.gateway.spend.usage import RecordContext, UsageRecord, UsageSink
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from starlette.types import Receive, Scope, Send
 
-from tokenyard.gateway.http.errors import ServerError
+from tokenyard.gateway.edge.errors import ServerError
 from tokenyard.gateway.http.generation import EngineFailed, Generation, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.tool_calls import ToolCallStream

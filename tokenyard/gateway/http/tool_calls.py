@@ -1,4 +1,4 @@
-"""Tool calls out of the model's text (the prompt side: tokenyard/gateway/http/tool_prompt.py).
+"""Tool calls out of the model's text (the prompt side: tokenyard/gateway/prompt/tool_prompt.py).
 
 `ToolCallStream` turns the reply's text, as it arrives, into chat deltas, {"content": ...}
 and OpenAI's {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}: the
@@ -16,8 +16,8 @@ import json
 import secrets
 from typing import Any
 
-from tokenyard.gateway.http.tool_prompt import CLOSE, OPEN
-from tokenyard.gateway.http.tool_request import ToolSetup
+from tokenyard.gateway.edge.tool_request import ToolSetup
+from tokenyard.gateway.prompt.tool_prompt import CLOSE, OPEN
 
 
 # -- the reply --------------------------------------------------------------------------------

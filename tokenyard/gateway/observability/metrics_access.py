@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from tokenyard.gateway.http.errors import Forbidden
+from tokenyard.gateway.edge.errors import Forbidden
 
 if TYPE_CHECKING:
     from tokenyard.gateway.state import Gateway

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from tokenyard.gateway.http.errors import Unavailable
+from tokenyard.gateway.edge.errors import Unavailable
 from tokenyard.gateway.policy.store import deployment_problems
 from tokenyard.gateway.policy.work import off_loop
 from tokenyard.gateway.spend.reports import iso

@@ -28,8 +28,8 @@ from starlette.routing import Route
 from tokenyard.gateway.auth import csrf
 from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.auth.sessions import Session
-from tokenyard.gateway.http.edge_params import parse_int
-from tokenyard.gateway.http.errors import Unauthorized
+from tokenyard.gateway.edge.edge_params import parse_int
+from tokenyard.gateway.edge.errors import Unauthorized
 from tokenyard.gateway.policy.admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
 from tokenyard.gateway.policy.store import NoSuchVersion, PolicyConflict
 from tokenyard.gateway.policy.work import off_loop

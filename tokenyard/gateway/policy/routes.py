@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenyard.gateway.auth.api_keys import KeyRecord
-from tokenyard.gateway.http.edge_params import json_int, parse_int
-from tokenyard.gateway.http.errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
+from tokenyard.gateway.edge.edge_params import json_int, parse_int
+from tokenyard.gateway.edge.errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
 from tokenyard.gateway.policy.admin import DEFAULT_LIMIT, MAX_LIMIT, author_of, check_document, run_simulation
 from tokenyard.gateway.policy.store import NoSuchVersion, PolicyConflict
 from tokenyard.gateway.policy.work import off_loop

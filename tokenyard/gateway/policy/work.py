@@ -17,7 +17,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from tokenyard.gateway.http.errors import Unavailable
+from tokenyard.gateway.edge.errors import Unavailable
 
 T = TypeVar("T")
 

@@ -31,12 +31,12 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from tokenyard.gateway.http.chat_request import ChatRequest
-from tokenyard.gateway.http.errors import BadRequest
+from tokenyard.gateway.edge.chat_request import ChatRequest
+from tokenyard.gateway.edge.errors import BadRequest
 
 if TYPE_CHECKING:
     from tokenyard.gateway.auth.api_keys import KeyRecord
-    from tokenyard.gateway.http.completion_request import CompletionRequest
+    from tokenyard.gateway.edge.completion_request import CompletionRequest
     from tokenyard.gateway.state import Gateway
 
 PROMPT_CHARS_PER_TOKEN = 16

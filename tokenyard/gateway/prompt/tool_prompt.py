@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenyard.gateway.http.tool_request import ToolSetup
+from tokenyard.gateway.edge.tool_request import ToolSetup
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

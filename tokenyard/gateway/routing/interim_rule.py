@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenyard.gateway.http.errors import NotFound
+from tokenyard.gateway.edge.errors import NotFound
 
 AUTO = "auto"
 

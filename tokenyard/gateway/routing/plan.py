@@ -4,7 +4,7 @@ the limits.
     plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
 
 1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
-2. The prompt is tokenised once, on the prompt threads (tokenyard/gateway/http/prompt_guard.py), never on the
+2. The prompt is tokenised once, on the prompt threads (tokenyard/gateway/prompt/prompt_guard.py), never on the
    event loop (the pinned engine's tokenizer, else the counting engine's; again
    only if the engine finally chosen has another tokenizer). Chat messages go through the model's
    chat template; a text completion's prompt is encoded as is, or taken as token ids.
@@ -37,13 +37,13 @@ from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.text.chat_template import ChatTemplateError, apply_chat_template, tool_style
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
-from tokenyard.gateway.http.chat_request import ChatRequest
-from tokenyard.gateway.http.completion_request import CompletionRequest
-from tokenyard.gateway.http.context_trim import ContextTooLong, trim_to_fit
-from tokenyard.gateway.http.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
-from tokenyard.gateway.http.prompt_guard import off_loop
-from tokenyard.gateway.http.tool_prompt import template_messages
-from tokenyard.gateway.http.tool_request import ToolSetup
+from tokenyard.gateway.edge.chat_request import ChatRequest
+from tokenyard.gateway.edge.completion_request import CompletionRequest
+from tokenyard.gateway.edge.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
+from tokenyard.gateway.edge.tool_request import ToolSetup
+from tokenyard.gateway.prompt.context_trim import ContextTooLong, trim_to_fit
+from tokenyard.gateway.prompt.prompt_guard import off_loop
+from tokenyard.gateway.prompt.tool_prompt import template_messages
 from tokenyard.gateway.routing.context_route import move_to_fit
 from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
 from tokenyard.gateway.spend.budget_hold import BudgetCharge, meters_for
@@ -232,7 +232,7 @@ def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
 
 def tokenize(tok: Tokenizer, messages: list[dict[str, Any]], tools: ToolSetup | None = None) -> list[int]:
     """The chat through the model's template; tools as the template renders them, else in the
-    model's documented format or a system preamble (tokenyard/gateway/http/tool_prompt.py)."""
+    model's documented format or a system preamble (tokenyard/gateway/prompt/tool_prompt.py)."""
     messages, template_tools = template_messages(messages, tools, tool_style(tok))
     try:
         text = apply_chat_template(tok, messages, add_generation_prompt=True, tools=template_tools)

@@ -24,11 +24,12 @@ from tokenyard.gateway.batch import batch_routes, file_routes
 from tokenyard.gateway.batch.batch_metrics import BatchCollector
 from tokenyard.gateway.batch.service import BatchService
 from tokenyard.gateway.config.deployment import Deployment
-from tokenyard.gateway.http import chat_endpoint, completions_endpoint, service_routes
-from tokenyard.gateway.http.errors import APIError, ServerError, error_for_status
+from tokenyard.gateway.edge.errors import APIError, ServerError, error_for_status
+from tokenyard.gateway.http import chat_endpoint, completions_endpoint
 from tokenyard.gateway.observability.access_log import AccessLog
 from tokenyard.gateway.policy import page as policy_page
 from tokenyard.gateway.policy import routes as policy_routes
+from tokenyard.gateway.server import service_routes
 from tokenyard.gateway.spend import routes as spend_routes
 from tokenyard.gateway.spend.usage import UsageSink
 from tokenyard.gateway.state import Gateway, gateway_of

@@ -10,12 +10,12 @@ from typing import Any
 
 from tokenyard.engines.core.structured_output import MAX_SCHEMA_CHARS
 from tokenyard.gateway.batch.openapi_paths import batch_paths
-from tokenyard.gateway.http.chat_request import MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
-from tokenyard.gateway.http.completion_request import MAX_CHOICES, MAX_LOGPROBS, MAX_PROMPTS
-from tokenyard.gateway.http.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
-from tokenyard.gateway.http.openapi_admin import dashboard_paths, policy_paths, spend_paths
-from tokenyard.gateway.http.openapi_parts import errors, json_body
-from tokenyard.gateway.http.tool_request import MAX_TOOLS
+from tokenyard.gateway.edge.chat_request import MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
+from tokenyard.gateway.edge.completion_request import MAX_CHOICES, MAX_LOGPROBS, MAX_PROMPTS
+from tokenyard.gateway.edge.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
+from tokenyard.gateway.edge.openapi_parts import errors, json_body
+from tokenyard.gateway.edge.tool_request import MAX_TOOLS
+from tokenyard.gateway.server.openapi_admin import dashboard_paths, policy_paths, spend_paths
 
 
 @lru_cache(maxsize=1)

@@ -1,10 +1,10 @@
 """The operator endpoints' part of /openapi.json: spend API, dashboard and sign-in pages, policy
-admin API and page (tokenyard/gateway/http/openapi.py assembles the document)."""
+admin API and page (tokenyard/gateway/server/openapi.py assembles the document)."""
 from __future__ import annotations
 
 from typing import Any
 
-from tokenyard.gateway.http.openapi_parts import errors, json_body, query
+from tokenyard.gateway.edge.openapi_parts import errors, json_body, query
 
 
 def spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ SIGTERM (or the first Ctrl-C) starts the drain: /ready turns false and new chat 
 whatever still runs), the engines stop and the access log is flushed. A second signal exits at
 once. The process then exits with status 0.
 
-Connections are guarded (tokenyard/gateway/http/connection_guard.py): deadlines on request heads and bodies, a
+Connections are guarded (tokenyard/gateway/server/connection_guard.py): deadlines on request heads and bodies, a
 cap on open connections, 431 for oversized heads; the open-file limit is raised to the hard limit
 at start, and the accept-error log is rate-limited.
 """
@@ -21,8 +21,8 @@ from types import FrameType
 import uvicorn
 
 from tokenyard.gateway.config.deployment import Connections, Deployment
-from tokenyard.gateway.http.app import create_app
-from tokenyard.gateway.http.connection_guard import (
+from tokenyard.gateway.server.app import create_app
+from tokenyard.gateway.server.connection_guard import (
     BACKLOG,
     QuietAcceptErrors,
     fit_max_connections,

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenyard.gateway.backends.engine_pool import EngineHandle
-from tokenyard.gateway.http.openapi import openapi_schema
 from tokenyard.gateway.observability.metrics_access import check_metrics_access
 from tokenyard.gateway.routing.interim_rule import AUTO
+from tokenyard.gateway.server.openapi import openapi_schema
 from tokenyard.gateway.state import gateway_of
 
 

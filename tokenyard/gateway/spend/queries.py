@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenyard.gateway.auth.api_keys import KeyRecord, check_tenant, record_name
-from tokenyard.gateway.http.edge_params import parse_time
-from tokenyard.gateway.http.errors import BadRequest, Forbidden, Unavailable
+from tokenyard.gateway.edge.edge_params import parse_time
+from tokenyard.gateway.edge.errors import BadRequest, Forbidden, Unavailable
 from tokenyard.gateway.spend import reports as reports
 from tokenyard.gateway.spend import store as store
 from tokenyard.gateway.spend.redis_keys import OTHER

@@ -27,7 +27,7 @@ import io
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from tokenyard.gateway.http.edge_params import read_time
+from tokenyard.gateway.edge.edge_params import read_time
 from tokenyard.gateway.spend.store import RollupRow
 
 GROUPS = ("model", "tenant", "day", "hour")

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenyard.gateway.http.edge_params import parse_int
-from tokenyard.gateway.http.errors import BadRequest, Unavailable
+from tokenyard.gateway.edge.edge_params import parse_int
+from tokenyard.gateway.edge.errors import BadRequest, Unavailable
 from tokenyard.gateway.spend import reports as reports
 from tokenyard.gateway.spend import store as store
 from tokenyard.gateway.spend.queries import build_report, csv_response, ledger_redis, time_window, visible_tenants, wants_csv

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenyard.gateway.http.edge_params import parse_stream_id
+from tokenyard.gateway.edge.edge_params import parse_stream_id
 from tokenyard.gateway.spend.redis_keys import ROLLUP_FIELDS, dims_key, hours_key, rollup_key, stream_key, tenants_key
 
 SCAN_BATCH = 200

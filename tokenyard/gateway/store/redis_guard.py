@@ -33,7 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenyard.gateway.http.errors import Unavailable, retry_headers
+from tokenyard.gateway.edge.errors import Unavailable, retry_headers
 
 log = logging.getLogger("tokenyard.redis")
 T = TypeVar("T")

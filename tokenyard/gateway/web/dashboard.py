@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from tokenyard.gateway.auth import csrf
-from tokenyard.gateway.http.edge_params import parse_int
-from tokenyard.gateway.http.errors import BadRequest, Unauthorized, Unavailable
+from tokenyard.gateway.edge.edge_params import parse_int
+from tokenyard.gateway.edge.errors import BadRequest, Unauthorized, Unavailable
 from tokenyard.gateway.spend.queries import build_report, csv_response, visible_tenants
 from tokenyard.gateway.spend.reports import is_dimension, parse_group_by
 from tokenyard.gateway.spend.store import all_tenants

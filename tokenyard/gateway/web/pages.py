@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, Response
 
 from tokenyard.gateway.auth.sessions import Session, cookie_header
-from tokenyard.gateway.http.errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge
+from tokenyard.gateway.edge.errors import APIError, BadRequest, ClientClosed, NotFound, PayloadTooLarge
 from tokenyard.gateway.state import gateway_of
 
 Handler = Callable[[Request], Awaitable[Response]]

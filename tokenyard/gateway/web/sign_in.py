@@ -24,7 +24,7 @@ from starlette.routing import Route
 from tokenyard.gateway.auth import csrf
 from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.auth.sessions import COOKIE, Session
-from tokenyard.gateway.http.errors import APIError, Unauthorized
+from tokenyard.gateway.edge.errors import APIError, Unauthorized
 from tokenyard.gateway.state import gateway_of
 from tokenyard.gateway.web.pages import read_form, render, with_cookie
 
