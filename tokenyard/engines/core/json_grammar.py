@@ -1,4 +1,4 @@
-"""The grammar a JSON Schema is generated under: xgrammar's conversion, with every number and string bounded.
+"""The grammar a JSON Schema is generated under: xgrammar's conversion, numbers, arrays and objects bounded.
 
 xgrammar (0.2.9) turns a schema into EBNF, then we rewrite that EBNF before compiling it, because its
 conversion leaves a small model's favourite loops open and lets invalid JSON through:
@@ -6,11 +6,16 @@ conversion leaves a small model's favourite loops open and lets invalid JSON thr
   SmolLM2 wrote `1.0000000000000012111111...` until max_tokens. Now an integer part has at most
   MAX_INT_DIGITS digits, a fraction at most MAX_FRACTION_DIGITS, an exponent at most MAX_EXPONENT_DIGITS.
   (A schema's minimum/maximum are xgrammar's own: it builds exact digit ranges, fractions to 6 digits.)
-- strings: unbounded unless the schema gives maxLength; now at most DEFAULT_MAX_STRING characters where
-  it does not (an escape counts as one character, as it decodes to one).
+- strings without minLength/maxLength: xgrammar's own recursive rule (any character but a control character,
+  a quote or a backslash, or an escape), no length bound but max_tokens. A bounded repeat of "character or
+  escape" (512 at most, a0873a5) made xgrammar 0.2.9 fill each mask in 150 ms at a string's start and 1.8 s
+  past 100 characters, on the engine's step, for the whole batch; the recursive rule takes 0.01 ms
+  (tokenyard/bench/grammar_string_mask.py). A schema that wants a bound says so with maxLength.
 - strings with minLength/maxLength: xgrammar's character class `[^"\\\r\n]` let raw control characters
-  (U+0000-U+001F but CR, LF) in, which json.loads rejects, and refused every escape. Now any character
-  but a control character, a quote or a backslash, or an escape, as in an unbounded string.
+  (U+0000-U+001F but CR, LF) in, which json.loads rejects. Now a plain class: any character but a control
+  character, a quote or a backslash, so no escapes in them (xgrammar refused escapes there too): a character
+  class repeat is masked as fast as the recursive rule, an alternation with an escape is not.
+  minLength without maxLength: no upper bound but max_tokens, as above.
 - arrays and open objects: without maxItems an array's items were unbounded (`items{0, -1}`): SmolLM2 kept
   adding colours to a `list[Colour]` and members to a list of objects until max_tokens. Now an array
   without maxItems holds at most DEFAULT_MAX_ITEMS items (past its prefixItems tuple, if any), and an
@@ -23,8 +28,9 @@ conversion leaves a small model's favourite loops open and lets invalid JSON thr
 the schema's, except where it allows any JSON value (json_object, `{}`, an array or object without
 items/additionalProperties schemas) and the recursion of a self-referencing `$ref`: there max_tokens ends it.
 
-The rewrite is on xgrammar's printed EBNF, so it is pinned to its shapes: tests/test_json_grammar.py
-checks that no unbounded repeat (digits, characters, items, properties) survives for the schema kinds pydantic emits.
+The rewrite is on xgrammar's printed EBNF, so it is pinned to its shapes: tests/engines/test_json_grammar.py
+checks that no unbounded repeat (digits, items, properties) survives for the schema kinds pydantic emits,
+and that no bounded repeat is of anything but a character class or a list continuation (the slow form).
 """
 from __future__ import annotations
 
@@ -34,22 +40,19 @@ from typing import Any
 MAX_INT_DIGITS = 15        # 999,999,999,999,999 < 2**53: every such integer is exact as a double
 MAX_FRACTION_DIGITS = 15   # a double carries 15-17 significant digits; more is the model looping
 MAX_EXPONENT_DIGITS = 2    # 1e99 is finite; 1e999 parses as inf
-DEFAULT_MAX_STRING = 512   # characters of a string without maxLength (set maxLength for tighter)
 # Items of an array without maxItems, properties of an open object without maxProperties. 32 keeps a
 # looping list of small objects (~12-20 tokens an item) under the 1,024 max_tokens clients commonly send;
 # a schema that wants longer lists says so with maxItems (pydantic: Field(max_length=...)).
 DEFAULT_MAX_ITEMS = 32
 
-# One JSON string character: anything but a control character, '"' or '\', or an escape.
-_CHAR_RULE = "json_bounded_char"
-_EXTRA_RULES = (
-    f'{_CHAR_RULE} ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" json_bounded_escape))\n'
-    'json_bounded_escape ::= (([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))\n'
-)
+# A minLength/maxLength string's character: anything but a control character, '"' or '\'. A plain character
+# class, never an alternation with an escape: xgrammar 0.2.9 fills the mask of a bounded repeat of such an
+# alternation in 150 ms at a string's start and 1.8 s at 100+ characters (0.015 ms for this class;
+# tokenyard/bench/grammar_string_mask.py), on the engine's step, for the whole batch.
+_LENGTH_CHAR = '(([^\\0-\\x1f\\"\\\\]))'
 _RULE = re.compile(r"^(\w+) ::= (.*)$")
 _DIGIT_BODY = "(([0-9]))"
 _LENGTH_CHAR_BODY = '(([^\\"\\\\\\r\\n]))'                    # xgrammar's minLength/maxLength character
-_STRING_SUB_LOOKAHEAD = re.compile(r"\(=\(.*\)\)\s*$")
 _UNBOUNDED = re.compile(r"(\[eE\] \w+ |\[1-9\] )?\b(\w+)\{(\d+), -1\}")
 _CONTINUATION = '((", " '        # a rule that adds one more item or property: (", " item) or (", " key ": " value)
 # What precedes a continuation's repeat when the list's first element is written beside it ('"[" first R{..}'
@@ -59,13 +62,14 @@ _AFTER_FIRST = re.compile(r'"[\[{]" (\w+ ": " )?\w+ $')
 
 
 def json_schema_ebnf(xgr: Any, schema_text: str, *, strict_mode: bool = True) -> str:
-    """EBNF of the schema (compact JSON, no free whitespace), numbers and strings bounded."""
+    """EBNF of the schema (compact JSON, no free whitespace), numbers, arrays and objects bounded."""
     grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, strict_mode=strict_mode)
     return bound_ebnf(str(grammar))
 
 
 def bound_ebnf(ebnf: str) -> str:
-    """Rewrite xgrammar's converted EBNF (one rule a line) so numbers, strings, arrays and objects are bounded."""
+    """Rewrite xgrammar's converted EBNF (one rule a line) so numbers, arrays and objects are bounded, strings
+    free of raw control characters."""
     rules: list[tuple[str, str]] = []
     for line in ebnf.splitlines():
         m = _RULE.match(line)
@@ -80,17 +84,12 @@ def bound_ebnf(ebnf: str) -> str:
     out = []
     for name, body in rules:
         if name in length_chars:
-            body = f"(({_CHAR_RULE}))"
-        elif name == "basic_string_sub":
-            # Was: '"' | char basic_string_sub | '\' escape basic_string_sub (unbounded); keep its lookahead
-            # (a closing quote is followed by , } ] or :).
-            look = _STRING_SUB_LOOKAHEAD.search(body)
-            body = f'(({_CHAR_RULE}{{0, {DEFAULT_MAX_STRING}}} "\\""))' + (" " + look.group(0) if look else "")
+            body = _LENGTH_CHAR
         elif not body.startswith("Regex("):   # a pattern's regex is the user's
             body = body.replace("[0-9]*", f"[0-9]{{0, {MAX_INT_DIGITS - 1}}}")
             body = _UNBOUNDED.sub(lambda m: _bounded(m, digits, length_chars, continuations), body)
         out.append(f"{name} ::= {body}")
-    return "\n".join(out) + "\n" + _EXTRA_RULES
+    return "\n".join(out) + "\n"
 
 
 def _bounded(m: re.Match, digits: set[str], length_chars: set[str], continuations: set[str]) -> str:
@@ -98,8 +97,6 @@ def _bounded(m: re.Match, digits: set[str], length_chars: set[str], continuation
     if name in digits:   # after "[eE] sign": an exponent; after "[1-9] ": an integer part; else a fraction
         cap = (MAX_EXPONENT_DIGITS if before.startswith("[eE]") else
                MAX_INT_DIGITS - 1 if before else MAX_FRACTION_DIGITS)
-    elif name in length_chars:
-        cap = DEFAULT_MAX_STRING
     elif name in continuations:   # items / properties; the low count is the schema's minItems - 1 (or 0)
         cap = DEFAULT_MAX_ITEMS - 1 if _AFTER_FIRST.search(m.string, 0, m.start()) else DEFAULT_MAX_ITEMS
     else:
