@@ -14,7 +14,7 @@ from tokenyard.bench.results_io import MACHINE_KEYS, REQUIRED_KEYS, RESULTS_DIR,
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
-README = ROOT / "README.md"
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CITED = re.compile(r"bench/results/([A-Za-z0-9_.-]+\.json)")
 # Sections whose figures other work owns and updates separately (no raw JSON from this harness yet).
 EXEMPT_SECTIONS = ("GPU", "Reliability", "Not re-measured")
@@ -59,7 +59,7 @@ def _cited(text: str) -> set[str]:
 
 
 def test_every_cited_results_file_exists_and_is_valid():
-    cited = _cited(RESULTS_MD.read_text()) | _cited(README.read_text())
+    cited = _cited(RESULTS_MD.read_text()).union(*(_cited(page.read_text()) for page in DOC_PAGES))
     assert cited, "RESULTS.md cites no raw results"
     for name in sorted(cited):
         path = RESULTS_DIR / name

@@ -7,7 +7,8 @@ from gateway_helpers import ROOT, mock_deployment
 from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
 from tokenyard.gateway.spend.config import DashboardConfig, MetricsConfig, SpendConfig
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+DEPLOYMENT_PAGE = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
+SPEND_PAGE = (ROOT / "docs" / "cost-analysts.md").read_text(encoding="utf-8")
 
 
 def test_defaults_are_safe_and_documented():
@@ -18,9 +19,9 @@ def test_defaults_are_safe_and_documented():
     assert dep.baseline_engine == "mock"
     for section, cls in (("spend", SpendConfig), ("dashboard", DashboardConfig), ("metrics", MetricsConfig)):
         for key in cls.__slots__:
-            assert f"`{section}.{key}`" in README, f"deployment key {section}.{key} is not documented"
+            assert f"`{section}.{key}`" in DEPLOYMENT_PAGE, f"deployment key {section}.{key} is not documented"
     for path in ("/v1/spend/report", "/v1/spend/requests", "/dashboard", "tokenyard spend report"):
-        assert path in README
+        assert path in SPEND_PAGE
 
 
 @pytest.mark.parametrize("patch, message", [
