@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import redis
@@ -26,10 +27,13 @@ DEPLOYMENT_PAGE = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
 
 
 def test_default_deployment_loads_and_is_safe():
-    dep = load_deployment(ROOT / "tokenyard" / "deploy" / "default.yaml")
+    dep = load_deployment()     # no path: the one shipped in the package
     assert dep.host == "127.0.0.1" and dep.redis_url is None and dep.auth.dev_key is None
     assert set(dep.engines) == {"demo-small", "demo-large", "smollm2-135m"}
-    assert dep.engines["demo-small"].model == (ROOT / "models" / "demo-small")
+    assert dep.engines["demo-small"].model == (ROOT / "tokenyard" / "models" / "demo-small")
+    # what the gateway writes goes under ~/.tokenyard, never into the (installed) package
+    for state in (dep.redis_dir, dep.batch.data_dir, dep.web.spend.spool_dir):
+        assert state.is_relative_to(Path.home() / ".tokenyard"), state
     # the real model comes from the installed package's file list (make installs it) and serves int4
     smol = dep.engines["smollm2-135m"]
     assert smol.model.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smol.model.is_file()
