@@ -4,6 +4,9 @@ Sub-packages: tokenyard.gateway (HTTP), tokenyard.engines (PyTorch engines), tok
 tokenyard.policies, tokenyard.router_models, tokenyard.cli, tokenyard.bench, tokenyard.demo,
 tokenyard.nativelib. Importing this package imports none of them (the GPU box imports
 tokenyard.engines from PYTHONPATH alone).
+
+Package data, so an installed wheel serves without a checkout: deploy/default.yaml (what `tokenyard serve`
+runs without --config), the demo pair it names under models/, the router artifacts and the example policy.
 """
 from __future__ import annotations
 
