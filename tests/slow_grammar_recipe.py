@@ -20,8 +20,8 @@ class SlowGrammarRecipe:
     delay_s: float = 2.0
 
     def build(self) -> Any:
-        from tokenyard.engines.core.engine import Engine
         from tokenyard.engines.core.structured_output import Grammars
+        from tokenyard.engines.runtime.engine import Engine
 
         real, seen, delay = Grammars.compile, set(), self.delay_s
 

@@ -27,9 +27,9 @@ from tests.engines.test_gguf_reader import write_gguf
 from tests.triton_mode import DEVICE
 from tokenyard.engines import LLM, SamplingParams
 from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.formats import gguf_reader as gr
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.gguf_quantized import load_gguf_quantized
-from tokenyard.engines.quant.quantized_linear import QuantLinear
-from tokenyard.engines.weights import gguf_reader as gr
 from tokenyard.engines.weights.gguf_loader import load_gguf_model
 from tokenyard.engines.weights.gguf_models import smollm2_path
 from tokenyard.kernels.quant_layout import dequantize_int4_weight, dequantize_int8, unpack_int4

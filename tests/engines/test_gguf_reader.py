@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "l l", "e ll", "ell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-# HF name pieces -> llama.cpp's (spelled out here, independently of tokenyard.engines.weights.gguf_reader).
+# HF name pieces -> llama.cpp's (spelled out here, independently of tokenyard.engines.formats.gguf_reader).
 LAYER_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

@@ -22,7 +22,7 @@ from tokenyard.engines.core.sequence import Sequence
 from tokenyard.engines.model import model_runner, native_decoder
 from tokenyard.engines.model.attention import AttentionMetadata
 from tokenyard.engines.model.native_decoder import NativeDecoder, step_linear
-from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.kernels import cpu_decode_step
 from tokenyard.kernels.cpu_decode_step import INT4_ROWS16, linear_slots
 from tokenyard.kernels.quant_layout import dequantize_int4_weight, quantize_int4

@@ -26,10 +26,10 @@ import platform
 import pytest
 import torch
 
-import tokenyard.engines.quant.quantized_linear as ql
+import tokenyard.engines.model.quantized_linear as ql
 from tests.engine_helpers import prompt_logits
 from tokenyard.engines import Engine
-from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.kernels import cpu_gemm
 from tokenyard.kernels import quant_matmul_torch as qm
 from tokenyard.kernels.quant_layout import Int4Weight, dequantize_int4_weight, dequantize_int8, quantize_int4, quantize_int8

@@ -18,9 +18,9 @@ from tests.engine_helpers import prompt_logits, random_prompts
 from tests.triton_mode import DEVICE
 from tokenyard.engines import LLM, Engine, SamplingParams
 from tokenyard.engines.core.config import EngineConfig
+from tokenyard.engines.model.quantized_linear import QuantLinear
+from tokenyard.engines.quant.engine_model import load_engine_model
 from tokenyard.engines.quant.quantization import quantize_model, save_quantized
-from tokenyard.engines.quant.quantized_linear import QuantLinear
-from tokenyard.engines.weights.engine_model import load_engine_model
 from tokenyard.kernels import quant_matmul_torch as ref_ops
 from tokenyard.kernels.quant_layout import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 

@@ -61,7 +61,7 @@ def _smollm2():
 def vocab():
     from tokenyard.engines.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(_smollm2())
-    grammars = Grammars.from_model_dir(_smollm2(), tok.vocab_size, list(tok.eos_token_ids))
+    grammars = Grammars.from_tokenizer(tok, tok.vocab_size, list(tok.eos_token_ids))
     return tok, grammars
 
 
@@ -173,7 +173,7 @@ def test_the_sampler_masks_exactly_the_constrained_rows():
 # -- the engine on the real model ----------------------------------------------------------------
 
 def _llm(**options):
-    from tokenyard.engines.core.llm import LLM
+    from tokenyard.engines.runtime.llm import LLM
     return LLM(_smollm2(), quantization="int4", quant_group_size=32, progress=False, **options)
 
 

@@ -15,8 +15,8 @@ from torch import nn
 from tests.engine_helpers import random_prompts, run_to_completion
 from tests.engines.test_tensor_parallel import runner_logits
 from tokenyard.engines import Engine, SamplingParams
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.quantization import quantize_weight, save_quantized
-from tokenyard.engines.quant.quantized_linear import QuantLinear
 from tokenyard.engines.quant.tp_shard import take_cols, take_rows
 
 OPTS = dict(dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=64, progress=False, tp_timeout_s=30.0,

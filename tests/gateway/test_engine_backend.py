@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from tokenyard.engines.core.async_engine import AsyncEngine
 from tokenyard.engines.core.backend import EngineBackend
+from tokenyard.engines.runtime.async_engine import AsyncEngine
 from tokenyard.gateway.backends.remote_engine import RemoteEngine
 from tokenyard.gateway.backends.replica_pool import ReplicaPool
 

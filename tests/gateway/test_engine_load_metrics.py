@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from gateway_helpers import mock_deployment, running_gateway
 
-from tokenyard.engines.core.engine import Engine
 from tokenyard.engines.core.outputs import BATCH_BUCKETS
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.engine import Engine
 from tokenyard.gateway.web.dashboard_view import live_stats
 
 

@@ -12,9 +12,9 @@ import time
 import pytest
 from gateway_helpers import KEY, ROOT, running_gateway
 
-from tokenyard.engines.core.async_engine import AsyncEngine
-from tokenyard.engines.core.engine import Engine
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.async_engine import AsyncEngine
+from tokenyard.engines.runtime.engine import Engine
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.gateway.backends.engine_pool import EngineHandle
 from tokenyard.gateway.config.deployment import Prices

@@ -10,7 +10,7 @@ import openai
 import pytest
 from gateway_helpers import KEY, ROOT, mock_deployment, running_gateway, sse_events
 
-from tokenyard.engines.core.async_engine import AsyncEngine
+from tokenyard.engines.runtime.async_engine import AsyncEngine
 from tokenyard.engines.serving.mock_engine import MockEngine
 from tokenyard.gateway.backends.engine_pool import EngineHandle
 from tokenyard.gateway.config.deployment import Prices

@@ -253,9 +253,9 @@ def test_a_replica_prepares_grammars_off_its_loop(monkeypatch, one_torch_thread)
     """The replica server awaits the engine's prepare before add_request: while a new schema compiles
     (a 1.2 s sleep here), its other stream keeps its pace and /health answers; a schema over the
     compile budget is a 400 of kind grammar (the gateway's 400 naming response_format)."""
-    from tokenyard.engines.core.async_engine import AsyncEngine
-    from tokenyard.engines.core.engine import Engine
     from tokenyard.engines.core.structured_output import Grammars
+    from tokenyard.engines.runtime.async_engine import AsyncEngine
+    from tokenyard.engines.runtime.engine import Engine
 
     real, seen = Grammars.compile, set()
 

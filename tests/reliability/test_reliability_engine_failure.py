@@ -13,8 +13,8 @@ import pytest
 from reliability_common import MODEL, explain, full_run_selected
 from reliability_failures import run_step_exceptions, run_tp_worker_kills, tp_checkpoint
 
-from tokenyard.engines.core.async_engine import AsyncEngine
 from tokenyard.engines.core.errors import EngineDeadError
+from tokenyard.engines.runtime.async_engine import AsyncEngine
 from tokenyard.engines.serving.mock_engine import MockEngine
 
 

@@ -43,8 +43,8 @@ def _pct(values: list[float], q: float) -> float:
 
 async def direct_latencies(n: int) -> list[float]:
     """The baseline: the same request straight into the AsyncEngine (tokenised once up front)."""
-    from tokenyard.engines.core.async_engine import AsyncEngine
     from tokenyard.engines.core.sampling_params import SamplingParams
+    from tokenyard.engines.runtime.async_engine import AsyncEngine
     from tokenyard.engines.serving.mock_engine import MockEngine
     from tokenyard.engines.text.chat_template import apply_chat_template
 

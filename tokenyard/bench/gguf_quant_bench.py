@@ -21,8 +21,8 @@ import time
 import torch
 
 from tokenyard.engines import LLM, SamplingParams
-from tokenyard.engines.quant.quantized_linear import QuantLinear
-from tokenyard.engines.weights import gguf_reader as gr
+from tokenyard.engines.formats import gguf_reader as gr
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.weights.gguf_models import smollm2_path
 
 from .results_io import RunRecorder

@@ -192,7 +192,7 @@ def bench_engine_path(tok: Tokenizer, seqs: list[list[int]], steps: int) -> dict
     from tokenyard.engines.core.structured_output import Grammars
     from tokenyard.engines.model.sampler import apply_token_masks
 
-    grammars = Grammars.from_model_dir(smollm2_path(), tok.vocab_size, list(tok.eos_token_ids))
+    grammars = Grammars.from_tokenizer(tok, tok.vocab_size, list(tok.eos_token_ids))
     fmt = {"type": "json_schema", "schema": SCHEMA}
     out: dict[str, Any] = {"library": "engine path (xgrammar + torch unpack)"}
     logits = torch.randn(len(seqs), tok.vocab_size)
@@ -214,8 +214,8 @@ def bench_engine_path(tok: Tokenizer, seqs: list[list[int]], steps: int) -> dict
 def bench_engine_decode(batch: int, max_tokens: int) -> dict[str, Any]:
     """End to end on the real model: `batch` requests at once through the offline LLM (int4 from
     the GGUF, greedy), plain vs json_schema-constrained; output tokens per second of wall time."""
-    from tokenyard.engines.core.llm import LLM
     from tokenyard.engines.core.sampling_params import SamplingParams
+    from tokenyard.engines.runtime.llm import LLM
 
     llm = LLM(smollm2_path(), quantization="int4", quant_group_size=32, kv_cache_memory=256 << 20,
               max_num_seqs=batch, progress=False)

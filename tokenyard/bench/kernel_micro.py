@@ -16,7 +16,7 @@ projection of the quantisation benchmark's 200M Llama (5632 x 1024) at M = 32 ro
   stop at their last visible key (the engine's path) vs one call over the whole [512, 512]
   score matrix with an explicit mask (bmm-softmax-bmm), and SDPA with is_causal for reference.
 - int8_matmul_m32: torch's packed int8 CPU op vs dequantising to bf16 and one GEMM vs plain
-  bf16 weights (tokenyard/engines/quant/quantized_linear.py switches to dequantise-then-GEMM at measured
+  bf16 weights (tokenyard/engines/model/quantized_linear.py switches to dequantise-then-GEMM at measured
   thresholds: 96 rows for int4, 48 for int8).
 
 Variants run interleaved in rounds, each timed as the fastest of `reps` calls per round; the

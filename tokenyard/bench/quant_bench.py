@@ -133,7 +133,7 @@ def keep_float_head(model, model_dir: Path) -> None:
 def load_mode(model_dir: Path, dtype: str, mode: str, group_size: int, lm_head: bool):
     from tokenyard.engines.core.config import EngineConfig
     from tokenyard.engines.model.model_config import ModelConfig
-    from tokenyard.engines.weights.engine_model import load_engine_model
+    from tokenyard.engines.quant.engine_model import load_engine_model
 
     tdtype = EngineConfig(dtype=dtype).torch_dtype(torch.device("cpu"))
     cfg = ModelConfig.from_dir(model_dir)

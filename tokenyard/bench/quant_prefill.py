@@ -9,7 +9,7 @@
   blocks as stored, group 32), int8 (requantised), bf16 and fp32 (dequantised); the quantised engines
   run with bf16 activations (dtype auto, as served). int4 and int8 are timed twice per round: on the
   packed op at every M ("packed": int4's path before issue 26) and with the dense path above the
-  thresholds of tokenyard/engines/quant/quantized_linear.py ("dense"). Engines loaded side by side, rounds
+  thresholds of tokenyard/engines/model/quantized_linear.py ("dense"). Engines loaded side by side, rounds
   interleave every token count and mode; figures are medians over rounds (the first, a warm-up,
   excluded). Raw output: bench/results/quant_prefill_smollm2.json.
 --thresholds: one QuantLinear per projection shape of SmolLM2-135M and of the 200M Llama below,
@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-import tokenyard.engines.quant.quantized_linear as ql
+import tokenyard.engines.model.quantized_linear as ql
 from tokenyard.bench.results_io import RunRecorder
 
 MODEL = Path("bench/out/quant-llama-200m")

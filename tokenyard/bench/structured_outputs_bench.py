@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from tokenyard.bench.json_schemas import PROMPTS, SCHEMAS
 from tokenyard.bench.results_io import RunRecorder
-from tokenyard.engines.core.llm import LLM
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.llm import LLM
 from tokenyard.engines.text.chat_template import apply_chat_template
 from tokenyard.engines.weights.gguf_models import smollm2_path
 

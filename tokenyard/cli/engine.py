@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tokenyard.engines.core.async_engine import AsyncEngine
+    from tokenyard.engines.runtime.async_engine import AsyncEngine
     from tokenyard.engines.serving.engine_process import EngineProcess
     from tokenyard.engines.serving.replica_server import serve
     from tokenyard.gateway.backends.engine_pool import _build, _recipe, tokenizer_fingerprint

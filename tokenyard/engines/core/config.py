@@ -104,7 +104,7 @@ class EngineConfig:
       declared dead (a killed worker is usually detected at once: its sockets close).
     grammar_compile_timeout_s / grammar_compile_memory_mb: what one response_format schema may cost
       to compile (wall seconds; MiB above the compiler process's footprint) before the request is
-      refused with a 400 naming response_format (tokenyard/engines/core/grammar_worker.py).
+      refused with a 400 naming response_format (tokenyard/engines/runtime/grammar_worker.py).
     """
 
     dtype: str = "auto"

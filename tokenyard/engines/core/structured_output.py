@@ -24,8 +24,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.json_grammar import json_schema_ebnf
@@ -33,6 +32,15 @@ from tokenyard.engines.core.schema_keywords import SchemaError, check_schema, re
 
 if TYPE_CHECKING:   # the gateway imports this module (via SamplingParams); keep it free of torch
     import torch
+
+
+class VocabBytes(Protocol):
+    """What Grammars needs of a tokenizer (tokenyard.engines.text.tokenizer.Tokenizer is one)."""
+
+    vocab_size: int
+
+    def id_to_bytes(self, token_id: int) -> bytes: ...
+
 
 MAX_SCHEMA_CHARS = 32_768   # canonical JSON text of one schema
 CACHE_SIZE = 64             # compiled grammars kept (LRU)
@@ -121,10 +129,9 @@ class Grammars:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> "Grammars":
-        from tokenyard.engines.text.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(model_dir)
+    def from_tokenizer(cls, tok: VocabBytes, vocab_size: int, stop_token_ids: list[int]) -> "Grammars":
+        """The grammar set over a tokenizer's vocabulary (vocab_size: the model's, which may pad past the
+        tokenizer's). Any object with vocab_size and id_to_bytes will do: the floor does not import text/."""
         return cls([tok.id_to_bytes(i) for i in range(min(tok.vocab_size, vocab_size))], vocab_size, stop_token_ids)
 
     def compile(self, fmt: dict) -> Any:

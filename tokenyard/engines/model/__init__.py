@@ -1,2 +1,2 @@
-"""The model: config, layers, rotary embedding, paged attention, KV cache, the runner that builds
-one flat batch per step, CUDA graphs and the sampler."""
+"""The model: config, layers (dense and quantised linears), rotary embedding, paged attention, KV
+cache, the runner that builds one flat batch per step, CUDA graphs and the sampler."""

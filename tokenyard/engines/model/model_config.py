@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenyard.engines.core.errors import CheckpointError
-from tokenyard.engines.weights import gguf_reader
+from tokenyard.engines.formats import gguf_reader
 
 # Llama, Mistral and Qwen2 share one decoder shape; they differ only in the flags below
 # (q/k/v bias for Qwen2, sliding window for Mistral), so one model class serves all three.

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tokenyard.engines.model.model import CausalLM
-from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.kernels import cpu_decode_step
 from tokenyard.kernels.cpu_decode_step import StepLayer, StepLinear, StepModel, linear_slots
 from tokenyard.kernels.hugepage_arena import HugePageArena

@@ -30,7 +30,7 @@ from tokenyard.engines.pp.pipeline_runner import InFlight, PipelineRunner
 
 
 class StepHost(Protocol):
-    """What the stepper uses of its engine (tokenyard.engines.core.engine.Engine, which imports this module)."""
+    """What the stepper uses of its engine (tokenyard.engines.runtime.engine.Engine, which imports this module)."""
 
     scheduler: Scheduler
     runner: PipelineRunner

@@ -11,8 +11,8 @@ from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.pp.dist_env import RankLayout
 from tokenyard.engines.pp.stage_split import StagePart, stage_layers, trim_to_stage_
+from tokenyard.engines.quant.engine_model import load_engine_model
 from tokenyard.engines.tp.tensor_parallel import check_divisible
-from tokenyard.engines.weights.engine_model import load_engine_model
 
 
 @dataclass(slots=True)

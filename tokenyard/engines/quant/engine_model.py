@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
+from tokenyard.engines.formats.gguf_reader import is_gguf
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.gguf_quantized import load_gguf_quantized
 from tokenyard.engines.quant.quantization import check_mode, checkpoint_quantization, load_quantized_model, quantize_model
-from tokenyard.engines.quant.quantized_linear import QuantLinear
 from tokenyard.engines.weights.checkpoint import load_model
-from tokenyard.engines.weights.gguf_reader import is_gguf
 
 
 def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,

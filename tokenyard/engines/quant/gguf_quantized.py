@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tokenyard.engines.formats import gguf_reader as gr
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.quantization import LINEARS, LM_HEAD_DEFAULT, _empty_model, _parent, check_mode, quantize_weight
-from tokenyard.engines.quant.quantized_linear import QuantLinear
-from tokenyard.engines.weights import gguf_reader as gr
 from tokenyard.engines.weights.gguf_loader import float_weight, plan
 from tokenyard.engines.weights.weight_names import PROGRESS_MIN_BYTES
 

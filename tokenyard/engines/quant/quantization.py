@@ -46,7 +46,7 @@ from tqdm import tqdm
 from tokenyard.engines.core.errors import CheckpointError
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
-from tokenyard.engines.quant.quantized_linear import QuantLinear
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.weights.checkpoint import safetensors_files
 from tokenyard.engines.weights.weight_names import parameter_targets
 from tokenyard.kernels.quant_layout import INT4_GROUP_SIZES, Int4Weight, Int8Weight, quantize_int4, quantize_int8

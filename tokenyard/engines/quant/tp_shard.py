@@ -23,8 +23,8 @@ from torch import nn
 
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.quantization import checkpoint_quantization, load_quantized_model, quantize_model
-from tokenyard.engines.quant.quantized_linear import QuantLinear
 from tokenyard.engines.tp.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, local_config, shard_model_
 from tokenyard.engines.weights.checkpoint import load_model
 from tokenyard.kernels.quant_layout import Int4Weight, Int8Weight

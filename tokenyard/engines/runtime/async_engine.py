@@ -6,7 +6,7 @@
     engine.abort("r1")                        # the engine frees its blocks at its next step
 
 The step loop awaits `engine.step()` on an executor thread, so the event loop keeps serving
-HTTP while a batch runs. Torch engines all share `tokenyard.engines.core.executor.torch_executor()` (one
+HTTP while a batch runs. Torch engines all share `tokenyard.engines.runtime.executor.torch_executor()` (one
 thread): on a CPU, two engines stepping at once would fight over the same cores, so they take
 turns. Engines that set `uses_torch_executor = False` (the mock engine, whose step sleeps) get
 a thread of their own so they never hold up a real one.
@@ -18,7 +18,7 @@ own instead (server.engine_process; tokenyard/engines/serving/engine_process.py)
 
 Constrained requests: `await engine.prepare(params)` before add_request checks the response
 format's grammar against its budget in a worker process and compiles it on a thread of its own
-(tokenyard/engines/core/grammar_gate.py), so neither the event loop nor the step thread ever compiles one;
+(tokenyard/engines/runtime/grammar_gate.py), so neither the event loop nor the step thread ever compiles one;
 the engine's grammar set is warmed at start(). Engines without grammars (the mock) skip it.
 
 A step that raises fails every in-flight request with an "error" output (the reader sees it at
@@ -41,11 +41,11 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from tokenyard.engines.core.errors import EngineDeadError
-from tokenyard.engines.core.executor import torch_executor
-from tokenyard.engines.core.grammar_gate import GrammarGate
-from tokenyard.engines.core.grammar_worker import GrammarWorker
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.executor import torch_executor
+from tokenyard.engines.runtime.grammar_gate import GrammarGate
+from tokenyard.engines.runtime.grammar_worker import GrammarWorker
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
     stats() -> EngineStats
 
 add_request and abort may be called from any thread (the gateway's event loop); they only put
-messages in an inbox. step() runs on one thread (tokenyard.engines.core.executor) and drains the inbox first,
+messages in an inbox. step() runs on one thread (tokenyard.engines.runtime.executor) and drains the inbox first,
 so the scheduler's state is only ever touched by that thread.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 from tokenyard.engines.core.block_manager import BlockManager
 from tokenyard.engines.core.config import EngineConfig
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
-from tokenyard.engines.core.grammar_worker import GrammarBudget
 from tokenyard.engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from tokenyard.engines.core.request_inbox import RequestInbox
 from tokenyard.engines.core.sampling_params import SamplingParams
@@ -37,8 +36,10 @@ from tokenyard.engines.model.cpu_allocator import keep_freed_memory
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
+from tokenyard.engines.quant.engine_model import load_engine_model
+from tokenyard.engines.runtime.grammar_worker import GrammarBudget
+from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.engines.tp.tensor_parallel import check_divisible, shard_model_
-from tokenyard.engines.weights.engine_model import load_engine_model
 
 log = logging.getLogger(__name__)
 
@@ -343,8 +344,8 @@ class Engine:
         with self._grammars_lock:
             if self._grammars is None:
                 try:
-                    self._grammars = Grammars.from_model_dir(self.model_dir, self.model_config.vocab_size,
-                                                             sorted(self.eos_token_ids))
+                    self._grammars = Grammars.from_tokenizer(Tokenizer.from_dir(self.model_dir),
+                                                             self.model_config.vocab_size, sorted(self.eos_token_ids))
                 except GrammarError:
                     raise
                 except Exception as e:  # noqa: BLE001 - no tokenizer files next to the weights, ...

@@ -8,7 +8,7 @@ off the event loop and off the engine's step.
     engine.add_request(..., params)    # at once, no await between: the grammar is in its cache
 
 Rules:
-- A json_schema goes to the worker first (tokenyard/engines/core/grammar_worker.py: a process of its own
+- A json_schema goes to the worker first (tokenyard/engines/runtime/grammar_worker.py: a process of its own
   with a hard time and memory budget), so a schema too expensive to compile is refused without
   ever being compiled where the engine runs. {"type": "json_object"} is one fixed, small grammar
   (11 ms on SmolLM2's vocabulary) and skips the check.
@@ -28,7 +28,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from tokenyard.engines.core.grammar_worker import GrammarWorker
+from tokenyard.engines.runtime.grammar_worker import GrammarWorker
 
 log = logging.getLogger(__name__)
 

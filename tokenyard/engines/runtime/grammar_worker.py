@@ -14,7 +14,7 @@ inside the child, or the child dies, and either way the schema is refused.
 
 What comes back is a verdict, not the compiled grammar: xgrammar 0.2.9's CompiledGrammar.
 serialize_json needed more than 24 GB for a five-property multipleOf grammar (measured), so the
-grammar the engine uses is compiled again where the engine runs (tokenyard/engines/core/grammar_gate.py: on
+grammar the engine uses is compiled again where the engine runs (tokenyard/engines/runtime/grammar_gate.py: on
 a thread, which xgrammar's compiler leaves the GIL to: a 1 ms ticker thread saw at most 8 ms gaps
 during a 0.85 s compile). The check costs one extra compile per new schema; verdicts are kept by
 the schema's SHA-256 (VERDICTS of them, refusals too, so a flood of one hostile schema costs one
@@ -138,7 +138,7 @@ class GrammarWorker:
                 [
                     sys.executable,
                     "-c",
-                    "from tokenyard.engines.core.grammar_worker import main; main()",
+                    "from tokenyard.engines.runtime.grammar_worker import main; main()",
                     "--fd",
                     str(theirs.fileno()),
                     "--model",
@@ -237,8 +237,7 @@ def _child_main(sock: socket.socket, model_dir: str, memory_mb: int) -> None:
 
     try:
         tok = Tokenizer.from_dir(model_dir)
-        grammars = Grammars([tok.id_to_bytes(i) for i in range(tok.vocab_size)], tok.vocab_size,
-                            sorted(tok.eos_token_ids))
+        grammars = Grammars.from_tokenizer(tok, tok.vocab_size, sorted(tok.eos_token_ids))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which refuses with it
         _send(sock, {"error": f"{type(e).__name__}: {e}"})
         return

@@ -7,10 +7,10 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from tokenyard.engines.core.engine import Engine
 from tokenyard.engines.core.errors import CheckpointError, RequestError
 from tokenyard.engines.core.outputs import CompletionOutput, RequestOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.engine import Engine
 from tokenyard.engines.text.chat_template import apply_chat_template
 from tokenyard.engines.text.text_stream import TextStream
 from tokenyard.engines.text.tokenizer import Tokenizer

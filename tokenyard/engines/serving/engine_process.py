@@ -6,7 +6,7 @@
     async for out in stream: ...
     backend.abort("r1"); await backend.stop()
 
-Why a process: an in-process engine (tokenyard/engines/core/async_engine.py) steps on a thread beside the event
+Why a process: an in-process engine (tokenyard/engines/runtime/async_engine.py) steps on a thread beside the event
 loop, and the two share Python's GIL. The step thread gives the GIL up inside every torch op and C
 step and must win it back after each, while the event loop writes every stream's tokens; on two cores
 the engine's pool threads wait for it too. Here the child process runs one loop and nothing else
@@ -37,7 +37,7 @@ that fails is retried `max_restart_attempts` times with exponential backoff from
 (capped at 30 s); after that the engine stays dead.
 
 Two engines in process mode step at the same time (in-process engines take turns on one thread,
-tokenyard/engines/core/executor.py): give each its share of the cores (OMP_NUM_THREADS, the engine's threads).
+tokenyard/engines/runtime/executor.py): give each its share of the cores (OMP_NUM_THREADS, the engine's threads).
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenyard.engines.core.async_engine import RequestStream, cancel_task, deliver, fail_streams, with_backoff
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
-from tokenyard.engines.core.grammar_worker import GrammarBudget, GrammarWorker
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.async_engine import RequestStream, cancel_task, deliver, fail_streams, with_backoff
+from tokenyard.engines.runtime.grammar_worker import GrammarBudget, GrammarWorker
 from tokenyard.engines.serving.engine_child import _HEADER, _child_main, _frame, _Link
 from tokenyard.engines.serving.process_grammars import ProcessGrammars
 
@@ -80,7 +80,7 @@ class EngineRecipe:
         if self.kind == "mock":
             from tokenyard.engines.serving.mock_engine import MockEngine
             return MockEngine(self.model, **self.options)
-        from tokenyard.engines.core.engine import Engine
+        from tokenyard.engines.runtime.engine import Engine
         return Engine(self.model, **{"progress": False, **self.options})
 
 

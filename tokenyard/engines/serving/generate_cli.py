@@ -5,9 +5,9 @@ import argparse
 import sys
 from typing import TextIO
 
-from tokenyard.engines.core.engine import Engine
 from tokenyard.engines.core.errors import CheckpointError
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.engine import Engine
 from tokenyard.engines.text.chat_template import apply_chat_template
 from tokenyard.engines.text.text_stream import TextStream
 from tokenyard.engines.text.tokenizer import Tokenizer

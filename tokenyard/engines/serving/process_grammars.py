@@ -9,7 +9,7 @@ checked against their budget in the parent's grammar worker, compiled on a threa
              compiler.submit(token, fmt)                   # on the parent's ("grammar", token, fmt)
 
 Rules:
-- A json_schema goes to the parent's worker first (tokenyard/engines/core/grammar_worker.py: its own process,
+- A json_schema goes to the parent's worker first (tokenyard/engines/runtime/grammar_worker.py: its own process,
   a hard time and memory budget), so a schema too expensive to compile is refused (the gateway's
   400 response_format) and never reaches the engine's process. {"type": "json_object"} skips it.
 - Then the parent sends ("grammar", token, fmt); the child's loop hands it to its compile thread,
@@ -32,8 +32,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from tokenyard.engines.core.grammar_worker import GrammarWorker, schema_key
 from tokenyard.engines.core.structured_output import CACHE_SIZE, GrammarError, check_response_format
+from tokenyard.engines.runtime.grammar_worker import GrammarWorker, schema_key
 
 log = logging.getLogger(__name__)
 

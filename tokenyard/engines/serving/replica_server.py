@@ -32,10 +32,10 @@ import signal
 from dataclasses import asdict
 from typing import Any
 
-from tokenyard.engines.core.async_engine import AsyncEngine
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
 from tokenyard.engines.core.structured_output import GrammarError
+from tokenyard.engines.runtime.async_engine import AsyncEngine
 
 log = logging.getLogger("tokenyard.replica")
 

@@ -29,8 +29,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.formats import gguf_reader as gr
 from tokenyard.engines.text.byte_level import LLAMA3_PATTERN, byte_level_table
-from tokenyard.engines.weights import gguf_reader as gr
 
 CONTROL, USER_DEFINED = 3, 4
 

@@ -1,2 +1,2 @@
-"""Loading weights: safetensors folders, GGUF files (dequantised), packaged GGUFs, and the one
-dispatcher the engine calls."""
+"""Loading plain weights: safetensors folders, GGUF files (dequantised) and packaged GGUFs. The GGUF
+reader is below (tokenyard.engines.formats); the dispatcher the engine calls is above (quant/engine_model)."""

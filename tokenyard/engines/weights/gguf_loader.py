@@ -15,9 +15,9 @@ import torch
 from tqdm import tqdm
 
 from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.formats import gguf_reader as gr
 from tokenyard.engines.model.model import CausalLM, empty_model
 from tokenyard.engines.model.model_config import ModelConfig
-from tokenyard.engines.weights import gguf_reader as gr
 from tokenyard.engines.weights.weight_names import PROGRESS_MIN_BYTES, parameter_targets
 
 log = logging.getLogger(__name__)

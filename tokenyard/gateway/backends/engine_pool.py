@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenyard.engines.core.async_engine import AsyncEngine
 from tokenyard.engines.core.backend import EngineBackend
+from tokenyard.engines.runtime.async_engine import AsyncEngine
 from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.gateway.config.deployment import EngineSpec, Prices
@@ -58,7 +58,7 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> 
     handles: dict[str, EngineHandle] = {}
     in_processes = [n for n, s in specs.items() if engine_process and s.replicas is None]
     if len(in_processes) > 1:
-        # In-process engines take turns on one step thread; processes do not (tokenyard/engines/core/executor.py).
+        # In-process engines take turns on one step thread; processes do not (tokenyard/engines/runtime/executor.py).
         log.warning("server.engine_process: engines %s each step in a process of their own, at the same time; "
                     "give each its share of the cores (OMP_NUM_THREADS) or they slow each other down",
                     ", ".join(in_processes))

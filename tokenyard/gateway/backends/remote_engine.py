@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import aiohttp
 
-from tokenyard.engines.core.async_engine import RequestStream
 from tokenyard.engines.core.errors import EngineDeadError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.async_engine import RequestStream
 
 log = logging.getLogger("tokenyard.remote_engine")
 

@@ -37,10 +37,10 @@ import logging
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
-from tokenyard.engines.core.async_engine import RequestStream
 from tokenyard.engines.core.errors import EngineDeadError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.async_engine import RequestStream
 from tokenyard.gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
 from tokenyard.gateway.backends.remote_engine import RemoteEngine, empty_stats
 from tokenyard.gateway.backends.replica_config import PoolConfig
@@ -315,7 +315,7 @@ class ReplicaPool:
 
 def build_pool(name: str, spec: Any, build_local: Callable[[Any], Any], model_fingerprint: str = "") -> ReplicaPool:
     """A pool for an EngineSpec with `replicas` (build_local makes the in-process engine core)."""
-    from tokenyard.engines.core.async_engine import AsyncEngine
+    from tokenyard.engines.runtime.async_engine import AsyncEngine
     cfg = spec.replicas.pool
     members = []
     for rs in spec.replicas.replicas:

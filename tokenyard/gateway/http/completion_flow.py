@@ -214,7 +214,7 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
 
 
 async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:
-    """A constrained request's grammar made ready by its backend (tokenyard/engines/core/grammar_gate.py);
+    """A constrained request's grammar made ready by its backend (tokenyard/engines/runtime/grammar_gate.py);
     backends without `prepare` (replica pools) check it where the engine runs."""
     prepare = getattr(engine, "prepare", None)
     if params.response_format is None or prepare is None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Callable
 
-from tokenyard.engines.core.async_engine import RequestStream
 from tokenyard.engines.core.outputs import StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.runtime.async_engine import RequestStream
 from tokenyard.engines.text.text_stream import TextStream
 from tokenyard.gateway.backends.engine_pool import EngineHandle
 from tokenyard.gateway.edge.errors import BadRequest
