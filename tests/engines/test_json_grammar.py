@@ -21,6 +21,7 @@ from tokenyard.engines.core.json_grammar import (
     MAX_EXPONENT_DIGITS,
     MAX_FRACTION_DIGITS,
     MAX_INT_DIGITS,
+    MAX_STRING_RUN,
     json_schema_ebnf,
 )
 from tokenyard.engines.core.structured_output import Grammars
@@ -102,8 +103,11 @@ def test_numbers_have_bounded_digits(grammars):
 def test_strings_never_hold_raw_control_characters(grammars):
     accepts = _Doc(grammars, City.model_json_schema()).takes
     doc = '{"name": "%s", "population_millions": 2}'
-    # No maxLength: xgrammar's recursive rule, escapes allowed, no length bound but max_tokens.
-    assert accepts(doc % ("x" * 2000)) and accepts(doc % 'a\\"b\\n\\u0041é😀')
+    # No maxLength: escapes allowed; at most MAX_STRING_RUN plain characters up to the first escape (a small
+    # model's string loop holds none), then xgrammar's recursive rule (bounded by max_tokens).
+    assert accepts(doc % 'a\\"b\\n\\u0041é😀')
+    assert accepts(doc % ("x" * MAX_STRING_RUN)) and not accepts(doc % ("x" * (MAX_STRING_RUN + 1)))
+    assert accepts(doc % ("x" * 300 + "\\n" + "x" * 2000))      # past an escape: no cap but max_tokens
     for ctl in ("\x00", "\x11", "\t", "\x1f", "\n"):
         assert not accepts(doc % ctl), repr(ctl)
     bounded = _Doc(grammars, Order.model_json_schema()).takes
