@@ -41,7 +41,7 @@ class _Metrics:
     spend_write_errors = _Counter()
 
 
-def _records(n: int, now: float, seed: int) -> list[dict[str, Any]]:
+def _records(n: int, now: float, seed: int, tags: int = TAGS_PER_RECORD) -> list[dict[str, Any]]:
     from tokenyard.gateway.spend.usage import UsageRecord
     rng = random.Random(seed)
 
@@ -52,10 +52,10 @@ def _records(n: int, now: float, seed: int) -> list[dict[str, Any]]:
                         completion_tokens=rng.randint(1, 200), cost_micros=rng.randint(0, 10**5), status="ok",
                         finish_reason="stop", ttft_s=0.01, e2e_s=0.1, stream=False, tenant="hostile",
                         key_id="k" + str(i % 4), user=f"user{rng.randint(0, 50)}",
-                        tags={word(): word() for _ in range(TAGS_PER_RECORD)}).to_dict() for i in range(n)]
+                        tags={word(): word() for _ in range(tags)}).to_dict() for i in range(n)]
 
 
-async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int) -> dict[str, Any]:
+async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int, tags: int = TAGS_PER_RECORD) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
     from tokenyard.gateway.spend.config import SpendConfig
@@ -64,7 +64,7 @@ async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int) -> dic
     prefix = f"tybench:tagmem:{secrets.token_hex(4)}:"
     client = aioredis.Redis.from_url(redis_url)
     now = time.time()
-    recs = _records(n, now, seed)
+    recs = _records(n, now, seed, tags)
     cfg = SpendConfig(spool_dir=tempfile.mkdtemp(prefix="tagmem-spool-"), max_tag_names=max_tag_names)
     ledger = SpendLedger(redis_url, prefix, cfg, _Metrics())
     try:
@@ -96,7 +96,7 @@ async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int) -> dic
         other_s = time.perf_counter() - t0
         assert sum(r["requests"] for r in data) == n
         folded = {r["tag:(other)"]: r["requests"] for r in tagged}.get("(other)", 0)
-        return {"records": n, "tags_per_record": TAGS_PER_RECORD, "max_tag_names": max_tag_names,
+        return {"records": n, "tags_per_record": tags, "max_tag_names": max_tag_names,
                 "rollup_bytes": rollup_bytes, "rollup_keys": keys, "dimension_rollup_fields": fields,
                 "request_log_bytes": log_bytes, "request_log_keys": log_keys,
                 "used_memory_delta_bytes": after - before, "write_s": round(write_s, 3),
@@ -122,10 +122,14 @@ def main() -> None:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
     bound = args.max_tag_names or SpendConfig().max_tag_names
     runs = [asyncio.run(run_once(redis_url, args.records, bound, seed=1)),
-            asyncio.run(run_once(redis_url, args.records, 10**9, seed=1))]
+            asyncio.run(run_once(redis_url, args.records, 10**9, seed=1)),
+            # The same requests without tags: what the request log and rollups take anyway, so that the
+            # growth the hostile tags cause can be read apart from the per-request log every request writes.
+            asyncio.run(run_once(redis_url, args.records, bound, seed=1, tags=0))]
     for r in runs:
         print(r)
-    capped, unbounded = runs
+    capped, unbounded, untagged = runs
+    total = lambda r: r["rollup_bytes"] + r["request_log_bytes"]  # noqa: E731
     figures = {"records": args.records, "tags_per_record": TAGS_PER_RECORD, "max_tag_names": bound,
                "rollup_mb": round(capped["rollup_bytes"] / 2**20, 3),
                "rollup_mb_unbounded": round(unbounded["rollup_bytes"] / 2**20, 3),
@@ -135,6 +139,8 @@ def main() -> None:
                "rollup_keys": capped["rollup_keys"], "rollup_keys_unbounded": unbounded["rollup_keys"],
                "report_by_user_s": capped["report_by_user_s"],
                "report_by_user_s_unbounded": unbounded["report_by_user_s"],
+               "untagged_total_mb": round(total(untagged) / 2**20, 3),
+               "hostile_tag_growth_mb": round((total(capped) - total(untagged)) / 2**20, 3),
                "goal_rollup_mb": GOAL_BYTES / 2**20, "goal_met": capped["rollup_goal_met"]}
     rec.write(figures, runs, driver="SpendLedger._store (the ledger's Lua script), not HTTP")
 
