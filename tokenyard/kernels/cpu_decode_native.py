@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
+from tokenyard import knobs
 from tokenyard.kernels.kv_quant import QuantizedCache
 from tokenyard.nativelib.build import cached_library
 
@@ -86,7 +86,7 @@ class Kernel:
 def load() -> Kernel | None:
     """The kernel, built on first use; None when TOKENYARD_CPU_ATTENTION=torch or it cannot be built
     (a warning, once: the torch forms serve)."""
-    if os.environ.get("TOKENYARD_CPU_ATTENTION", "native").strip().lower() == "torch":
+    if not knobs.cpu_attention_native():
         return None
     with _LOCK:
         if "kernel" not in _LOADED:

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from tokenyard import knobs
 from tokenyard.nativelib.build import cached_library
 
 log = logging.getLogger(__name__)
@@ -40,30 +40,21 @@ SOURCE = Path(__file__).with_name("cpu_decode_step.c")
 INCLUDES = tuple(Path(__file__).with_name(name) for name in
                  ("cpu_decode_attention.c", "cpu_matvec.c", "cpu_matvec_q8.c", "cpu_matvec_panel.c"))
 MAX_BATCH = 256
-DEFAULT_SPIN_LIMIT = 200_000
+DEFAULT_SPIN_LIMIT = knobs.DEFAULT_STEP_SPIN
 F32, INT8, INT4, INT4_ROWS16 = 0, 1, 2, 3
 _LOCK = threading.Lock()
 _LOADED: dict[str, "Library | None"] = {}
 
 
 def flags() -> tuple[str, ...]:
-    march = os.environ.get("TOKENYARD_NATIVE_MARCH", "native").strip() or "native"
+    march = knobs.native_march()
     return ("-O3", f"-march={march}", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
             "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
 
 
 def default_spin_limit() -> int:
     """Pause instructions an idle pool worker spins before it sleeps: TOKENYARD_STEP_SPIN, else 200,000."""
-    raw = os.environ.get("TOKENYARD_STEP_SPIN", "").strip()
-    if not raw:
-        return DEFAULT_SPIN_LIMIT
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"TOKENYARD_STEP_SPIN must be a whole number of pause instructions, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"TOKENYARD_STEP_SPIN must be at least 1, got {value}")
-    return value
+    return knobs.step_spin()
 
 
 # ------------------------------------------------------------------ the description

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import sys
 
 import torch
+
+from tokenyard import knobs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class HugePageArena:
         size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE) + HUGE_PAGE   # room to align the start
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge = False
-        wanted = os.environ.get("TOKENYARD_HUGE_PAGES", "on").strip().lower() not in ("off", "0", "false")
+        wanted = knobs.huge_pages()
         if wanted and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tokenyard import knobs
 from tokenyard.engines.core.scheduler import SchedulerOutput
 from tokenyard.engines.core.sequence import Sequence
 from tokenyard.engines.model import onednn_linear
@@ -40,16 +41,9 @@ ONEDNN_MIN_SPEEDUP = 1.05
 ONEDNN_PROBE_ROWS = 512
 
 
-def _env_override(mode: str, variable: str) -> str:
-    """A knob's "auto" replaced by the environment variable's "on" or "off" when that is set."""
-    if mode != "auto":
-        return mode
-    env = os.environ.get(variable, "auto").strip().lower()
-    if env in ("on", "off"):
-        return env
-    if env != "auto":
-        log.warning("ignoring %s=%r (expected auto, on or off)", variable, env)
-    return mode
+def _env_override(mode: str, knob: Callable[[], str]) -> str:
+    """A knob's "auto" replaced by the environment's "on" or "off" (tokenyard/knobs.py) when that is set."""
+    return knob() if mode == "auto" else mode
 
 
 @dataclass(slots=True)
@@ -125,7 +119,7 @@ class ModelRunner:
         """The C decode step per the cpu_decode_step knob (EngineConfig); None for the torch paths.
         "auto" uses it where it applies (see auto_compiles: the same size rule) and says why not, once,
         when it cannot be built; "on" makes every obstacle an error."""
-        mode = _env_override(mode, "TOKENYARD_CPU_DECODE_STEP")
+        mode = _env_override(mode, knobs.cpu_decode_step)
         self.cpu_decode_step_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
@@ -155,7 +149,7 @@ class ModelRunner:
         """The compiled CPU decode path per the cpu_compile knob (EngineConfig), warmed up; None
         for eager decoding. "auto" compiles where it pays (see auto_compiles); a failure is then a
         warning, and under "on" an error."""
-        mode = _env_override(mode, "TOKENYARD_CPU_COMPILE")
+        mode = _env_override(mode, knobs.cpu_compile)
         self.cpu_compile_mode = mode
         if mode == "off" or (mode == "auto" and not self.auto_compiles()):
             return None
@@ -187,7 +181,7 @@ class ModelRunner:
         """The eager fp32 linears on oneDNN's packed weights per the cpu_onednn_linear knob
         (EngineConfig; tokenyard/engines/model/onednn_linear.py). "auto" measures first and packs only where
         it pays; "on" packs or raises."""
-        mode = _env_override(mode, "TOKENYARD_CPU_ONEDNN_LINEAR")
+        mode = _env_override(mode, knobs.cpu_onednn_linear)
         self.cpu_onednn_linear_mode = mode
         if mode == "off":
             return

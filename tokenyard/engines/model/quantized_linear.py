@@ -30,17 +30,16 @@ The GEMMs are bf16 where this CPU multiplies bf16 fast and fp32 where it does no
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from tokenyard import knobs
 from tokenyard.kernels import quant_matmul_torch as ref_ops
 from tokenyard.kernels.cpu_gemm import dense_dtype
 from tokenyard.kernels.quant_layout import Int4Weight, Int8Weight, unpack_int4
 from tokenyard.kernels.quant_matmul_torch import int4pack_cpu_layout, int4pack_dense_mm, int4pack_dense_tiles, int8_dense_mm
 
-BACKENDS = ("auto", "cpu", "triton", "torch")
+BACKENDS = knobs.QUANT_BACKENDS
 
 
 def _cpu_op(name: str):
@@ -59,9 +58,7 @@ def _pick_backend(requested: str, device: torch.device, int4: bool, n: int, k: i
     if requested not in BACKENDS:
         raise ValueError(f"unknown quantised matmul backend {requested!r}; available: {', '.join(BACKENDS)}")
     if requested == "auto":
-        requested = os.environ.get("TOKENYARD_QUANT_BACKEND", "auto").strip().lower() or "auto"
-        if requested not in BACKENDS:
-            raise ValueError(f"TOKENYARD_QUANT_BACKEND must be one of {', '.join(BACKENDS)}, got {requested!r}")
+        requested = knobs.quant_backend()
     if requested != "auto":
         return requested
     if device.type == "cuda":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from array import array
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenyard import knobs
 from tokenyard.nativelib.build import cached_library, compiler
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def params_of(word_ngrams: tuple[int, int], char_ngrams: tuple[int, int], dims: 
 
 def load() -> Kernel | None:
     """The compiled kernel, built on first use; None (numpy path) when disabled or unavailable."""
-    if os.environ.get("TOKENYARD_ROUTER_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not knobs.router_native():
         return None
     with _LOCK:
         if "kernel" not in _STATE:
