@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
+from tokenyard.gateway.config.spend_settings import AlertsConfig, SpendConfig
 from tokenyard.gateway.spend.alert_webhook import AlertSender, verify_signature
 from tokenyard.gateway.spend.alerts import AlertWatcher, alerts_stream, dead_key, due_key, outbox_key, read_alerts
-from tokenyard.gateway.spend.config import AlertsConfig, SpendConfig
 from tokenyard.gateway.spend.ledger import SpendLedger
 from tokenyard.gateway.spend.usage import UsageRecord
 from tokenyard.policies import load_policy

@@ -12,7 +12,7 @@ from gateway_helpers import KEY, SHARED_REDIS, add_key, delete_prefix, mock_depl
 
 from tokenyard.gateway.auth.api_keys import KeyStore
 from tokenyard.gateway.auth.sessions import COOKIE
-from tokenyard.gateway.observability.metrics_access import _is_loopback
+from tokenyard.gateway.server.metrics_access import _is_loopback
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 

@@ -7,9 +7,9 @@ from replica_helpers import ROOT, pool_deployment, start_replicas
 
 from tokenyard.gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
 from tokenyard.gateway.backends.remote_engine import empty_stats
-from tokenyard.gateway.backends.replica_config import PoolConfig
 from tokenyard.gateway.backends.replica_pool import Replica, ReplicaPool
 from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
+from tokenyard.gateway.config.replica_config import PoolConfig
 
 
 def test_hash_chain_follows_shared_leading_blocks_and_salt():

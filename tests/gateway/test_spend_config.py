@@ -5,7 +5,7 @@ import pytest
 from gateway_helpers import ROOT, mock_deployment
 
 from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
-from tokenyard.gateway.spend.config import DashboardConfig, MetricsConfig, SpendConfig
+from tokenyard.gateway.config.spend_settings import DashboardConfig, MetricsConfig, SpendConfig
 
 DEPLOYMENT_PAGE = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
 SPEND_PAGE = (ROOT / "docs" / "cost-analysts.md").read_text(encoding="utf-8")

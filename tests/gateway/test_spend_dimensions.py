@@ -11,10 +11,10 @@ import time
 import pytest
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
+from tokenyard.gateway.config.spend_settings import SpendConfig
+from tokenyard.gateway.routes.spend_queries import read_report
 from tokenyard.gateway.spend import reports
-from tokenyard.gateway.spend.config import SpendConfig
 from tokenyard.gateway.spend.ledger import SpendLedger
-from tokenyard.gateway.spend.queries import read_report
 from tokenyard.gateway.spend.usage import UsageRecord
 
 N = 100_000

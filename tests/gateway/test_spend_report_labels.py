@@ -19,7 +19,7 @@ from policy_gateway_helpers import BASE_POLICY, bearer, put_policy, two_engine_d
 
 from tokenyard.cli.main import main as cli_main
 from tokenyard.gateway.auth.api_keys import KeyStore
-from tokenyard.gateway.policy.admin import comparison_rows
+from tokenyard.gateway.routes.policy_admin import comparison_rows
 
 COOKIE = "ty_session"
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}

@@ -15,10 +15,10 @@ import redis
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
 from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
+from tokenyard.gateway.config.spend_settings import SpendConfig
+from tokenyard.gateway.routes.spend_queries import read_report
 from tokenyard.gateway.spend import reports
-from tokenyard.gateway.spend.config import SpendConfig
 from tokenyard.gateway.spend.ledger import SpendLedger
-from tokenyard.gateway.spend.queries import read_report
 from tokenyard.gateway.spend.redis_keys import tag_names_key
 from tokenyard.gateway.spend.usage import UsageRecord
 

@@ -87,8 +87,8 @@ def workload(args) -> list[list[int]]:
 async def run_policy(policy: str, urls: list[str], prompts: list[list[int]], args) -> dict:
     from tokenyard.engines.core.sampling_params import SamplingParams
     from tokenyard.gateway.backends.remote_engine import RemoteEngine
-    from tokenyard.gateway.backends.replica_config import PoolConfig
     from tokenyard.gateway.backends.replica_pool import Replica, ReplicaPool
+    from tokenyard.gateway.config.replica_config import PoolConfig
 
     cfg = PoolConfig(policy=policy, health_interval_s=5.0, affinity_weight=args.affinity_weight)
     pool = ReplicaPool("demo-large", [Replica(u, RemoteEngine(u, "demo-large"), cfg, remote=True) for u in urls],
@@ -129,7 +129,7 @@ async def run_policy(policy: str, urls: list[str], prompts: list[list[int]], arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenyard.gateway.backends.replica_config import PoolConfig
+    from tokenyard.gateway.config.replica_config import PoolConfig
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--turns", type=int, default=16)

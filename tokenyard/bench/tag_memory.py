@@ -58,9 +58,9 @@ def _records(n: int, now: float, seed: int, tags: int = TAGS_PER_RECORD) -> list
 async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int, tags: int = TAGS_PER_RECORD) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from tokenyard.gateway.spend.config import SpendConfig
+    from tokenyard.gateway.config.spend_settings import SpendConfig
+    from tokenyard.gateway.routes.spend_queries import read_report
     from tokenyard.gateway.spend.ledger import SpendLedger
-    from tokenyard.gateway.spend.queries import read_report
     prefix = f"tybench:tagmem:{secrets.token_hex(4)}:"
     client = aioredis.Redis.from_url(redis_url)
     now = time.time()
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--max-tag-names", type=int, default=None, help="default: spend.max_tag_names's default")
     args = ap.parse_args()
     from tokenyard.bench.results_io import RunRecorder
-    from tokenyard.gateway.spend.config import SpendConfig
+    from tokenyard.gateway.config.spend_settings import SpendConfig
     rec = RunRecorder("tag_memory")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
     bound = args.max_tag_names or SpendConfig().max_tag_names

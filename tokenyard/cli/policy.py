@@ -68,8 +68,8 @@ def _read(path: str) -> str:
 async def _run(args: argparse.Namespace, url: str, dep) -> int:
     import redis.asyncio as aioredis
 
-    from tokenyard.gateway.policy.admin import check_document, compare_policies, recorded_traffic
     from tokenyard.gateway.policy.store import NoSuchVersion, PolicyStore
+    from tokenyard.gateway.routes.policy_admin import check_document, compare_policies, recorded_traffic
     from tokenyard.gateway.spend.reports import parse_since, parse_time
     from tokenyard.gateway.state import load_learned_router
     from tokenyard.policies import PolicyError
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenyard.gateway.store.embedded_redis import command_redis_url
     dep = load_or_exit(args.config)
     if args.policy_command == "validate":
-        from tokenyard.gateway.policy.admin import check_document
+        from tokenyard.gateway.routes.policy_admin import check_document
         from tokenyard.policies import PolicyError
         try:
             policy = check_document(_read(args.file), list(dep.engines))

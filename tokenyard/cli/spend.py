@@ -19,9 +19,9 @@ import sys
 import time
 
 from tokenyard.gateway.edge.errors import BadRequest
+from tokenyard.gateway.routes.spend_queries import read_report
 from tokenyard.gateway.spend import reports as reports
 from tokenyard.gateway.spend import store as store
-from tokenyard.gateway.spend.queries import read_report
 from tokenyard.policies import format_money
 
 

@@ -43,7 +43,7 @@ from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.runtime.async_engine import RequestStream
 from tokenyard.gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
 from tokenyard.gateway.backends.remote_engine import RemoteEngine, empty_stats
-from tokenyard.gateway.backends.replica_config import PoolConfig
+from tokenyard.gateway.config.replica_config import PoolConfig
 
 log = logging.getLogger("tokenyard.replicas")
 

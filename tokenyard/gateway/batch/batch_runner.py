@@ -39,7 +39,7 @@ from tokenyard.gateway.batch.finalize import close_chunks, write_results
 from tokenyard.gateway.batch.idle_capacity import IdleCapacity
 from tokenyard.gateway.batch.input_gone import end_without_input
 from tokenyard.gateway.batch.line_runner import RetryLater, run_line
-from tokenyard.gateway.batch.settings import BatchSettings
+from tokenyard.gateway.config.batch_settings import BatchSettings
 from tokenyard.gateway.edge.errors import APIError, Unauthorized
 from tokenyard.gateway.http.completion_flow import BatchLane
 from tokenyard.gateway.http.generation_group import GenerationGroup

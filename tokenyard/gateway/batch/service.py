@@ -11,7 +11,7 @@ from tokenyard.gateway.batch.batch_runner import BatchRunner
 from tokenyard.gateway.batch.batch_store import BatchStore
 from tokenyard.gateway.batch.file_records import FileRecords
 from tokenyard.gateway.batch.file_storage import DiskStorage, FileStorage
-from tokenyard.gateway.batch.settings import BatchSettings
+from tokenyard.gateway.config.batch_settings import BatchSettings
 
 if TYPE_CHECKING:
     from tokenyard.gateway.state import Gateway

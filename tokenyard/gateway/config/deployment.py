@@ -17,12 +17,12 @@ from typing import Any
 
 import yaml
 
-from tokenyard.gateway.backends.replica_config import ReplicaSet, parse_replica_keys
-from tokenyard.gateway.batch.settings import BatchSettings, parse_batch_settings
 from tokenyard.gateway.config import yaml_fields
+from tokenyard.gateway.config.batch_settings import BatchSettings, parse_batch_settings
+from tokenyard.gateway.config.replica_config import ReplicaSet, parse_replica_keys
+from tokenyard.gateway.config.spend_settings import WebSettings, parse_web_settings
 from tokenyard.gateway.routing.interim_rule import Routing
 from tokenyard.gateway.routing.learned_router import parse_router_settings
-from tokenyard.gateway.spend.config import WebSettings, parse_web_settings
 from tokenyard.policies.schema import Prices
 
 # The default deployment ships inside the package (tokenyard/deploy/default.yaml, with the demo models, router

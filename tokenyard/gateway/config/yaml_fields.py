@@ -1,5 +1,5 @@
 """Typed reads of YAML config sections with errors that name the key path, shared by the
-deployment file (tokenyard/gateway/config/deployment.py) and its spend/dashboard sections (tokenyard/gateway/spend/config.py).
+deployment file (config/deployment.py) and its spend/dashboard sections (config/spend_settings.py).
 
 Every function raises `error` (the caller's exception type) with the full key path.
 """

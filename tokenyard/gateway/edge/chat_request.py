@@ -53,7 +53,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024   # entries; bounds the work one request adds to every decode step
 # The request's admission class: OpenAI's service_tier ("flex" is the cheaper, slower lane) or our
 # own `priority`. A request may always lower its class; it never rises above its key's class or a
-# policy rule's (tokenyard/gateway/routing/plan.py clamps). None keeps the key's / the policy's class.
+# policy rule's (tokenyard/gateway/http/route_plan.py clamps). None keeps the key's / the policy's class.
 SERVICE_TIERS = {"auto": None, "default": None, "flex": "batch", "priority": "interactive"}
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

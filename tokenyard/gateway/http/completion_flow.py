@@ -1,5 +1,5 @@
 """The flow chat and text completions share: validate -> authenticate -> policy and route
-(tokens, router, budget, overflow: tokenyard/gateway/routing/plan.py) -> context checks -> reserve limits ->
+(tokens, router, budget, overflow: tokenyard/gateway/http/route_plan.py) -> context checks -> reserve limits ->
 admit -> engine. Each endpoint gives its parser and renders the reply; everything between (and so
 every limit, route, admission and spend rule) is this one function.
 
@@ -31,9 +31,9 @@ from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
 from tokenyard.gateway.edge.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from tokenyard.gateway.http.generation import EngineFailed, Generation, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
+from tokenyard.gateway.http.route_plan import plan_route, tokenize_prompt
 from tokenyard.gateway.http.streaming import wait_disconnect
 from tokenyard.gateway.prompt.prompt_guard import charge_refused, check_prompt_size, off_loop
-from tokenyard.gateway.routing.plan import plan_route, tokenize_prompt
 from tokenyard.gateway.spend.usage import RecordContext
 
 if TYPE_CHECKING:

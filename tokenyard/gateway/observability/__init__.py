@@ -1,1 +1,1 @@
-"""Prometheus metrics, who may read them, and the access log."""
+"""Prometheus metrics and the access log (who may read /metrics: server/metrics_access.py)."""

@@ -28,10 +28,10 @@ from starlette.routing import Route
 from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.edge.edge_params import json_int, parse_int
 from tokenyard.gateway.edge.errors import APIError, BadRequest, Forbidden, NotFound, PayloadTooLarge, Unavailable, json_error
-from tokenyard.gateway.policy.admin import DEFAULT_LIMIT, MAX_LIMIT, author_of, check_document, run_simulation
 from tokenyard.gateway.policy.store import NoSuchVersion, PolicyConflict
 from tokenyard.gateway.policy.work import off_loop
-from tokenyard.gateway.spend.queries import time_window
+from tokenyard.gateway.routes.policy_admin import DEFAULT_LIMIT, MAX_LIMIT, author_of, check_document, run_simulation
+from tokenyard.gateway.routes.spend_queries import time_window
 from tokenyard.policies import PolicyError, build_policy, diff, load_policy, policy_hash, policy_to_dict, policy_to_yaml
 
 if TYPE_CHECKING:

@@ -19,9 +19,16 @@ from starlette.routing import Route
 
 from tokenyard.gateway.edge.edge_params import parse_int
 from tokenyard.gateway.edge.errors import BadRequest, Unavailable
+from tokenyard.gateway.routes.spend_queries import (
+    build_report,
+    csv_response,
+    ledger_redis,
+    time_window,
+    visible_tenants,
+    wants_csv,
+)
 from tokenyard.gateway.spend import reports as reports
 from tokenyard.gateway.spend import store as store
-from tokenyard.gateway.spend.queries import build_report, csv_response, ledger_redis, time_window, visible_tenants, wants_csv
 
 if TYPE_CHECKING:
     from tokenyard.gateway.state import Gateway

@@ -1,6 +1,6 @@
 """Reading the spend ledger for a caller: which tenants a key may see, the time window asked for, and
-the report built from the hourly rollups. Shared by the spend API (spend_routes.py) and the pages
-(dashboard.py, policy_routes.py), so the visibility rule lives in one place.
+the report built from the hourly rollups. Shared by the spend API (spend_api.py) and the pages
+(web/dashboard.py, policy_api.py), so the visibility rule lives in one place.
 
 Who sees what: a tenant's key sees its own tenant only (asking for another with `tenant=` is a
 403, never an empty answer that would confirm or deny the tenant exists); an admin key sees every

@@ -46,7 +46,7 @@ def fits(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> bool
 
 def move_to_fit(gw: Any, plan: Any, counted_with: Any, ids_for: Callable[[str], list[int]],
                 prices_for: Callable[[str], Any] | None = None) -> Any:
-    """The plan (routing/plan.py's Plan; `gw` the Gateway: typed loosely, as plan.py imports this
+    """The plan (http/route_plan.py's Plan; `gw` the Gateway: typed loosely, as route_plan.py imports this
     module), moved to an engine whose context holds the prompt when its own does not.
     `ids_for(engine)` tokenises for an engine with another tokenizer; the counting tokenizer's ids
     (plan.prompt_ids) serve every engine that shares it."""

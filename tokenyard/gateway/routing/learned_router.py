@@ -13,7 +13,7 @@ Deployment YAML (all keys optional; without `router.artifact` nothing changes):
       cost_cap: null             # the best engines for this mean relative cost per call
       engines: null              # deployment engines for the artifact's, in its order
 
-Per request, tokenyard/gateway/routing/plan.py scores the prompt once it is tokenised with the counting
+Per request, tokenyard/gateway/http/route_plan.py scores the prompt once it is tokenised with the counting
 engine and picks with `LearnedRouter.engine_for(score)`; `route_auto` does both in one call for
 tools and benchmarks:
 
@@ -88,7 +88,7 @@ class LearnedRouter:
         return self.small if small_is_enough(score, cut) else self.large
 
     def decide(self, text: str, prompt_tokens: int, threshold: float | None = None) -> RouterDecision:
-        """Score and pick in one call (benchmarks and tools; the gateway scores once in routing/plan.py)."""
+        """Score and pick in one call (benchmarks and tools; the gateway scores once in http/route_plan.py)."""
         score = self.scorer.score(text, prompt_tokens)
         return RouterDecision(self.engine_for(score, threshold), REASON, score)
 

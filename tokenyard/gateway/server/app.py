@@ -27,13 +27,12 @@ from tokenyard.gateway.config.deployment import Deployment
 from tokenyard.gateway.edge.errors import APIError, ServerError, error_for_status
 from tokenyard.gateway.http import chat_endpoint, completions_endpoint
 from tokenyard.gateway.observability.access_log import AccessLog
-from tokenyard.gateway.policy import page as policy_page
-from tokenyard.gateway.policy import routes as policy_routes
+from tokenyard.gateway.routes import policy_api as policy_routes
+from tokenyard.gateway.routes import spend_api as spend_routes
 from tokenyard.gateway.server import service_routes
-from tokenyard.gateway.spend import routes as spend_routes
 from tokenyard.gateway.spend.usage import UsageSink
 from tokenyard.gateway.state import Gateway, gateway_of
-from tokenyard.gateway.web import dashboard, favicon
+from tokenyard.gateway.web import dashboard, favicon, policy_page
 
 log = logging.getLogger("tokenyard.gateway")
 atexit.register(gc.unfreeze)    # see gc.freeze() in the lifespan

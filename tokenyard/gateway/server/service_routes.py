@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenyard.gateway.backends.engine_pool import EngineHandle
-from tokenyard.gateway.observability.metrics_access import check_metrics_access
 from tokenyard.gateway.routing.interim_rule import AUTO
+from tokenyard.gateway.server.metrics_access import check_metrics_access
 from tokenyard.gateway.server.openapi import openapi_schema
 from tokenyard.gateway.state import gateway_of
 

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenyard.gateway.config.spend_settings import AlertsConfig
 from tokenyard.gateway.spend.alerts import dead_key, due_key, outbox_key, tries_key
-from tokenyard.gateway.spend.config import AlertsConfig
 
 log = logging.getLogger("tokenyard.alerts")
 _CLAIM = Path(__file__).resolve().parent / "lua" / "alert_claim.lua"

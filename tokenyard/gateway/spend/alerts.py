@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tokenyard.gateway.config.spend_settings import AlertsConfig
 from tokenyard.gateway.spend.budget import hourly_costs
-from tokenyard.gateway.spend.config import AlertsConfig
 from tokenyard.gateway.spend.redis_keys import stream_key, tenants_key
 from tokenyard.policies.budgets import Scope, crossed, has_budgets, limits, period_bounds, period_instance, scopes
 from tokenyard.policies.schema import Policy

@@ -2,7 +2,7 @@
 every budget period it counts in, and gives back what it did not spend when its usage record is
 made, as the token limits hold prompt + max_tokens and refund the rest.
 
-    charge = BudgetCharge(holds, tenant, meters, prices)          # tokenyard/gateway/routing/plan.py
+    charge = BudgetCharge(holds, tenant, meters, prices)          # tokenyard/gateway/http/route_plan.py
     hold = await charge.reserve(prompt_tokens, max_tokens)        # 429 insufficient_quota when reached
     ...                                                           # the request runs
     hold.settle(record.cost_micros)      # or hold.settle(0): it never ran

@@ -31,7 +31,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from tokenyard.gateway.spend.config import SpendConfig
+from tokenyard.gateway.config.spend_settings import SpendConfig
 from tokenyard.gateway.spend.redis_keys import (
     FOLDED_TAGS,
     OTHER,

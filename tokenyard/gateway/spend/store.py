@@ -1,7 +1,7 @@
 """Reading the spend ledger back: hourly rollups for reports, per-request records for drill-down.
 
 Both take the tenants to read explicitly; deciding which tenants a caller may see is the
-endpoints' job (tokenyard/gateway/spend/routes.py, tokenyard/gateway/web/dashboard.py), so a reader here can never
+endpoints' job (tokenyard/gateway/routes/spend_api.py, tokenyard/gateway/web/dashboard.py), so a reader here can never
 widen a caller's view by itself. Works with a redis.asyncio client (the gateway and the CLI).
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from tokenyard.gateway.auth import csrf
 from tokenyard.gateway.edge.edge_params import parse_int
 from tokenyard.gateway.edge.errors import BadRequest, Unauthorized, Unavailable
-from tokenyard.gateway.spend.queries import build_report, csv_response, visible_tenants
+from tokenyard.gateway.routes.spend_queries import build_report, csv_response, visible_tenants
 from tokenyard.gateway.spend.reports import is_dimension, parse_group_by
 from tokenyard.gateway.spend.store import all_tenants
 from tokenyard.gateway.state import gateway_of

@@ -13,9 +13,9 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from tokenyard.gateway.routes.spend_queries import build_report
 from tokenyard.gateway.spend import reports as reports
 from tokenyard.gateway.spend import store as store
-from tokenyard.gateway.spend.queries import build_report
 
 if TYPE_CHECKING:
     from tokenyard.gateway.state import Gateway

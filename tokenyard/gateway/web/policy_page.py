@@ -30,9 +30,9 @@ from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.auth.sessions import Session
 from tokenyard.gateway.edge.edge_params import parse_int
 from tokenyard.gateway.edge.errors import Unauthorized
-from tokenyard.gateway.policy.admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
 from tokenyard.gateway.policy.store import NoSuchVersion, PolicyConflict
 from tokenyard.gateway.policy.work import off_loop
+from tokenyard.gateway.routes.policy_admin import DEFAULT_LIMIT, author_of, check_document, comparison_rows, run_simulation
 from tokenyard.gateway.state import gateway_of
 from tokenyard.gateway.web.pages import read_form, render, secured, security_headers, static_file
 from tokenyard.gateway.web.sign_in import SignIn
