@@ -16,6 +16,7 @@ from tokenyard.engines.model.compiled_decoder import CompiledDecoder, compiler_e
 from tokenyard.engines.model.cuda_graph_runner import CudaGraphDecoder
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.native_decoder import NativeDecoder, unsupported
+from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.model.sampler import LogitAdjust, sample
 
 log = logging.getLogger(__name__)
@@ -60,16 +61,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, attention_backend: str = "torch", cuda_graphs: str = "off",
-                 max_model_len: int = 0, cuda_graph_max_batch: int = 0, cpu_compile: str = "off",
-                 max_num_seqs: int = 0, cpu_decode_step: str = "off", cpu_decode_step_max_batch: int = 0,
-                 cpu_onednn_linear: str = "off") -> None:
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 config: RunnerConfig) -> None:
+        block_size, cuda_graphs, max_model_len = config.block_size, config.cuda_graphs, config.max_model_len
+        max_num_seqs, cpu_decode_step_max_batch = config.max_num_seqs, config.cpu_decode_step_max_batch
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.attention_backend = resolve_backend(attention_backend, device)
+        self.attention_backend = resolve_backend(config.attention_backend, device)
         self.sliding_window = model.cfg.sliding_window
         self.graphs: CudaGraphDecoder | None = None
         mode = cuda_graphs
@@ -80,7 +80,7 @@ class ModelRunner:
                 raise ValueError("cuda_graphs needs attention_backend triton (padding rows rely on its slot -1 skip)")
             width = -(-max_model_len // block_size)
             try:
-                self.graphs = CudaGraphDecoder(model, kv_caches, block_size, width, cuda_graph_max_batch, device,
+                self.graphs = CudaGraphDecoder(model, kv_caches, block_size, width, config.cuda_graph_max_batch, device,
                                                capture=mode == "on")
             except Exception:  # noqa: BLE001 - a capture failure must not take the engine down
                 if cuda_graphs != "auto":
@@ -95,14 +95,14 @@ class ModelRunner:
         self.cpu_decode_step_mode = "off"
         if self.graphs is None:
             wanted = cpu_decode_step_max_batch or NATIVE_MAX_BATCH_ALONE
-            self.native = self._native_decoder(cpu_decode_step, max_model_len, min(wanted, max_num_seqs or wanted))
+            self.native = self._native_decoder(config.cpu_decode_step, max_model_len, min(wanted, max_num_seqs or wanted))
             # The compiled graph serves the batches the C step leaves: none when the C step takes every
             # batch the engine can schedule and is the faster path for all of them (a set max_batch, or
             # under auto at most NATIVE_MAX_BATCH_WITH_GRAPH sequences), so nothing is compiled then.
             covered = self.native is not None and self.native.max_batch >= (max_num_seqs or 1) and (
                 bool(cpu_decode_step_max_batch) or self.native.max_batch <= NATIVE_MAX_BATCH_WITH_GRAPH)
             if not covered:
-                self.compiled = self._compiled_decoder(cpu_compile, max_model_len, max_num_seqs)
+                self.compiled = self._compiled_decoder(config.cpu_compile, max_model_len, max_num_seqs)
             if self.native is not None and self.compiled is not None and not cpu_decode_step_max_batch:
                 # "auto" (0): beside the compiled graph the C step keeps only the batches where it is faster
                 self.native.max_batch = min(self.native.max_batch, NATIVE_MAX_BATCH_WITH_GRAPH)
@@ -110,7 +110,7 @@ class ModelRunner:
         self.onednn_speedup: float | None = None     # what "auto" measured (None: not measured)
         self.num_onednn_linears = 0
         if self.graphs is None:
-            self._pack_linears(cpu_onednn_linear)
+            self._pack_linears(config.cpu_onednn_linear)
         self.num_graph_steps = 0
         self.num_compiled_steps = 0
         self.num_native_steps = 0

@@ -33,6 +33,7 @@ from tokenyard.engines.core.sequence import Sequence
 from tokenyard.engines.model.attention import AttentionMetadata
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner, StepInputs
+from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.dist_env import READY, DistEnv, RankLayout, engine_store, join, stage_groups
 from tokenyard.engines.pp.rank_model import StageSpec, allocate_stage_kv, load_rank_model
 from tokenyard.engines.pp.stage_link import StageLink, encode
@@ -172,7 +173,7 @@ class PipelineRunner(ModelRunner):
         for rank, s in enumerate(statuses):
             if s != READY:
                 raise EngineDeadError(f"{self.workers.name(rank)} failed to start: {s}")
-        super().__init__(model, kv, spec.block_size, device, spec.attention_backend)
+        super().__init__(model, kv, device, RunnerConfig(spec.block_size, spec.attention_backend))
         # Rank 0's stage compute (wall and thread-CPU seconds) since the last stage_stats call.
         self._busy, self._busy_cpu, self._since = 0.0, 0.0, time.perf_counter()
         self.model_config = cfg

@@ -35,6 +35,7 @@ from tokenyard.engines.model.attention import resolve_backend
 from tokenyard.engines.model.cpu_allocator import keep_freed_memory
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner
+from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget
@@ -101,10 +102,11 @@ class Engine:
         else:
             kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device,
                                    cfg.kv_cache_dtype)
-            self.runner = ModelRunner(self.model, kv, cfg.block_size, self.device, cfg.attention_backend,
-                                      cfg.cuda_graphs, max_len, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
-                                      cfg.cpu_compile, cfg.max_num_seqs, cfg.cpu_decode_step,
-                                      cfg.cpu_decode_step_max_batch, cfg.cpu_onednn_linear)
+            self.runner = ModelRunner(self.model, kv, self.device, RunnerConfig(
+                block_size=cfg.block_size, attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
+                max_model_len=max_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
+                cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch, cpu_onednn_linear=cfg.cpu_onednn_linear))
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
         self._grammars: Grammars | None = None   # built by warm_grammars() or the first response_format request
@@ -281,7 +283,7 @@ class Engine:
             kv = alloc(self.model.local_cfg, num_blocks, cfg.block_size, self.dtype, self.device, cfg.kv_cache_dtype)
             # CUDA graphs stay off under tensor parallelism (collectives inside captured graphs are
             # not wired up yet); decode runs eagerly on every rank.
-            return TensorParallelRunner(group, self.model, kv, cfg.block_size, self.device, cfg.attention_backend)
+            return TensorParallelRunner(group, self.model, kv, self.device, RunnerConfig(cfg.block_size, cfg.attention_backend))
         except BaseException:
             group.close()
             raise

@@ -24,6 +24,7 @@ from tokenyard.engines.core.sequence import Sequence
 from tokenyard.engines.model.kv_cache import allocate_kv_cache
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner, StepInputs
+from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.model.sampler import filter_logits, mix_seed
 from tokenyard.engines.weights.checkpoint import load_model
 
@@ -58,7 +59,7 @@ class DraftProposer:
         # written again, codes and scales together.
         kv = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device, kv_cache_dtype)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, kv, block_size, device, attention_backend)
+        self.runner = ModelRunner(self.model, kv, device, RunnerConfig(block_size, attention_backend))
         self.block_size = block_size
         self._states: dict[str, _DraftState] = {}
 

@@ -48,6 +48,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     # Imported here: the spawned interpreter only pays for what the worker uses.
     from tokenyard.engines.model.kv_cache import allocate_kv_cache
     from tokenyard.engines.model.model_runner import ModelRunner
+    from tokenyard.engines.model.runner_config import RunnerConfig
     from tokenyard.engines.tp.tensor_parallel import shard_model_
     from tokenyard.engines.weights.checkpoint import load_model
 
@@ -61,7 +62,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         model, _ = load_model(spec.model_dir, dtype, device, spec.max_model_len, progress=False)
         shard_model_(model, spec.rank, spec.world)
         kv = allocate_kv_cache(model.local_cfg, spec.num_blocks, spec.block_size, dtype, device, spec.kv_cache_dtype)
-        runner = ModelRunner(model, kv, spec.block_size, device, spec.attention_backend)
+        runner = ModelRunner(model, kv, device, RunnerConfig(spec.block_size, spec.attention_backend))
         conn.send(("ready", None))
         while True:
             inputs = conn.recv()
