@@ -108,15 +108,18 @@ def test_seeded_choices_repeat_cold_warm_and_however_the_followers_arrive(demo_s
         assert _group(demo_small, prompt, 1) == cold
 
 
-def test_a_prompt_whose_prefix_is_being_prefilled_waits_for_that_prefill_then_hits_the_cache():
+def test_a_prompt_being_prefilled_holds_its_copies_then_they_hit_the_cache():
     blocks = BlockManager(64, 16)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512), blocks)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=512), blocks)
     prompt = list(range(1, 41))
     lead = Sequence("lead", prompt, SamplingParams(seed=1), 0, 0, 1, frozenset())
-    follow = Sequence("follow", prompt[:35] + [99] * 5, SamplingParams(seed=2), 0, 1, 2, frozenset())
+    follow = Sequence("follow", list(prompt), SamplingParams(seed=2), 0, 1, 2, frozenset())
     other = Sequence("other", [7] * 40, SamplingParams(seed=3), 0, 2, 3, frozenset())
     salted = Sequence("salted", prompt, SamplingParams(seed=4), 0, 3, 4, frozenset(), cache_salt="t")
-    for s in (lead, follow, other, salted):
+    # Shares lead's first two blocks only (a system prompt): never held, or chat bursts would be admitted
+    # one per prefill.
+    near = Sequence("near", prompt[:35] + [99] * 5, SamplingParams(seed=5), 0, 4, 5, frozenset())
+    for s in (lead, follow, other, salted, near):
         sched.add(s)
 
     def step() -> dict[str, int]:
@@ -129,9 +132,9 @@ def test_a_prompt_whose_prefix_is_being_prefilled_waits_for_that_prefill_then_hi
                 c.seq.token_ids.append(0)
         return {c.seq.request_id: c.num_tokens for c in out.chunks}
 
-    # The follower shares lead's first two blocks: it waits; the others (another prompt, another salt) do not.
-    assert step() == {"lead": 32, "other": 32, "salted": 32}
+    # The copy of lead's prompt waits; the others (another prompt, another salt, a shared first block) do not.
+    assert step() == {"lead": 32, "other": 32, "salted": 32, "near": 32}
     assert [s.request_id for s in sched.waiting] == ["follow"]
-    assert step() == {"lead": 8, "other": 8, "salted": 8}     # lead's first token: its prefill is done
-    assert step() == {"lead": 1, "other": 1, "salted": 1, "follow": 8}
+    assert step() == {"lead": 8, "other": 8, "salted": 8, "near": 8}     # lead's first token: its prefill is done
+    assert step() == {"lead": 1, "other": 1, "salted": 1, "near": 1, "follow": 8}
     assert follow.num_cached_tokens == 32

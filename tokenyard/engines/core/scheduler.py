@@ -152,20 +152,21 @@ class Scheduler:
         return out
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
-        """True when a running sequence (same cache salt) is still prefilling a prompt that starts
-        with this one's first full block: this one waits until that prompt's first token is out, then
-        finds the shared blocks in the prefix cache instead of computing them a second time. Waiting
-        that long, not just until the shared blocks are done, makes the steps it joins the same
-        whether the prefix was cached or not, and the same however the arrivals fell: the n choices
-        of one seeded request repeat exactly (issue 45.4)."""
+        """True when a running sequence (same cache salt) is still prefilling this very prompt (the n
+        choices of one request, or a duplicate): this one waits until that prompt's first token is
+        out, then finds the prompt's full blocks in the prefix cache instead of computing them a
+        second time. Waiting that long, not just until the shared blocks are done, makes the steps it
+        joins the same whether the prefix was cached or not, and the same however the arrivals fell:
+        the n choices of one seeded request repeat exactly (issue 45.4). Only the whole prompt
+        counts: prompts that merely share a first block (a system prompt, a chat preamble: nearly all
+        chat traffic) are never held, or a burst of them would be admitted one per prefill."""
         if not self.blocks.enable_prefix_caching or seq.num_output_tokens:
             return False
         bs = self.blocks.block_size
         if seq.num_tokens <= bs:
             return False
-        first = seq.token_ids[:bs]
-        return any(r.num_output_tokens == 0 and r.cache_salt == seq.cache_salt and r.num_tokens > bs
-                   and r.token_ids[:bs] == first for r in self.running)
+        return any(r.num_output_tokens == 0 and r.num_tokens == seq.num_tokens and r.cache_salt == seq.cache_salt
+                   and r.token_ids == seq.token_ids for r in self.running)
 
     def _budget(self) -> int:
         budget = self.cfg.max_num_batched_tokens
