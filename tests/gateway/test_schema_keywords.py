@@ -2,6 +2,7 @@
 before any compilation: in the engine's check and as an OpenAI-style 400 at the gateway (mock engine)."""
 from __future__ import annotations
 
+import json
 import re
 from enum import Enum
 from typing import Literal, Optional, Union
@@ -127,3 +128,31 @@ def test_the_gateway_answers_400_naming_keyword_and_path(gw, schema, keyword, wh
     err = body["error"]
     assert err["param"] == "response_format" and err["type"] == "invalid_request_error", err
     assert f"'{keyword}'" in err["message"] and where in err["message"], err
+
+
+# Keyword values json.loads accepts but range arithmetic cannot take (1e400 reads as inf, NaN), and a
+# `required` that is not a list of names: each was an exception past the 400 path (a 500) before.
+BAD_VALUES = [
+    ({"type": "integer", "multipleOf": 1, "minimum": 0, "maximum": float("inf")}, "maximum"),
+    ({"type": "integer", "multipleOf": 1, "minimum": float("nan"), "maximum": 5}, "minimum"),
+    ({"type": "string", "maxLength": "12"}, "maxLength"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": [["a"]]}, "required"),
+    # oneOf compares its branches' required names before each branch is checked: refused, never a TypeError
+    ({"oneOf": [{"type": "object", "required": [["a"]]}, {"type": "object", "required": ["a"]}]}, "oneOf"),
+]
+
+
+@pytest.mark.parametrize("schema, keyword", BAD_VALUES)
+def test_keyword_values_of_the_wrong_kind_are_refused(schema, keyword):
+    with pytest.raises(SchemaError, match=re.escape(f"'{keyword}'")):
+        check_schema(schema)
+
+
+def test_the_gateway_answers_400_for_an_infinite_bound(gw):
+    raw = ('{"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": '
+           '{"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer", "multipleOf": 1, '
+           '"minimum": 0, "maximum": 1e400}}}}')
+    status, _, data = gw.request("POST", "/v1/chat/completions", raw, {"content-type": "application/json"})
+    body = json.loads(data)
+    assert status == 400, body
+    assert body["error"]["param"] == "response_format" and "'maximum'" in body["error"]["message"], body

@@ -22,6 +22,7 @@ Anything else is refused (REFUSED lists the JSON Schema assertions among them).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tokenyard.engines.core.errors import RequestError
@@ -56,9 +57,27 @@ class SchemaError(RequestError):
     """A schema keyword the grammar cannot enforce (structured_output re-raises it as a GrammarError)."""
 
 
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
+            "minItems", "maxItems", "minProperties", "maxProperties")
+_NAME_LISTS = ("required",)
+
+
 def check_schema(schema: Any) -> None:
     """Raise SchemaError for the first keyword the grammar would not enforce (see the module doc)."""
     _check(schema, "#", schema, 0)
+
+
+def _check_values(node: dict, path: str) -> None:
+    """Keyword values of the wrong kind are the client's error (400), never an exception deeper down:
+    json.loads reads 1e400 as inf and accepts NaN, which the range arithmetic cannot take."""
+    for key in _NUMERIC:
+        if key in node:
+            v = node[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise _refuse(path, key, f"must be a finite number, got {v!r:.40}")
+    for key in _NAME_LISTS:
+        if key in node and not (isinstance(node[key], list) and all(isinstance(n, str) for n in node[key])):
+            raise _refuse(path, key, "must be an array of property names")
 
 
 def _refuse(path: str, keyword: str, why: str) -> SchemaError:
@@ -77,6 +96,7 @@ def _check(node: Any, path: str, root: Any, depth: int, names: bool = False) -> 
             continue
         why = "is not enforced by the grammar" if key in REFUSED else "is not a keyword the grammar knows"
         raise _refuse(path, key, why + " (refused rather than ignored)")
+    _check_values(node, path)
     types = _types(node, path) or ({"string"} if names else set())   # property names are strings
     _check_siblings(node, path, types)
     if "multipleOf" in node:
@@ -165,7 +185,6 @@ def _multiples(node: dict, path: str, types: set[str]) -> None:
 
 def _range(node: dict) -> tuple[int | None, int | None]:
     """The inclusive integer range of an integer schema's bounds (None where unbounded)."""
-    import math
     low = high = None
     for key, inclusive_low in (("minimum", True), ("exclusiveMinimum", False)):
         if isinstance(node.get(key), (int, float)) and not isinstance(node.get(key), bool):
@@ -206,12 +225,18 @@ def _one_of(branches: Any, path: str, root: Any) -> None:
                                   {"integer"} | k if "number" in k else k for k in kinds]):
         return
     if all(isinstance(b, dict) for b in resolved):
-        for prop in set.intersection(*(set(b.get("required", [])) for b in resolved)):
+        for prop in set.intersection(*(_required(b) for b in resolved)):
             tags = [_tags(b.get("properties", {}).get(prop), root) for b in resolved]
             if all(t is not None for t in tags) and _disjoint(tags):
                 return
     raise _refuse(path, "oneOf", "is enforced only when no document can match two branches (distinct types, or a "
                                  "required property with distinct const values); use anyOf")
+
+
+def _required(node: dict) -> set[str]:
+    """A branch's required names; a malformed list is refused when the branch itself is checked."""
+    names = node.get("required", [])
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
 def _tags(prop: Any, root: Any) -> set | None:
