@@ -127,6 +127,11 @@ class GrammarWorker:
             self._kill()
             return (f"response_format schema is too expensive: compiling its grammar needed more than "
                     f"{self.budget.memory_mb} MiB (the compiler process ended); simplify the schema")
+        except BaseException:
+            # Cancelled (a batch line torn down, shutdown) with the frame sent: the reply would stay in the
+            # socket and the next schema would read it as its own verdict. A fresh child instead.
+            self._kill()
+            raise
         return None if reply.get("ok") else str(reply.get("error") or "response_format schema cannot be compiled")
 
     async def _spawn(self) -> None:
