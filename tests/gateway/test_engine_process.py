@@ -235,7 +235,8 @@ def test_several_engines_in_processes_are_warned_about(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="tokenyard.gateway.backends.engine_pool"):
         handles = engine_pool.load_engines(dep.engines, engine_process=True)
     assert [n for _, n in built] == ["mock", "other"] and handles["other"].engine == "other"
-    assert built[0][0] == EngineRecipe("mock", MODEL, {})
+    # The deployment resolves the model path (models/demo-small links to the packaged tokenyard/models/).
+    assert built[0][0] == EngineRecipe("mock", MODEL.resolve(), {})
     assert "mock, other each step in a process of their own" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tokenyard.gateway.backends.engine_pool"):
