@@ -198,3 +198,20 @@ def test_refused_long_prompts_count_against_the_request_limit():
             assert status == 429
     finally:
         delete_prefix(SHARED_REDIS, prefix)
+
+
+def test_refused_long_prompts_never_label_metrics_with_the_clients_model_name():
+    """The model string of a prompt refused before routing is the client's: metrics carry a fixed label."""
+    prefix = unique_prefix("hostile")
+    doc = {**mock_deployment(max_sleep_ms=5), "redis_url": SHARED_REDIS, "redis_prefix": prefix,
+           "rate_limits": {"requests": 1, "tokens": 1_000_000, "window_s": 60}}
+    try:
+        with running_gateway(doc) as srv:
+            for i in range(4):
+                body = {**_tools_body(100, 1100), "model": f"zz-made-up-{i}"}
+                srv.request("POST", "/v1/chat/completions", body)
+            text = srv.request("GET", "/metrics")[2].decode()
+            assert "zz-made-up" not in text
+            assert 'tokenyard_rate_limited_total{engine="(unrouted)"' in text
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)

@@ -33,7 +33,7 @@ from tokenyard.gateway.http.generation import EngineFailed, Generation, RequestR
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.route_plan import plan_route, tokenize_prompt
 from tokenyard.gateway.http.streaming import wait_disconnect
-from tokenyard.gateway.prompt.prompt_guard import charge_refused, check_prompt_size, off_loop
+from tokenyard.gateway.prompt.prompt_guard import UNROUTED, charge_refused, check_prompt_size, off_loop
 from tokenyard.gateway.spend.usage import RecordContext
 
 if TYPE_CHECKING:
@@ -112,7 +112,9 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
         return await _generate(gw, req, key, prompt_param, entry, route, lane)
     except BadRequest as e:
         if e.code == "context_length_exceeded":   # still one request of the sender's limit
-            await charge_refused(gw, key, req.model)
+            # Under an engine's name only when it is one: the model is the client's string, and the
+            # limiter's metrics label by engine (a random name per request would grow them without end).
+            await charge_refused(gw, key, req.model if req.model in gw.handles else UNROUTED)
         raise
 
 

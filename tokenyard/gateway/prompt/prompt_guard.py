@@ -96,6 +96,9 @@ def check_prompt_size(gw: "Gateway", req: "ChatRequest | CompletionRequest", par
                          f"not tokenised", param=param, code="context_length_exceeded")
 
 
+UNROUTED = "(unrouted)"   # the engine label of a request refused before it was routed to one
+
+
 async def charge_refused(gw: "Gateway", key: "KeyRecord", engine: str) -> None:
     """Count one request (no tokens) for a prompt refused for its length; RateLimited (429) when the
     sender is over its request limit, which then answers instead of the 400."""
