@@ -12,6 +12,7 @@ import pytest
 from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
 from tokenyard.gateway.config.spend_settings import SpendConfig
+from tokenyard.gateway.observability.metrics import GatewayMetrics
 from tokenyard.gateway.routes.spend_queries import read_report
 from tokenyard.gateway.spend import reports
 from tokenyard.gateway.spend.ledger import SpendLedger
@@ -21,18 +22,6 @@ N = 100_000
 HOURS = 6
 TENANTS = ("acme", "globex")
 
-
-class _Counter:
-    def labels(self, *a):
-        return self
-
-    def inc(self, n=1):
-        pass
-
-
-class _Metrics:
-    spend_records = _Counter()
-    spend_write_errors = _Counter()
 
 
 def _records(n: int, now: float) -> list[UsageRecord]:
@@ -64,7 +53,7 @@ def ledger_world(tmp_path_factory):
     recs = _records(N, now)
 
     async def write() -> None:
-        ledger = SpendLedger(SHARED_REDIS, prefix, cfg, _Metrics())
+        ledger = SpendLedger(SHARED_REDIS, prefix, cfg, GatewayMetrics(lambda: {}))
         for i in range(0, N, 1024):
             await asyncio.gather(*(ledger._store([r.to_dict() for r in recs[j:j + 128]], "stored")
                                    for j in range(i, min(i + 1024, N), 128)))

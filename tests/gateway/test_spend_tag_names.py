@@ -16,6 +16,7 @@ from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
 
 from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
 from tokenyard.gateway.config.spend_settings import SpendConfig
+from tokenyard.gateway.observability.metrics import GatewayMetrics
 from tokenyard.gateway.routes.spend_queries import read_report
 from tokenyard.gateway.spend import reports
 from tokenyard.gateway.spend.ledger import SpendLedger
@@ -25,18 +26,6 @@ from tokenyard.gateway.spend.usage import UsageRecord
 NAMES = 8
 N = 400
 
-
-class _Counter:
-    def labels(self, *a):
-        return self
-
-    def inc(self, n=1):
-        pass
-
-
-class _Metrics:
-    spend_records = _Counter()
-    spend_write_errors = _Counter()
 
 
 def _records(now: float) -> list[UsageRecord]:
@@ -68,7 +57,7 @@ def world(tmp_path_factory):
     cfg = SpendConfig(spool_dir=tmp_path_factory.mktemp("spool"), max_tag_names=NAMES)
 
     async def write() -> None:
-        ledger = SpendLedger(SHARED_REDIS, prefix, cfg, _Metrics())
+        ledger = SpendLedger(SHARED_REDIS, prefix, cfg, GatewayMetrics(lambda: {}))
         for i in range(0, N, 100):
             await ledger._store([r.to_dict() for r in recs[i:i + 100]], "stored")
         await ledger.redis.aclose()

@@ -11,20 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_refusal import refusing
+
 DEMO_SMALL = Path(__file__).resolve().parents[2] / "tokenyard" / "models" / "demo-small"
 BLOCKED = ("starlette", "redis", "uvicorn", "aiohttp", "tokenyard.gateway")
 
 PROBE = """
-import sys
-BLOCKED = {blocked!r}
-
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            raise ImportError(f"blocked for this test: {{name}}")
-        return None
-
-sys.meta_path.insert(0, Refuse())
 from tokenyard.engines import LLM, SamplingParams
 llm = LLM({model!r})
 out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -36,7 +28,7 @@ print("ok", leaked)
 
 
 def _run(blocked: tuple[str, ...]) -> subprocess.CompletedProcess:
-    code = PROBE.format(blocked=blocked, model=str(DEMO_SMALL))
+    code = refusing(blocked) + PROBE.format(model=str(DEMO_SMALL))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 

@@ -9,17 +9,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from import_refusal import refusing
+
 PROBE = """
-import sys
-BLOCKED = {blocked!r}
-
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            raise ImportError(f"blocked for this test: {{name}}")
-        return None
-
-sys.meta_path.insert(0, Refuse())
 import importlib, pkgutil
 import tokenyard.cli.serve
 import tokenyard.gateway
@@ -33,7 +25,7 @@ print("ok", len(names) > 50)
 
 
 def _run(blocked: tuple[str, ...]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PROBE.format(blocked=blocked)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", refusing(blocked) + PROBE], capture_output=True, text=True,
                           timeout=300)
 
 

@@ -28,19 +28,6 @@ TAGS_PER_RECORD = 16
 GOAL_BYTES = 5 * 1024 * 1024
 
 
-class _Counter:
-    def labels(self, *a: Any) -> "_Counter":
-        return self
-
-    def inc(self, n: int = 1) -> None:
-        pass
-
-
-class _Metrics:
-    spend_records = _Counter()
-    spend_write_errors = _Counter()
-
-
 def _records(n: int, now: float, seed: int, tags: int = TAGS_PER_RECORD) -> list[dict[str, Any]]:
     from tokenyard.gateway.spend.usage import UsageRecord
     rng = random.Random(seed)
@@ -59,6 +46,7 @@ async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int, tags: 
     import redis.asyncio as aioredis
 
     from tokenyard.gateway.config.spend_settings import SpendConfig
+    from tokenyard.gateway.observability.metrics import GatewayMetrics
     from tokenyard.gateway.routes.spend_queries import read_report
     from tokenyard.gateway.spend.ledger import SpendLedger
     prefix = f"tybench:tagmem:{secrets.token_hex(4)}:"
@@ -66,7 +54,7 @@ async def run_once(redis_url: str, n: int, max_tag_names: int, seed: int, tags: 
     now = time.time()
     recs = _records(n, now, seed, tags)
     cfg = SpendConfig(spool_dir=tempfile.mkdtemp(prefix="tagmem-spool-"), max_tag_names=max_tag_names)
-    ledger = SpendLedger(redis_url, prefix, cfg, _Metrics())
+    ledger = SpendLedger(redis_url, prefix, cfg, GatewayMetrics(lambda: {}))
     try:
         before = int((await client.info("memory"))["used_memory"])
         t0 = time.perf_counter()
