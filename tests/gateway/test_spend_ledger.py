@@ -16,6 +16,7 @@ from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, runnin
 from tokenyard.gateway.auth.api_keys import KeyStore
 from tokenyard.gateway.config.deployment import Prices
 from tokenyard.gateway.spend.redis_keys import ROLLUP_FIELDS, hours_key, rollup_key, stream_key, tenants_key
+from tokenyard.gateway.spend.store import stream_record
 
 PRICES = {"input": 123_457, "cached_input": 61_729, "output": 987_653}   # odd numbers: rounding matters
 OUTPUT_LEN = 30
@@ -26,7 +27,7 @@ N = 48
 def read_records(client: redis.Redis, prefix: str, tenants) -> list[dict]:
     out = []
     for t in tenants:
-        out += [json.loads(f[b"r"]) for _, f in client.xrange(stream_key(prefix, t))]
+        out += [stream_record(f) for _, f in client.xrange(stream_key(prefix, t))]
     return out
 
 

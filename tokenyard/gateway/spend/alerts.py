@@ -47,6 +47,7 @@ from typing import Any, Callable
 from tokenyard.gateway.config.spend_settings import AlertsConfig
 from tokenyard.gateway.spend.budget import hourly_costs
 from tokenyard.gateway.spend.redis_keys import stream_key, tenants_key
+from tokenyard.gateway.spend.store import stream_record
 from tokenyard.policies.budgets import Scope, crossed, has_budgets, limits, period_bounds, period_instance, scopes
 from tokenyard.policies.schema import Policy
 
@@ -173,9 +174,8 @@ class AlertWatcher:
                                                   count=PAGE)
             for sid, fields in entries:
                 last = _s(sid)
-                raw = fields.get(b"r", fields.get("r"))
                 try:
-                    rec = json.loads(raw)
+                    rec = stream_record(fields)
                     t = float(rec["time"])
                 except (TypeError, ValueError, KeyError):
                     continue

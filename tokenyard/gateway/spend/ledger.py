@@ -149,7 +149,9 @@ class SpendLedger:
         retention_s = cfg.stream_retention_days * 86400
         keys = [seen_key(p, tenant, rec["request_id"]), stream_key(p, tenant), rollup_key(p, tenant, hour),
                 hours_key(p, tenant), tenants_key(p)]
-        args = [json.dumps(rec, separators=(",", ":")), rec["engine"], hour, tenant,
+        # The stream entry's tags are written by the script (only the names the rollups keep).
+        untagged = {k: v for k, v in rec.items() if k != "tags"}
+        args = [json.dumps(untagged, separators=(",", ":")), rec["engine"], hour, tenant,
                 int(rec["prompt_tokens"]), int(rec["cached_tokens"]), int(rec["completion_tokens"]),
                 int(rec["cost_micros"]), int(rec.get("baseline_cost_micros", 0)),
                 0 if rec["status"] == "ok" else 1,

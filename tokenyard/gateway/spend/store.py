@@ -124,6 +124,24 @@ def readable(value: Any) -> Any:
     return value
 
 
+def _field(fields: dict[Any, Any], name: str) -> Any:
+    return fields[name.encode()] if name.encode() in fields else fields.get(name)
+
+
+def stream_record(fields: dict[Any, Any]) -> dict[str, Any]:
+    """One request-stream entry as its usage record. The ledger's script stores the record without
+    its tags ('r'), the tags whose name the rollups keep ('t') and how many were folded into
+    "(other)" ('x', absent when none). Entries written before that kept every tag inside 'r'."""
+    rec: dict[str, Any] = json.loads(_field(fields, "r"))
+    kept = _field(fields, "t")
+    tags = json.loads(kept) if kept is not None else {}
+    rec["tags"] = {**(rec.get("tags") or {}), **(tags if isinstance(tags, dict) else {})}
+    folded = _field(fields, "x")
+    if folded is not None:
+        rec["tags_folded"] = int(folded)
+    return rec
+
+
 def _sid(raw: Any) -> tuple[int, int]:
     ms, _, seq = _s(raw).partition("-")
     return int(ms), int(seq or 0)
@@ -177,8 +195,7 @@ async def records(redis: Any, prefix: str, tenants: list[str], *, limit: int, cu
                 break
             pos = (sid, t)
             scanned += 1
-            raw = fields.get(b"r") if b"r" in fields else fields.get("r")
-            rec = readable(json.loads(raw))
+            rec = readable(stream_record(fields))
             if (start is None or rec["time"] >= start) and (end is None or rec["time"] < end):
                 out.append(rec)
                 if len(out) >= limit:

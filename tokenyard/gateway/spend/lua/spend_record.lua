@@ -1,6 +1,6 @@
 -- Record one request's usage exactly once, with its hourly rollup, in one atomic step.
 -- KEYS[1] seen key  KEYS[2] stream  KEYS[3] rollup hash (tenant x hour)  KEYS[4] hours index  KEYS[5] tenants set
--- ARGV[1] record JSON  ARGV[2] engine  ARGV[3] hour  ARGV[4] tenant
+-- ARGV[1] record JSON without its tags (the stream entry's 'r'; its kept tags go in 't', see below)  ARGV[2] engine  ARGV[3] hour  ARGV[4] tenant
 -- ARGV[5..10] prompt, cached, completion, cost_micros, baseline_cost_micros, errors (0/1)
 -- ARGV[11] rollup TTL s  ARGV[12] seen TTL s  ARGV[13] stream MAXLEN  ARGV[14] stream MINID (ms; 0: none)
 -- ARGV[15] oldest hour kept in the hours index (older members point at expired rollups)
@@ -17,10 +17,6 @@
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[12]) then
   return 0
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[13], '*', 'r', ARGV[1])
-if ARGV[14] ~= '0' then
-  redis.call('XTRIM', KEYS[2], 'MINID', '~', ARGV[14])
-end
 local m = ARGV[2] .. '|'
 redis.call('HINCRBY', KEYS[3], m .. 'requests', 1)
 redis.call('HINCRBY', KEYS[3], m .. 'prompt_tokens', ARGV[5])
@@ -33,7 +29,6 @@ redis.call('EXPIRE', KEYS[3], ARGV[11])
 redis.call('ZADD', KEYS[4], ARGV[3], ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[15])
 redis.call('EXPIRE', KEYS[4], ARGV[11])
-redis.call('EXPIRE', KEYS[2], ARGV[11])
 redis.call('SADD', KEYS[5], ARGV[4])
 -- The same counters by each dimension of the record. A dimension holds at most ARGV[17] distinct
 -- values per tenant and hour; past that, new values are counted under "(other)". Tag names are
@@ -52,6 +47,11 @@ local function count(prefix)
 end
 local dims = tonumber(ARGV[16])
 local folded = false
+-- The request stream keeps the same tags the rollups do: those whose name is kept, with their
+-- values as sent ('t', a JSON object), and the number of tags folded into "(other)" ('x'). So
+-- hostile tag names grow neither the rollups nor the per-request log (issue 46.4).
+local kept_tags = {}
+local nfolded = 0
 for d = 1, dims do
   local base = 21 + (d - 1) * 4
   local set = KEYS[7 + d]
@@ -70,6 +70,11 @@ for d = 1, dims do
       end
     end
     folded = folded or not kept
+    if kept then
+      kept_tags[string.sub(tag, 5)] = ARGV[base]
+    else
+      nfolded = nfolded + 1
+    end
   end
   if kept then
     if redis.call('SISMEMBER', set, ARGV[base]) == 0 then
@@ -86,6 +91,20 @@ end
 if folded then
   count(ARGV[20])
 end
+local entry = {'r', ARGV[1]}
+if next(kept_tags) ~= nil then
+  entry[#entry + 1] = 't'
+  entry[#entry + 1] = cjson.encode(kept_tags)
+end
+if nfolded > 0 then
+  entry[#entry + 1] = 'x'
+  entry[#entry + 1] = tostring(nfolded)
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[13], '*', unpack(entry))
+if ARGV[14] ~= '0' then
+  redis.call('XTRIM', KEYS[2], 'MINID', '~', ARGV[14])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[11])
 if dims > 0 then
   redis.call('EXPIRE', KEYS[6], ARGV[11])
 end
