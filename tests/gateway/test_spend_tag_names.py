@@ -157,3 +157,26 @@ def test_request_stream_keeps_only_the_kept_tag_names(world):
         assert (by_id[r.request_id].get("tags") or {}) == want, r.request_id
         assert by_id[r.request_id].get("tags_folded", 0) == folded, r.request_id
     assert any(r.get("tags_folded") for r in got) and any(r.get("tags") for r in got)
+
+
+def test_stream_entries_leave_out_default_fields_and_read_back_whole(world):
+    """Each stream entry leaves out the fields at their default (half its size); reading it back
+    restores them, so a record read from the stream equals the record written, tags aside."""
+    from tokenyard.gateway.spend.store import stream_record
+    from tokenyard.gateway.spend.usage import UsageRecord
+    prefix, recs, _ = world
+    client = redis.Redis.from_url(SHARED_REDIS)
+    try:
+        entries = client.xrange(f"{prefix}spend:{{acme}}:stream")
+    finally:
+        client.close()
+    by_id = {r.request_id: r for r in recs}
+    for _, fields in entries:
+        raw = fields[b"r"].decode()
+        assert '"batch"' not in raw and '"router_score"' not in raw and '"prices"' not in raw
+        got = stream_record(fields)
+        want = by_id[got["request_id"]].to_dict()
+        assert [k for k in got if k != "tags_folded"] == list(want)   # every field, in the dataclass's order
+        assert {k: v for k, v in got.items() if k not in ("tags", "tags_folded")} == \
+            {k: v for k, v in want.items() if k != "tags"}
+        assert UsageRecord.from_dict(got).request_id == got["request_id"]

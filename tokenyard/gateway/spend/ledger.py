@@ -47,7 +47,7 @@ from tokenyard.gateway.spend.redis_keys import (
     tenants_key,
 )
 from tokenyard.gateway.spend.spool import SpendSpool
-from tokenyard.gateway.spend.usage import UsageRecord
+from tokenyard.gateway.spend.usage import UsageRecord, compact
 
 log = logging.getLogger("tokenyard.spend")
 _LUA = Path(__file__).resolve().parent / "lua" / "spend_record.lua"
@@ -149,8 +149,9 @@ class SpendLedger:
         retention_s = cfg.stream_retention_days * 86400
         keys = [seen_key(p, tenant, rec["request_id"]), stream_key(p, tenant), rollup_key(p, tenant, hour),
                 hours_key(p, tenant), tenants_key(p)]
-        # The stream entry's tags are written by the script (only the names the rollups keep).
-        untagged = {k: v for k, v in rec.items() if k != "tags"}
+        # The stream entry's tags are written by the script (only the names the rollups keep), and
+        # fields at their default are left out (store.stream_record restores both).
+        untagged = compact({k: v for k, v in rec.items() if k != "tags"})
         args = [json.dumps(untagged, separators=(",", ":")), rec["engine"], hour, tenant,
                 int(rec["prompt_tokens"]), int(rec["cached_tokens"]), int(rec["completion_tokens"]),
                 int(rec["cost_micros"]), int(rec.get("baseline_cost_micros", 0)),

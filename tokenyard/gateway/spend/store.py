@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenyard.gateway.edge.edge_params import parse_stream_id
 from tokenyard.gateway.spend.redis_keys import ROLLUP_FIELDS, dims_key, hours_key, rollup_key, stream_key, tenants_key
+from tokenyard.gateway.spend.usage import expand
 
 SCAN_BATCH = 200
 
@@ -131,8 +132,9 @@ def _field(fields: dict[Any, Any], name: str) -> Any:
 def stream_record(fields: dict[Any, Any]) -> dict[str, Any]:
     """One request-stream entry as its usage record. The ledger's script stores the record without
     its tags ('r'), the tags whose name the rollups keep ('t') and how many were folded into
-    "(other)" ('x', absent when none). Entries written before that kept every tag inside 'r'."""
-    rec: dict[str, Any] = json.loads(_field(fields, "r"))
+    "(other)" ('x', absent when none), and leaves out the fields at their default (usage.compact).
+    Entries written before that kept every field and tag inside 'r'."""
+    rec: dict[str, Any] = expand(json.loads(_field(fields, "r")))
     kept = _field(fields, "t")
     tags = json.loads(kept) if kept is not None else {}
     rec["tags"] = {**(rec.get("tags") or {}), **(tags if isinstance(tags, dict) else {})}

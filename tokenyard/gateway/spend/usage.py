@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Callable
 
 log = logging.getLogger("tokenyard.usage")
@@ -88,6 +88,39 @@ class UsageRecord:
         """Inverse of to_dict; unknown keys (from a newer gateway) are ignored."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def _defaults() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(UsageRecord):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+_DEFAULTS = _defaults()
+
+
+def compact(rec: dict[str, Any]) -> dict[str, Any]:
+    """A record dict without the fields that hold their default: what the request stream stores,
+    one entry per request (most optional fields are at their default, and the full dict is twice
+    the size). `expand` is the inverse."""
+    return {k: v for k, v in rec.items() if k not in _DEFAULTS or v != _DEFAULTS[k]
+            or type(v) is not type(_DEFAULTS[k])}
+
+
+def expand(rec: dict[str, Any]) -> dict[str, Any]:
+    """A stored record with every field `compact` left out set to its default again."""
+    out = {f.name: rec[f.name] if f.name in rec else _copy(_DEFAULTS[f.name]) for f in fields(UsageRecord)
+           if f.name in rec or f.name in _DEFAULTS}
+    out.update((k, v) for k, v in rec.items() if k not in out)     # a newer gateway's fields, kept
+    return out
+
+
+def _copy(v: Any) -> Any:
+    return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
 
 
 UsageSink = Callable[[UsageRecord], None]
