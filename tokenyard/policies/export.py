@@ -20,7 +20,18 @@ import yaml
 
 from .cost import format_money
 from .line_diff import unified_diff
-from .schema import DEFAULT_BATCH_PRICE_PERCENT, Action, Budget, ContextLimit, Match, Policy, Rule, TenantPolicy, TimeRange
+from .schema import (
+    DEFAULT_BATCH_PRICE_PERCENT,
+    Action,
+    Budget,
+    ContextLimit,
+    Fallback,
+    Match,
+    Policy,
+    Rule,
+    TenantPolicy,
+    TimeRange,
+)
 
 
 class _Money(str):
@@ -121,7 +132,13 @@ def _action(a: Action) -> dict[str, Any]:
         out["context"] = _context(a.context)
     if a.quality_target is not None:
         out["quality_target"] = a.quality_target
+    if a.fallback is not None:
+        out["fallback"] = _fallback(a.fallback)
     return out
+
+
+def _fallback(f: Fallback) -> dict[str, Any]:
+    return {"engines": list(f.engines), "on": list(f.on)}
 
 
 def _context(c: ContextLimit) -> dict[str, Any]:
@@ -140,6 +157,8 @@ def _tenant(t: TenantPolicy, cash: Callable[[int | None], Any]) -> dict[str, Any
         out["weight"] = t.weight
     if t.context is not None:
         out["context"] = _context(t.context)
+    if t.fallback is not None:
+        out["fallback"] = _fallback(t.fallback)
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from yaml.nodes import Node, SequenceNode
 
-from .schema import AUTO, PRIORITIES, TRIM_MODES, Action, ContextLimit, Match, Rule, TimeRange, TokenRange
+from .schema import AUTO, FALLBACK_ON, PRIORITIES, TRIM_MODES, Action, ContextLimit, Fallback, Match, Rule, TimeRange, TokenRange
 from .yaml_nodes import Reader
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")           # engines, rules, classes (as deployment.py)
@@ -20,7 +20,9 @@ MAX_TOKENS_LIMIT = 10_000_000
 
 RULE_KEYS = ("name", "match", "action")
 MATCH_KEYS = ("tenants", "keys", "models", "prompt_tokens", "tags", "time_utc")
-ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade", "context", "quality_target")
+ACTION_KEYS = ("pin", "router", "deny", "priority", "max_tokens", "degrade", "context", "quality_target",
+               "fallback")
+FALLBACK_KEYS = ("engines", "on")
 CONTEXT_KEYS = ("max_prompt_tokens", "trim")
 RANGE_KEYS = ("min", "max")
 
@@ -152,6 +154,7 @@ def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action
     degrade = r.boolean(m["degrade"], f"{path}.degrade") if "degrade" in m else None
     context = read_context_limit(r, m["context"], f"{path}.context") if "context" in m else None
     target = r.number(m["quality_target"], f"{path}.quality_target", 0.0, 1.0) if "quality_target" in m else None
+    fallback = read_fallback(r, m["fallback"], f"{path}.fallback", priced) if "fallback" in m else None
     if "quality_target" in m and ("pin" in m or "deny" in m):
         r.problem(m["quality_target"], f"{path}.quality_target", "a quality target is for the router: not with "
                   "pin or deny")
@@ -162,7 +165,26 @@ def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action
     if len(r.problems) != n:
         return None
     return Action(pin=pin, router=router, deny=deny, priority=priority, max_tokens=cap, degrade=degrade,
-                  context=context, quality_target=target)
+                  context=context, quality_target=target, fallback=fallback)
+
+
+def read_fallback(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Fallback | None:
+    """{engines: [a, b], on: [error, rate_limit, context_length]} (a tenant's or a rule's); a bare
+    list of engines means every condition."""
+    if isinstance(node, SequenceNode):
+        engines = r.strings(node, path, allowed=priced)
+        return Fallback(engines=engines) if engines is not None else None
+    m = r.mapping(node, path, FALLBACK_KEYS, required=("engines",))
+    if m is None or "engines" not in m:
+        return None
+    engines = r.strings(m["engines"], f"{path}.engines", allowed=priced)
+    on = r.strings(m["on"], f"{path}.on", allowed=FALLBACK_ON) if "on" in m else FALLBACK_ON
+    if engines is None or on is None:
+        return None
+    if len(set(engines)) != len(engines):
+        r.problem(m["engines"], f"{path}.engines", "lists an engine twice")
+        return None
+    return Fallback(engines=engines, on=tuple(dict.fromkeys(on)))
 
 
 def read_context_limit(r: Reader, node: Node, path: str) -> ContextLimit | None:

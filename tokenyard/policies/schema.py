@@ -129,6 +129,19 @@ class ContextLimit:
     trim: str = "keep_system_and_latest"
 
 
+FALLBACK_ON = ("error", "rate_limit", "context_length")
+
+
+@dataclass(slots=True, frozen=True)
+class Fallback:
+    """Where a request goes when its engine fails before the first token reaches the client: the
+    engines in order, on which failures (an upstream's error or timeout after its retries, its 429,
+    or a prompt too long for its context)."""
+
+    engines: tuple[str, ...]
+    on: tuple[str, ...] = FALLBACK_ON
+
+
 @dataclass(slots=True, frozen=True)
 class Action:
     """What a matching rule does. At most one of pin / router / deny (the route); priority,
@@ -143,6 +156,7 @@ class Action:
     degrade: bool | None = None      # overflow may move this request to the other engine; None: overflow's default
     context: ContextLimit | None = None  # replaces the tenant's context limit for matching requests
     quality_target: float | None = None  # N-engine router: this target for matching requests
+    fallback: Fallback | None = None     # replaces the tenant's fallback chain for matching requests
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,6 +202,7 @@ class TenantPolicy:
     tag_budgets: dict[str, dict[str, Budget]] = field(default_factory=dict)
     weight: int = 1
     context: ContextLimit | None = None
+    fallback: Fallback | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -228,6 +243,12 @@ class Policy:
         if rule_index is not None and self.rules[rule_index].action.context is not None:
             return self.rules[rule_index].action.context
         return self.tenant(tenant).context
+
+    def fallback_for(self, tenant: str, rule_index: int | None) -> Fallback | None:
+        """The fallback chain in force: the matching rule's, else the tenant's, else none."""
+        if rule_index is not None and self.rules[rule_index].action.fallback is not None:
+            return self.rules[rule_index].action.fallback
+        return self.tenant(tenant).fallback
 
     def weight_of(self, tenant: str) -> int:
         return self.tenant(tenant).weight

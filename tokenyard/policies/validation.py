@@ -22,7 +22,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .errors import PolicyError, Problem
-from .rule_validation import NAME, TENANT, read_context_limit, read_rules
+from .rule_validation import NAME, TENANT, read_context_limit, read_fallback, read_rules
 from .schema import (
     AT_LIMIT,
     DEFAULT_BATCH_PRICE_PERCENT,
@@ -47,7 +47,7 @@ PRICE_KEYS = ("input", "cached_input", "output")
 ROUTER_KEYS = ("threshold", "target_large_share", "without_score", "quality_target", "cost_cap")
 ENGINE_KEYS = (*ROLES, "tiers")
 RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
-TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context")
+TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context", "fallback")
 MAX_WEIGHT = 1000
 BUDGET_KEYS = ("per_day", "per_month", "at_limit")
 OVERFLOW_KEYS = ("enabled", "degrade", "upgrade", "degrade_pinned", "shed")
@@ -127,7 +127,7 @@ def _policy(r: Reader, root: Node) -> Policy | None:
     rules = read_rules(r, top["rules"], priced) if "rules" in top and not r.is_null(top["rules"]) else ()
     classes = (_rate_classes(r, top["rate_classes"])
                if "rate_classes" in top and not r.is_null(top["rate_classes"]) else {})
-    tenants = (_tenants(r, top["tenants"], tuple(classes or {}))
+    tenants = (_tenants(r, top["tenants"], tuple(classes or {}), priced)
                if "tenants" in top and not r.is_null(top["tenants"]) else {})
     overflow = _overflow(r, top["overflow"]) if "overflow" in top else Overflow()
     batch_percent = DEFAULT_BATCH_PRICE_PERCENT
@@ -246,7 +246,7 @@ def _rate_classes(r: Reader, node: Node) -> dict[str, RateClass] | None:
     return out
 
 
-def _tenants(r: Reader, node: Node, classes: tuple[str, ...]) -> dict[str, TenantPolicy] | None:
+def _tenants(r: Reader, node: Node, classes: tuple[str, ...], priced: tuple[str, ...]) -> dict[str, TenantPolicy] | None:
     m = r.mapping(node, "tenants")
     if m is None:
         return None
@@ -272,9 +272,11 @@ def _tenants(r: Reader, node: Node, classes: tuple[str, ...]) -> dict[str, Tenan
         weight = r.integer(f["weight"], f"{path}.weight", 1, MAX_WEIGHT) if "weight" in f else 1
         context = read_context_limit(r, f["context"], f"{path}.context") \
             if "context" in f and not r.is_null(f["context"]) else None
+        fallback = read_fallback(r, f["fallback"], f"{path}.fallback", priced) \
+            if "fallback" in f and not r.is_null(f["fallback"]) else None
         if len(r.problems) == n and weight is not None:
             out[name] = TenantPolicy(rate_class=rate_class, budget=budget, key_budgets=keys or {},
-                                     tag_budgets=tags or {}, weight=weight, context=context)
+                                     tag_budgets=tags or {}, weight=weight, context=context, fallback=fallback)
     return out
 
 

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenyard.engines.core.backend import EngineBackend
 from tokenyard.engines.runtime.async_engine import AsyncEngine
@@ -63,6 +64,9 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> 
                     "give each its share of the cores (OMP_NUM_THREADS) or they slow each other down",
                     ", ".join(in_processes))
     for name, spec in specs.items():
+        if spec.upstream is not None:   # another OpenAI-compatible server: nothing to load here
+            handles[name] = _upstream_handle(spec)
+            continue
         fp = tokenizer_fingerprint(spec.model)
         tok = tokenizers.get(fp)
         if tok is None:
@@ -77,6 +81,16 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> 
             engine = AsyncEngine(_build(spec), name, factory=lambda spec=spec: _build(spec))
         handles[name] = EngineHandle(name, spec.type, engine, tok, spec.prices, spec.model, int(time.time()))
     return handles
+
+
+def _upstream_handle(spec: EngineSpec) -> EngineHandle:
+    """type: openai. Its prompts are counted with the tokenizer the deployment names, else estimated."""
+    from tokenyard.gateway.backends.estimate_tokenizer import EstimateTokenizer
+    from tokenyard.gateway.backends.upstream_engine import UpstreamEngine
+    assert spec.upstream is not None
+    tok: Any = Tokenizer.from_dir(spec.model) if spec.model is not None else EstimateTokenizer()
+    return EngineHandle(spec.name, spec.type, UpstreamEngine(spec.name, spec.upstream), tok, spec.prices,
+                        spec.model or Path(), int(time.time()))
 
 
 def _recipe(spec: EngineSpec) -> EngineRecipe:

@@ -21,6 +21,7 @@ from tokenyard.gateway.config import yaml_fields
 from tokenyard.gateway.config.batch_settings import BatchSettings, parse_batch_settings
 from tokenyard.gateway.config.replica_config import ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.spend_settings import WebSettings, parse_web_settings
+from tokenyard.gateway.config.upstream_config import UpstreamSpec, parse_upstream
 from tokenyard.gateway.routing.interim_rule import Routing
 from tokenyard.gateway.routing.learned_router import parse_router_settings
 from tokenyard.policies.schema import Prices
@@ -29,7 +30,7 @@ from tokenyard.policies.schema import Prices
 # artifact and policy it names), so an installed wheel serves without a checkout.
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "deploy" / "default.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-ENGINE_TYPES = ("torch", "mock")
+ENGINE_TYPES = ("torch", "mock", "openai")
 _PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -43,11 +44,13 @@ class DeploymentError(ValueError):
 @dataclass(slots=True)
 class EngineSpec:
     name: str
-    type: str                     # "torch" or "mock"
-    model: Path                   # checkpoint folder or .gguf file (mock: where its tokenizer comes from)
+    type: str                     # "torch", "mock" or "openai" (another OpenAI-compatible server)
+    model: Path | None            # checkpoint folder or .gguf file (mock: where its tokenizer comes from;
+                                  # openai: its `tokenizer`, None for the estimate)
     options: dict[str, Any]       # EngineConfig / MockConfig keys
     prices: Prices
     replicas: ReplicaSet | None = None   # `replicas:` / `replica_pool:` (None: one in-process engine)
+    upstream: UpstreamSpec | None = None  # type openai: where and how to call it
 
 
 @dataclass(slots=True)
@@ -336,21 +339,15 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     kind = spec.pop("type", "torch")
     if kind not in ENGINE_TYPES:
         raise DeploymentError(f"{where}.type must be one of {', '.join(ENGINE_TYPES)}, got {kind!r}")
+    if kind == "openai":
+        return _upstream_engine(name, spec, base, where)
     model = spec.pop("model", None)
     if not isinstance(model, str) or not model:
         raise DeploymentError(f"{where}.model must be a checkpoint: a folder, a .gguf file, or "
                               f"package:<distribution>/<file.gguf>")
     model_dir = _model_path(model, base, where)
     replicas = parse_replica_keys(spec, where, DeploymentError)
-    prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
-    _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
-    amounts = {}
-    for key in ("input", "cached_input", "output"):
-        value = _typed(prices_raw, f"{where}.prices.", key, int, 0)
-        if value < 0:
-            raise DeploymentError(f"{where}.prices.{key} must be an integer >= 0 (micro-units per million tokens)")
-        amounts[key] = value
-    prices = Prices(**amounts)
+    prices = _prices(spec, where)
     try:  # validate the engine keys now, before anything loads
         if kind == "torch":
             from tokenyard.engines.core.config import EngineConfig
@@ -361,6 +358,32 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     except (TypeError, ValueError) as e:
         raise DeploymentError(f"{where}: {e}") from e
     return EngineSpec(name, kind, model_dir, spec, prices, replicas)
+
+
+def _prices(spec: dict[str, Any], where: str) -> Prices:
+    prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
+    _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
+    amounts = {}
+    for key in ("input", "cached_input", "output"):
+        value = _typed(prices_raw, f"{where}.prices.", key, int, 0)
+        if value < 0:
+            raise DeploymentError(f"{where}.prices.{key} must be an integer >= 0 (micro-units per million tokens)")
+        amounts[key] = value
+    return Prices(**amounts)
+
+
+def _upstream_engine(name: str, spec: dict[str, Any], base: Path, where: str) -> EngineSpec:
+    """`type: openai`: another OpenAI-compatible server (tokenyard/gateway/config/upstream_config.py)."""
+    for key in ("model", "replicas", "replica_pool"):
+        if key in spec:
+            hint = " (the upstream's name for the model is upstream_model)" if key == "model" else ""
+            raise DeploymentError(f"{where}.{key} is not a key of an openai engine{hint}")
+    prices = _prices(spec, where)
+    upstream = parse_upstream(spec, where, base, DeploymentError, lambda v, at: _model_path(v, base, at))
+    if spec:
+        raise DeploymentError(f"unknown key(s) {', '.join(f'{where}.{k}' for k in sorted(map(str, spec)))} "
+                              f"for an openai engine")
+    return EngineSpec(name, "openai", upstream.tokenizer, {}, prices, upstream=upstream)
 
 
 # The shared readers, raising DeploymentError.

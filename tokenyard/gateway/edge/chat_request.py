@@ -82,6 +82,9 @@ class SamplingRequest:
     logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
     n: int = 1                               # choices; one prefill, shared through the prefix cache
     priority: int | None = None              # requested admission class index (service_tier / priority)
+    # The body as the client sent it: what an upstream engine (type: openai) is sent, rewritten
+    # (tokenyard/gateway/http/upstream_body.py). Not part of equality or repr (it may be large).
+    body: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -94,7 +97,7 @@ class ChatRequest(SamplingRequest):
 
 def parse_chat_request(body: Any, max_messages: int = 1024) -> ChatRequest:
     check_names(body, UNSUPPORTED, SUPPORTED)
-    req = ChatRequest(model=parse_model(body), messages=_messages(body.get("messages"), max_messages))
+    req = ChatRequest(model=parse_model(body), messages=_messages(body.get("messages"), max_messages), body=body)
     parse_common(body, req)
     req.response_format = _response_format(body.get("response_format"))
     req.logprobs = _logprobs(body.get("logprobs"), body.get("top_logprobs"))

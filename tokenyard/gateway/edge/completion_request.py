@@ -41,7 +41,7 @@ class CompletionRequest(SamplingRequest):
 def parse_completion_request(body: Any) -> CompletionRequest:
     check_names(body, UNSUPPORTED, SUPPORTED)
     prompts = _prompts(body.get("prompt"))
-    req = CompletionRequest(model=parse_model(body), prompt=max(prompts, key=len), prompts=prompts)
+    req = CompletionRequest(model=parse_model(body), prompt=max(prompts, key=len), prompts=prompts, body=body)
     parse_common(body, req)
     if len(prompts) * req.n > MAX_CHOICES:
         raise BadRequest(f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} choices; at most {MAX_CHOICES}",

@@ -81,9 +81,18 @@ class Unavailable(APIError):
     status, type = 503, "service_unavailable"
 
 
+class BadGateway(APIError):
+    """An upstream engine (type: openai) failed or answered something unusable."""
+    status, type = 502, "upstream_error"
+
+
+class GatewayTimeout(APIError):
+    status, type = 504, "upstream_timeout"
+
+
 _BY_STATUS: dict[int, type[APIError]] = {c.status: c for c in (
     BadRequest, Unauthorized, Forbidden, NotFound, PayloadTooLarge, Unprocessable, RateLimited, ServerError,
-    Unavailable)}
+    Unavailable, BadGateway, GatewayTimeout)}
 
 
 def error_for_status(status: int, message: str, code: str | None = None) -> APIError:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from tokenyard.gateway.edge.chat_request import parse_chat_request
-from tokenyard.gateway.http.completion_flow import CompletionResponse, start_generation
+from tokenyard.gateway.http.completion_flow import CompletionResponse, start_generation, upstream_reply
 from tokenyard.gateway.http.generation import Generation
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.streaming import SSEResponse
@@ -27,6 +27,8 @@ async def chat_completions(request: Request) -> Any:
         request, lambda body, gw: parse_chat_request(body, gw.deployment.limits.max_messages), "messages")
     gen, req = started.gen, started.req
     completion_id = "chatcmpl-" + started.request_id
+    if started.upstream is not None:
+        return upstream_reply(request, started, completion_id)
     if req.stream:
         tools = req.tools if req.tools is not None and req.tools.parses_calls else None
         lim = request.app.state.gateway.deployment.limits

@@ -15,7 +15,7 @@ import json
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
@@ -31,8 +31,11 @@ from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
 from tokenyard.gateway.edge.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from tokenyard.gateway.http.generation import EngineFailed, Generation, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
-from tokenyard.gateway.http.route_plan import plan_route, tokenize_prompt
+from tokenyard.gateway.http.route_plan import plan_route, prompt_ids_for, tokenize_prompt
 from tokenyard.gateway.http.streaming import wait_disconnect
+from tokenyard.gateway.http.upstream_call import UpstreamCall
+from tokenyard.gateway.http.upstream_flow import start_upstream
+from tokenyard.gateway.http.upstream_reply import UpstreamJSONResponse, UpstreamSSEResponse
 from tokenyard.gateway.prompt.prompt_guard import UNROUTED, charge_refused, check_prompt_size, off_loop
 from tokenyard.gateway.spend.usage import RecordContext
 
@@ -52,10 +55,11 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 @dataclass(slots=True)
 class Started:
-    gen: GenerationGroup            # started in the engine; the response must finish() it
+    gen: GenerationGroup | None     # started in the engine; the response must finish() it (None: upstream)
     req: AnyRequest
     request_id: str
     headers: dict[str, str]         # engine, route reason, policy version, rate limits
+    upstream: UpstreamCall | None = None   # an upstream engine's call, opened (type: openai)
 
 
 @dataclass(slots=True)
@@ -143,6 +147,9 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; you asked for "
                          f"{len(prompt_ids)} prompt + {max_tokens} completion tokens. Lower max_tokens.",
                          param="max_tokens", code="context_length_exceeded")
+    if handle.type == "openai":
+        return await _generate_upstream(gw, req, key, prompt_param, entry, route, lane, handle,
+                                        [len(ids) for ids in all_ids], max_tokens, priority)
     grammar_param = "tools" if getattr(req, "tools", None) is not None and req.tools.forced else "response_format"
     try:
         params = [SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
@@ -167,15 +174,7 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
     engine_rid = f"{request_id}-{secrets.token_hex(4)}"  # client ids may repeat; engine ids must not
     # The policy's prices (else the routed engine's: a bulk pool engine bills as the engine it stands in for).
     prices = route.prices or (gw.handles[route.engine].prices if lane is not None else None)
-    # Everything the usage record needs besides the engine's counts (the policy replay reads it too).
-    context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id, tags=req.metadata,
-                            user=req.user, router_score=route.score, deadline_ms=entry.deadline_ms,
-                            baseline_engine=gw.baseline_engine,
-                            baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
-                            requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
-                            prices=prices, policy_version=route.policy_version,
-                            context_dropped_tokens=route.context_dropped_tokens,
-                            routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None)
+    context = _record_context(gw, req, key, entry, route, prices, lane)
     percent = 100 if lane is None else lane.price_percent
     # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
     choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],
@@ -213,6 +212,45 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
     if route.context_dropped_tokens:
         headers["x-tokenyard-context-dropped-tokens"] = str(route.context_dropped_tokens)
     return Started(gen, req, request_id, headers)
+
+
+def upstream_reply(request: Request, started: Started, completion_id: str) -> Any:
+    """The response for a request an upstream engine took: its JSON reply, or its stream relayed."""
+    assert started.upstream is not None
+    if started.req.stream:
+        lim = request.app.state.gateway.deployment.limits
+        return UpstreamSSEResponse(started.upstream, completion_id, started.req.include_usage, started.headers,
+                                   lim.stream_write_timeout_s)
+    return UpstreamJSONResponse(started.upstream, completion_id, started.headers)
+
+
+async def _generate_upstream(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param: str, entry: Entry,
+                             route: Any, lane: BatchLane | None, handle: Any, prompt_lengths: list[int],
+                             max_tokens: int, priority: int) -> Started:
+    """An upstream engine's call (tokenyard/gateway/http/upstream_flow.py); a fallback re-enters this flow."""
+    prices = route.prices or (gw.handles[route.engine].prices if lane is not None else None)
+    context = _record_context(gw, req, key, entry, route, prices, lane)
+
+    async def fallback(moved: Any, reason: str) -> Started:
+        ids = await off_loop(prompt_ids_for, gw, moved.engine, req)
+        return await _generate(gw, req, key, prompt_param, entry, replace(moved, prompt_ids=ids, reason=reason,
+                                                                           prices=None), lane)
+    return await start_upstream(gw, req, key, entry, route, lane, handle, prompt_lengths, max_tokens, priority,
+                                context, fallback,
+                                lambda call, headers: Started(None, req, entry.request_id, headers, upstream=call))
+
+
+def _record_context(gw: "Gateway", req: AnyRequest, key: KeyRecord, entry: Entry, route: Any, prices: Any,
+                    lane: BatchLane | None) -> RecordContext:
+    """Everything the usage record needs besides the engine's counts (the policy replay reads it too)."""
+    return RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=entry.request_id, tags=req.metadata,
+                         user=req.user, router_score=route.score, deadline_ms=entry.deadline_ms,
+                         baseline_engine=gw.baseline_engine,
+                         baseline_prices=route.baseline_prices or gw.baseline_prices, key_name=key.name,
+                         requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
+                         prices=prices, policy_version=route.policy_version,
+                         context_dropped_tokens=route.context_dropped_tokens,
+                         routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None)
 
 
 async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:

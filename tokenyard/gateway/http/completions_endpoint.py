@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from tokenyard.gateway.edge.completion_request import parse_completion_request
-from tokenyard.gateway.http.completion_flow import CompletionResponse, start_generation
+from tokenyard.gateway.http.completion_flow import CompletionResponse, start_generation, upstream_reply
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.streaming import TextSSEResponse
 
@@ -25,6 +25,8 @@ async def completions(request: Request) -> Any:
     started = await start_generation(request, lambda body, gw: parse_completion_request(body), "prompt")
     gen, req = started.gen, started.req
     completion_id = "cmpl-" + started.request_id
+    if started.upstream is not None:
+        return upstream_reply(request, started, completion_id)
     if req.stream:
         lim = request.app.state.gateway.deployment.limits
         return TextSSEResponse(gen, completion_id, int(time.time()), req.include_usage, started.headers,

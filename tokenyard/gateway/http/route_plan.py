@@ -76,6 +76,13 @@ class Plan:
     context_dropped_tokens: int = 0             # prompt tokens the policy's context limit trimmed away
     budget: BudgetCharge | None = None          # the budgets to hold the worst-case cost against (admission)
     routed_prompt_tokens: int = 0               # the count routing and the policy decided with (the usage record)
+    fallback: Any = None                        # policies.Fallback: where a failed upstream call may go next
+    tried: tuple[str, ...] = ()                 # engines a fallback already left
+
+
+def prompt_ids_for(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> list[int]:
+    """The routed prompt's ids with this engine's tokenizer (a fallback moves a request to another engine)."""
+    return _tokenize(gw, engine, req)[1]
 
 
 def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> tuple[Any, list[int]]:
@@ -185,7 +192,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                 engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
                               for n, s in states.items()},
                 explanation=d.explanation, context_dropped_tokens=dropped,
-                routed_prompt_tokens=features.prompt_tokens)
+                routed_prompt_tokens=features.prompt_tokens, fallback=policy.fallback_for(key.tenant, d.rule_index))
     if found:       # held at admission, settled with the usage record (tokenyard/gateway/spend/budget_hold.py)
         plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
     return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e))))

@@ -72,8 +72,12 @@ class AccessLog:
                         prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                         completion_tokens=r.completion_tokens, ttft_ms=None if r.ttft_s is None else
                         round(r.ttft_s * 1000, 2))
+            if r.upstream_attempts:
+                line.update(deployment=r.upstream_deployment, usage_estimated=r.usage_estimated)
             if r.status in ("client_disconnected", "slow_client"):
                 line["status"] = 499  # what the client saw was a cut connection, not the 200 it started with
         elif "error_code" in info:
             line["error_code"] = info["error_code"]
+        if info.get("upstream_attempts"):     # every call to an upstream deployment, failed ones too
+            line["attempts"] = info["upstream_attempts"]
         return line

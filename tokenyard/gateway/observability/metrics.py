@@ -117,6 +117,25 @@ class GatewayMetrics:
         # tenant, key, user or tag is the spend report's (GET /v1/spend/report).
         self.spend = Counter("tokenyard_spend_micros", "Cost of finished requests in micro-units, by engine",
                              ("engine",), registry=r)
+        # OpenAI-compatible upstream engines (type: openai), per engine and deployment (host:port, never
+        # a path or key): every attempt, how it ended, and how long the upstream took to answer.
+        dep = ("engine", "deployment")
+        self.upstream_attempts = Counter("tokenyard_upstream_attempts",
+                                         "Calls to upstream deployments by outcome: ok, connect_error, timeout, "
+                                         "server_error, rate_limited, client_error, broken_stream",
+                                         (*dep, "outcome"), registry=r)
+        self.upstream_cooldowns = Counter("tokenyard_upstream_cooldowns",
+                                          "Times an upstream deployment was cooled down after a failure", dep,
+                                          registry=r)
+        self.upstream_latency = Histogram("tokenyard_upstream_first_byte_seconds",
+                                          "Upstream time to its response head (non-streamed: the whole body)",
+                                          dep, buckets=LATENCY_S, registry=r)
+        self.upstream_up = Gauge("tokenyard_upstream_deployment_up",
+                                 "1 while an upstream deployment takes requests, 0 while it cools down", dep,
+                                 registry=r)
+        self.upstream_fallbacks = Counter("tokenyard_upstream_fallbacks",
+                                          "Requests moved to a fallback engine, by the engine left and why",
+                                          ("engine", "reason"), registry=r)
         self.admission: Callable[[], dict[str, tuple[list[int], float]]] = dict
         r.register(_EngineCollector(engines))
         r.register(_AdmissionCollector(lambda: self.admission()))

@@ -56,6 +56,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
         else:
             gw.admission.add_engines({n: h.engine for n, h in gw.handles.items()})
         for h in gw.handles.values():
+            if getattr(h.engine, "metrics", 0) is None:    # an upstream engine counts cooldowns here
+                h.engine.metrics = gw.metrics
             await h.engine.start()
         if deployment.redis_url:
             await gw.start_redis()

@@ -79,6 +79,11 @@ class UsageRecord:
     batch: bool = False            # a Batch API line ...
     price_percent: int = 100       # ... charged this percent of the prices
     choice_completion_tokens: list[int] = field(default_factory=list)   # per choice, when n x prompts > 1
+    # Upstream engines (type: openai): counts the gateway estimated because the upstream reported no
+    # usage; the deployment that answered (host:port); the attempts the request took.
+    usage_estimated: bool = False
+    upstream_deployment: str = ""
+    upstream_attempts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
