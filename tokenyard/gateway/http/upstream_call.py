@@ -122,7 +122,7 @@ class UpstreamCall:
                  requested_model: str, route_reason: str, arrival: float, arrival_wall: float,
                  metrics: GatewayMetrics, sink: UsageSink, prices: Any, context: RecordContext,
                  prompt_tokens: int, max_tokens: int, on_end: Callable[[int | None], None] | None,
-                 affinity: list[bytes] | None = None, price_percent: int = 100) -> None:
+                 affinity: list[bytes] | None = None, price_percent: int = 100, expect: str = "choices") -> None:
         self.engine = engine
         self.name = engine.name
         self.path = path
@@ -142,6 +142,7 @@ class UpstreamCall:
         self._on_end = on_end
         self.affinity = affinity
         self.price_percent = price_percent
+        self.expect = expect                    # the list a non-streamed reply must hold ("data": embeddings)
         self.attempts: list[str] = []           # "host:port outcome" per attempt, for the access log
         self.deployment: Deployment | None = None
         self.document: dict[str, Any] | None = None
@@ -244,13 +245,13 @@ class UpstreamCall:
                 doc = json.loads(raw)
             except ValueError:
                 doc = None
-            if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list):
-                raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} sent a reply that is not "
-                                      f"a completion object")
+            if not isinstance(doc, dict) or not isinstance(doc.get(self.expect), list):
+                raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} sent a reply without "
+                                      f"'{self.expect}'")
             self.document = doc
             self.first_event_at = time.perf_counter()
             self._take_usage(doc)
-            for ch in doc["choices"]:
+            for ch in doc.get("choices") or []:
                 if isinstance(ch, dict):
                     self._take_choice(ch, ch.get("message") or {})
             self._close()
