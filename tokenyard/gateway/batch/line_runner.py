@@ -25,6 +25,7 @@ from tokenyard.gateway.http.completion_flow import BatchLane, Entry, generate
 from tokenyard.gateway.http.completions_endpoint import render_text
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
+from tokenyard.gateway.http.upstream_body import as_ours
 
 if TYPE_CHECKING:
     from tokenyard.gateway.state import Gateway
@@ -64,7 +65,16 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
         if e.code in _RETRY_CODES or (e.status == 503 and e.code is None):
             raise RetryLater(_retry_after(e), e.code or "unavailable") from e
         return _response(e.status, request_id, e.body())
+    if started.upstream is not None:    # an upstream engine (type: openai) answered the line whole
+        call = started.upstream
+        try:
+            assert call.document is not None
+            call.finish(200)
+            return _response(200, request_id, as_ours(call.document, prefix + request_id, call.name))
+        finally:
+            call.finish(200)
     gen = started.gen
+    assert gen is not None
     on_start(gen)
     status, record_status = 200, None
     try:

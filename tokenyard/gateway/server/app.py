@@ -25,7 +25,7 @@ from tokenyard.gateway.batch.batch_metrics import BatchCollector
 from tokenyard.gateway.batch.service import BatchService
 from tokenyard.gateway.config.deployment import Deployment
 from tokenyard.gateway.edge.errors import APIError, ServerError, error_for_status
-from tokenyard.gateway.http import chat_endpoint, completions_endpoint
+from tokenyard.gateway.http import chat_endpoint, completions_endpoint, embeddings_endpoint
 from tokenyard.gateway.observability.access_log import AccessLog
 from tokenyard.gateway.routes import policy_api as policy_routes
 from tokenyard.gateway.routes import spend_api as spend_routes
@@ -90,7 +90,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
                     inner.close()
             gc.unfreeze()
 
-    routes = chat_endpoint.routes() + completions_endpoint.routes() + service_routes.routes() + spend_routes.routes()
+    routes = chat_endpoint.routes() + completions_endpoint.routes() + embeddings_endpoint.routes()
+    routes += service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
     routes += policy_routes.routes() + policy_page.routes() + file_routes.routes() + batch_routes.routes()

@@ -1,0 +1,107 @@
+"""POST /v1/embeddings, passed through to an upstream engine that serves embeddings
+(`type: openai` with `embeddings: true`): the client names the engine as `model`.
+
+The request runs the same gates as a completion: its key, the token rate limit (the input counted
+before the call with the engine's tokenizer, or estimated), the engine's admission queue and
+deadline; then one call with the upstream's retries and cooldowns (upstream_call.py), and a usage
+record priced at the engine's input price from the prompt tokens the upstream reports. The reply is
+the upstream's, with the engine's name as `model`.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from tokenyard.gateway.edge.errors import BadRequest, NotFound
+from tokenyard.gateway.http.completion_flow import read_json
+from tokenyard.gateway.http.upstream_call import UpstreamCall, UpstreamFailure
+from tokenyard.gateway.spend.usage import RecordContext
+
+MAX_INPUTS = 2048
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/embeddings", embeddings, methods=["POST"])]
+
+
+def _inputs(value: Any) -> list[str] | list[list[int]]:
+    """OpenAI's `input`: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and len(value) <= MAX_INPUTS:
+        if all(isinstance(v, str) for v in value):
+            return value
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [value]
+        if all(isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+               for v in value):
+            return value
+    raise BadRequest(f"'input' must be a string, a non-empty list of at most {MAX_INPUTS} strings, or token ids",
+                     param="input")
+
+
+async def embeddings(request: Request) -> Any:
+    gw = request.app.state.gateway
+    arrival = time.perf_counter()
+    info = request.scope.setdefault("tokenyard", {})
+    body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must name an engine that serves embeddings", param="model")
+    inputs = _inputs(body.get("input"))
+    key = await gw.keys.authenticate(request.headers.get("authorization"))
+    info["tenant"] = key.tenant
+    handle = gw.handles.get(model)
+    spec = getattr(handle.engine, "spec", None) if handle is not None else None
+    if handle is None or handle.type != "openai" or not getattr(spec, "embeddings", False):
+        served = sorted(n for n, h in gw.handles.items() if getattr(getattr(h.engine, "spec", None), "embeddings", 0))
+        raise NotFound(f"The model {model!r} does not serve embeddings" +
+                       (f"; engines that do: {', '.join(served)}" if served else "; no engine here does"),
+                       param="model", code="model_not_found")
+    tok = handle.tokenizer
+    tokens = sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs) \
+        if len(inputs) < 64 else await asyncio.to_thread(
+            lambda: sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs))
+    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
+    admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline)
+    request_id = info.get("request_id") or secrets.token_hex(12)
+    upstream = {k: v for k, v in body.items() if k not in ("metadata",)}
+    upstream["model"] = spec.upstream_model
+    context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id,
+                            tags=_tags(body.get("metadata")), user=body.get("user") if isinstance(body.get("user"), str)
+                            else None, baseline_engine=handle.name, key_name=key.name, prices=handle.prices)
+    call = UpstreamCall(handle.engine, "/embeddings", upstream, request_id=f"{request_id}-{secrets.token_hex(4)}",
+                        requested_model=model, route_reason="embeddings", arrival=arrival, arrival_wall=time.time(),
+                        metrics=gw.metrics, sink=admitted.billing(gw.usage_sink), prices=handle.prices,
+                        context=context, prompt_tokens=tokens, max_tokens=0, on_end=admitted.end,
+                        expect="data")
+    info.update(engine=handle.name, route_reason="embeddings")
+    try:
+        await call.open()
+    except UpstreamFailure as e:
+        call.give_back()
+        info["upstream_attempts"] = call.attempts
+        raise e.as_http() from None
+    except BaseException:
+        call.give_back()
+        raise
+    info["upstream_attempts"] = call.attempts
+    info["generation"] = call
+    assert call.document is not None
+    reply = {**call.document, "model": handle.name}
+    call.finish(200)
+    return JSONResponse(reply, headers={"x-tokenyard-engine": handle.name, **admitted.headers})
+
+
+def _tags(meta: Any) -> dict[str, str]:
+    if not isinstance(meta, dict):
+        return {}
+    return {str(k)[:64]: str(v)[:512] for k, v in list(meta.items())[:16] if isinstance(v, str)}
