@@ -43,11 +43,13 @@ chromium:
 	  $$SUDO apt-get install -y chromium || { $$SUDO apt-get update && $$SUDO apt-get install -y chromium; } || \
 	    echo "make: could not install chromium; the dashboard page tests will skip"; }
 
-# The house's rules, checked before the tests: ruff (lint + import order) and the import-linter
-# contracts in pyproject.toml (layers point down; policies/ and the router runtime stay pure).
+# The house's rules, checked before the tests: ruff (lint + import order), the import-linter
+# contracts in pyproject.toml (layers point down; policies/ and the router runtime stay pure) and
+# mypy over the files [tool.mypy] names (the engine core, the policies, the router runtime).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml, docs/*.md; mkdocs-material): built into site/ (ignored) with
 # --strict, so a broken link or anchor between pages fails `make test`. Open site/index.html to read it.

@@ -44,6 +44,16 @@ def test_version_prints_the_installed_version():
     assert imported == []
 
 
+@pytest.mark.parametrize("argv", [("--help",), ("spend", "--help"), ("spend", "report", "--help")])
+def test_help_loads_neither_torch_nor_the_gateway_stack(argv):
+    """The help of the CLI and of `tokenyard spend` (which loaded redis, starlette and the policies while
+    cli/spend.py imported the gateway's spend queries at its top) loads no torch, starlette or redis: the
+    timing-free proxy for a quick --help."""
+    imported, out = _imported(*argv)
+    assert "usage: tokenyard" in out
+    assert not {"torch", "starlette", "redis"} & set(imported), imported
+
+
 @pytest.mark.parametrize("command", ["serve", "keys", "policy"])
 def test_non_engine_commands_do_not_import_torch(command):
     imported, out = _imported(command, "--help")

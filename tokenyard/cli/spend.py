@@ -9,6 +9,10 @@ Reads the deployment's Redis directly (like `tokenyard keys`: --redis-url, else 
 deployment's redis_url, else the embedded redis-server under redis_dir) with every tenant visible:
 whoever can run it can read that Redis anyway. Money is printed in currency units from integer
 micro-units (integer arithmetic; "1.234567" is 1234567 micro-units).
+
+The gateway's modules (and with them redis, starlette and the policies) are imported inside the functions
+that run a command, so `tokenyard spend --help` stays as quick as `tokenyard --help`
+(tests/packaging/test_cli_startup.py).
 """
 from __future__ import annotations
 
@@ -17,12 +21,6 @@ import asyncio
 import json
 import sys
 import time
-
-from tokenyard.gateway.edge.errors import BadRequest
-from tokenyard.gateway.routes.spend_queries import read_report
-from tokenyard.gateway.spend import reports as reports
-from tokenyard.gateway.spend import store as store
-from tokenyard.policies import format_money
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -62,6 +60,8 @@ async def _alerts(url: str, prefix: str, start: float, end: float) -> tuple[list
 
 
 def _alerts_table(alerts: list[dict], outbox: dict) -> str:
+    from tokenyard.gateway.spend import reports
+    from tokenyard.policies import format_money
     head = ("time (UTC)", "tenant", "budget", "period", "at", "spent", "limit", "at_limit", "id")
     rows = [(reports.iso(a["time"]), a["tenant"], a["budget"], f"{a['period']} {a['period_start']}",
              f"{a['threshold_pct']}%", format_money(a["spent_micros"]), format_money(a["limit_micros"]),
@@ -75,6 +75,9 @@ def _alerts_table(alerts: list[dict], outbox: dict) -> str:
 async def _report(url: str, prefix: str, tenant: str | None, start: float, end: float,
                   group_by: list[str]) -> tuple[list, dict]:
     import redis.asyncio as aioredis
+
+    from tokenyard.gateway.routes.spend_queries import read_report
+    from tokenyard.gateway.spend import reports, store
     client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
     try:
         tenants = [tenant] if tenant else await store.all_tenants(client, prefix)
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     import redis
 
     from tokenyard.cli.deployment_arg import load_or_exit
+    from tokenyard.gateway.edge.errors import BadRequest
+    from tokenyard.gateway.spend import reports
     from tokenyard.gateway.store.embedded_redis import command_redis_url
     if args.spend_command == "alerts":
         return run_alerts(args)
@@ -124,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _window(args: argparse.Namespace) -> tuple[float, float]:
     """(start, end) from --since and --until (ValueError names what is wrong)."""
+    from tokenyard.gateway.spend import reports
     now = time.time()
     end = reports.parse_time(args.until) if args.until else now
     return reports.parse_since(args.since, now), end
@@ -133,6 +139,7 @@ def run_alerts(args: argparse.Namespace) -> int:
     import redis
 
     from tokenyard.cli.deployment_arg import load_or_exit
+    from tokenyard.gateway.spend import reports
     from tokenyard.gateway.store.embedded_redis import command_redis_url
     try:
         start, end = _window(args)

@@ -62,11 +62,15 @@ def format_money(micros: int) -> str:
 
 
 class PriceTable(Protocol):
-    """What the cost rule reads of a price (schema.Prices is the one implementation)."""
+    """What the cost rule reads of a price (schema.Prices is the one implementation). Read-only
+    properties, so a frozen dataclass meets the protocol."""
 
-    input: int
-    cached_input: int
-    output: int
+    @property
+    def input(self) -> int: ...
+    @property
+    def cached_input(self) -> int: ...
+    @property
+    def output(self) -> int: ...
 
 
 def round_half_up(numerator: int, denominator: int) -> int:

@@ -33,7 +33,7 @@ from typing import Mapping
 from .budgets import Scope, over_limit, scopes
 from .cost import estimate_cost
 from .matching import RequestFeatures, first_match
-from .schema import AUTO, Policy
+from .schema import AUTO, Action, Policy
 
 __all__ = ["Decision", "Denial", "EngineState", "RequestFeatures", "TenantSpend", "decide", "estimate_cost",
            "DEFAULT_THRESHOLD"]
@@ -145,14 +145,15 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
     why: list[str] = []
     tenant = policy.tenant(request.tenant)
     hit = first_match(policy, request)
-    action = hit[1].action if hit else None
+    action: Action | None = None
     d = Decision(engine=None, action="", reason="", priority=policy.default_priority,
                  max_tokens=request.max_tokens, rate_class=tenant.rate_class, explanation=why)
     if hit is None:
         why.append(f"no rule matched ({len(policy.rules)} checked)")
     else:
-        d.rule_index, d.rule_name = hit[0], hit[1].name
-        why.append(f"rule {hit[0]} '{hit[1].name}' matched (first match wins)")
+        d.rule_index, rule = hit
+        d.rule_name, action = rule.name, rule.action
+        why.append(f"rule {d.rule_index} '{rule.name}' matched (first match wins)")
         if action.priority is not None:
             d.priority = action.priority
             why.append(f"rule sets priority {action.priority}")
@@ -161,14 +162,14 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
             d.max_tokens = action.max_tokens if asked is None else min(asked, action.max_tokens)
             why.append(f"rule caps max_tokens at {action.max_tokens} (asked {asked}, now {d.max_tokens})")
         if action.deny is not None:
-            d.action, d.reason, d.denied = "deny", f"rule:{hit[1].name}", True
+            d.action, d.reason, d.denied = "deny", f"rule:{rule.name}", True
             d.error = Denial(403, "permission_error", "policy_denied", action.deny)
             why.append("rule denies the request")
             return d
 
     # 2. route
     if action is not None and action.pin is not None:
-        d.engine, d.action, d.reason = action.pin, "pin", f"rule:{hit[1].name}"
+        d.engine, d.action, d.reason = action.pin, "pin", f"rule:{d.rule_name}"
         why.append(f"rule pins {action.pin}")
     elif request.requested_model != AUTO and not (action is not None and action.router):
         d.engine, d.action, d.reason = request.requested_model, "requested", "pinned"
@@ -201,7 +202,7 @@ def decide(policy: Policy, request: RequestFeatures, spend: TenantSpend, engines
     return d
 
 
-def _n_engine_route(policy: Policy, action, scores: Mapping[str, float], pick: str | None, d: Decision) -> None:
+def _n_engine_route(policy: Policy, action: Action | None, scores: Mapping[str, float], pick: str | None, d: Decision) -> None:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
     target = action.quality_target if action is not None and action.quality_target is not None \
         else policy.router.quality_target

@@ -57,7 +57,7 @@ def policy_to_dict(policy: Policy, money: str = "decimal") -> dict[str, Any]:
         raise ValueError("money must be 'decimal' or 'micros'")
     cash: Callable[[int | None], Any] = (lambda m: None if m is None else _Money(format_money(m))) \
         if money == "decimal" else (lambda m: m)
-    out = {
+    out: dict[str, Any] = {
         "version": policy.version,
         "description": policy.description,
         "engines": {"small": policy.engines.small, "large": policy.engines.large},

@@ -196,6 +196,7 @@ def simulate(policy: Policy, records: Iterable[UsageFeatures], router_threshold:
         elif d.shed:
             report.shed += 1
         else:
+            assert d.engine is not None      # Decision: engine is None exactly when denied or shed
             completion = _billed_completion(rec, d)
             cost = estimate_cost(policy.prices, d.engine, rec.prompt_tokens, rec.cached_prompt_tokens, completion,
                                  policy.batch_price_percent if rec.batch else 100)

@@ -39,7 +39,7 @@ from .schema import (
     RouterSettings,
     TenantPolicy,
 )
-from .yaml_nodes import Reader, check_text, compose
+from .yaml_nodes import Reader, all_read, all_read_items, check_text, compose
 
 TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",
             "rate_classes", "tenants", "overflow", "batch_price_percent")
@@ -130,11 +130,11 @@ def _policy(r: Reader, root: Node) -> Policy | None:
     tenants = (_tenants(r, top["tenants"], tuple(classes or {}), priced)
                if "tenants" in top and not r.is_null(top["tenants"]) else {})
     overflow = _overflow(r, top["overflow"]) if "overflow" in top else Overflow()
-    batch_percent = DEFAULT_BATCH_PRICE_PERCENT
+    batch_percent: int | None = DEFAULT_BATCH_PRICE_PERCENT
     if "batch_price_percent" in top:
         batch_percent = r.integer(top["batch_price_percent"], "batch_price_percent", 0, 100)
     if r.problems or roles is None or prices is None or router is None or rules is None \
-            or classes is None or tenants is None or overflow is None:
+            or classes is None or tenants is None or overflow is None or batch_percent is None:
         return None
     return Policy(engines=roles, prices=prices, version=SCHEMA_VERSION, description=description,
                   default_priority=default_priority, router=router, rules=rules, rate_classes=classes,
@@ -162,8 +162,8 @@ def _prices(r: Reader, node: Node) -> dict[str, Prices] | None:
         fields = r.mapping(value, path, PRICE_KEYS, required=PRICE_KEYS)
         if fields is None:
             continue
-        amounts = {k: r.money(fields[k], f"{path}.{k}") for k in PRICE_KEYS if k in fields}
-        if len(amounts) == len(PRICE_KEYS) and None not in amounts.values():
+        amounts = all_read({k: r.money(fields[k], f"{path}.{k}") for k in PRICE_KEYS if k in fields})
+        if amounts is not None and len(amounts) == len(PRICE_KEYS):
             out[engine] = Prices(**amounts)
     return out
 
@@ -172,8 +172,8 @@ def _roles(r: Reader, node: Node, priced: tuple[str, ...]) -> EngineRoles | None
     m = r.mapping(node, "engines", ENGINE_KEYS, required=ROLES)
     if m is None:
         return None
-    names = {role: r.string(m[role], f"engines.{role}", priced) for role in ROLES if role in m}
-    if len(names) != 2 or None in names.values():
+    names = all_read({role: r.string(m[role], f"engines.{role}", priced) for role in ROLES if role in m})
+    if names is None or len(names) != 2:
         return None
     if names["small"] == names["large"]:
         r.problem(m["large"], "engines.large", "must differ from engines.small")
@@ -183,15 +183,15 @@ def _roles(r: Reader, node: Node, priced: tuple[str, ...]) -> EngineRoles | None
         items = r.sequence(m["tiers"], "engines.tiers")
         if items is None:
             return None
-        found = [r.string(item, f"engines.tiers[{i}]", priced) for i, item in enumerate(items)]
-        if None in found:
+        found = all_read_items([r.string(item, f"engines.tiers[{i}]", priced) for i, item in enumerate(items)])
+        if found is None:
             return None
         if len(set(found)) != len(found) or len(found) < 2 or found[0] != names["small"] \
                 or found[-1] != names["large"]:
             r.problem(m["tiers"], "engines.tiers", "must list distinct engines in cost order, engines.small first "
                       "and engines.large last")
             return None
-        tiers = tuple(found)
+        tiers = found
     return EngineRoles(small=names["small"], large=names["large"], tiers=tiers)
 
 
@@ -352,7 +352,7 @@ def _overflow(r: Reader, node: Node) -> Overflow | None:
     m = r.mapping(node, "overflow", OVERFLOW_KEYS)
     if m is None:
         return None
-    values = {k: r.boolean(v, f"overflow.{k}") for k, v in m.items()}
-    if None in values.values():
+    values = all_read({k: r.boolean(v, f"overflow.{k}") for k, v in m.items()})
+    if values is None:
         return None
     return Overflow(**values)

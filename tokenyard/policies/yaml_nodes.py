@@ -8,7 +8,8 @@ float) and a time written 22:00 is not turned into YAML 1.1's sexagesimal intege
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
@@ -22,6 +23,20 @@ _INT_TEXT = re.compile(r"^[-+]?[0-9]+$")       # plain decimal only: no 0x, 0o, 
 _FLOAT_TEXT = re.compile(r"^[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?$")
 _TRUE = {"true", "True", "TRUE"}
 _FALSE = {"false", "False", "FALSE"}
+V = TypeVar("V")
+
+
+def all_read(values: Mapping[str, V | None]) -> dict[str, V] | None:
+    """The values when every one was read, None when any was refused (the Reader has already
+    recorded why): one read per key, then one check, so every bad key is reported at once."""
+    read = {k: v for k, v in values.items() if v is not None}
+    return read if len(read) == len(values) else None
+
+
+def all_read_items(values: Sequence[V | None]) -> tuple[V, ...] | None:
+    """all_read for a list: the items when every one was read, else None."""
+    read = tuple(v for v in values if v is not None)
+    return read if len(read) == len(values) else None
 
 
 def describe(node: Node) -> str:
@@ -118,7 +133,7 @@ class Reader:
             if not items:
                 self.problem(node, path, "must not be an empty list")
                 return None
-            return None if any(i is None for i in items) else tuple(items)
+            return all_read_items(items)
         one = self.string(node, path, allowed, pattern, what)
         return None if one is None else (one,)
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from tokenyard.engines.core.block_pool import BlockPool
 from tokenyard.engines.core.sequence import Sequence
 
+# What a block's cache key names as its parent: the previous block's id, or for a first block the
+# ("salt", cache_salt) marker that keeps one tenant's prefixes apart from another's.
+Parent = int | tuple[str, str | None]
+
 
 @dataclass(slots=True)
 class PrefixHit:
@@ -73,7 +77,7 @@ class BlockManager:
             return hit
         bs = self.block_size
         parent_hash = hash(("tokenyard-prefix", seq.cache_salt))
-        parent: object = ("salt", seq.cache_salt)
+        parent: Parent = ("salt", seq.cache_salt)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash((parent_hash, tokens))
@@ -109,6 +113,7 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs
+        parent: Parent
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             if i:

@@ -227,7 +227,8 @@ def _one_of(branches: Any, path: str, root: Any) -> None:
     if all(isinstance(b, dict) for b in resolved):
         for prop in set.intersection(*(_required(b) for b in resolved)):
             tags = [_tags(b.get("properties", {}).get(prop), root) for b in resolved]
-            if all(t is not None for t in tags) and _disjoint(tags):
+            known = [t for t in tags if t is not None]
+            if len(known) == len(tags) and _disjoint(known):
                 return
     raise _refuse(path, "oneOf", "is enforced only when no document can match two branches (distinct types, or a "
                                  "required property with distinct const values); use anyOf")
@@ -239,7 +240,7 @@ def _required(node: dict) -> set[str]:
     return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
-def _tags(prop: Any, root: Any) -> set | None:
+def _tags(prop: Any, root: Any) -> set[str] | None:
     prop = _resolve(prop, root)
     if not isinstance(prop, dict):
         return None

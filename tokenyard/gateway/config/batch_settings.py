@@ -10,7 +10,7 @@ documented in the README ("Deployment file").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,17 @@ class BatchSettings:
         return set(self.bulk.values())
 
 
+# `batch:`'s keys: every setting but the bulk pool, which is `pools.bulk`.
+BATCH_KEYS = frozenset(f.name for f in fields(BatchSettings) if f.name != "bulk")
+POOLS_KEYS = frozenset({"bulk"})
+
+
 def parse_batch_settings(top: dict[str, Any], base: Path, engines: dict[str, Any],
                          error: type[Exception]) -> BatchSettings:
     """`batch:` and `pools:` of the deployment document. engines: the parsed EngineSpecs by name."""
     out = BatchSettings()
     section = _mapping(top.get("batch", {}), "batch", error)
-    _only(section, "batch.", {"enabled", "data_dir", "max_file_bytes", "max_lines", "max_in_flight", "idle_share",
-                              "start_gap_ms", "max_loop_lag_ms", "lease_s", "poll_s"}, error)
+    _only(section, "batch.", BATCH_KEYS, error)
     out.enabled = _typed(section, "batch.", "enabled", bool, out.enabled, error)
     data_dir = Path(_typed(section, "batch.", "data_dir", str, str(out.data_dir), error)).expanduser()
     out.data_dir = (data_dir if data_dir.is_absolute() else base / data_dir).resolve()
@@ -75,7 +79,7 @@ def parse_batch_settings(top: dict[str, Any], base: Path, engines: dict[str, Any
 
 def _bulk_pool(top: dict[str, Any], engines: dict[str, Any], error: type[Exception]) -> dict[str, str]:
     pools = _mapping(top.get("pools", {}), "pools", error)
-    _only(pools, "pools.", {"bulk"}, error)
+    _only(pools, "pools.", POOLS_KEYS, error)
     bulk = _mapping(pools.get("bulk", {}), "pools.bulk", error)
     out: dict[str, str] = {}
     for source, target in bulk.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,12 +18,19 @@ from typing import Any
 import yaml
 
 from tokenyard.gateway.config import yaml_fields
-from tokenyard.gateway.config.batch_settings import BatchSettings, parse_batch_settings
-from tokenyard.gateway.config.replica_config import ReplicaSet, parse_replica_keys
-from tokenyard.gateway.config.spend_settings import WebSettings, parse_web_settings
+from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
+from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
+from tokenyard.gateway.config.spend_settings import (
+    AlertsConfig,
+    DashboardConfig,
+    MetricsConfig,
+    SpendConfig,
+    WebSettings,
+    parse_web_settings,
+)
 from tokenyard.gateway.config.upstream_config import UpstreamSpec, parse_upstream
 from tokenyard.gateway.routing.interim_rule import Routing
-from tokenyard.gateway.routing.learned_router import parse_router_settings
+from tokenyard.gateway.routing.learned_router import ROUTER_KEYS, parse_router_settings
 from tokenyard.policies.schema import Prices
 
 # The default deployment ships inside the package (tokenyard/deploy/default.yaml, with the demo models, router
@@ -154,6 +161,39 @@ class Deployment:
         return max(self.engines.values(), key=lambda e: (e.prices.output, e.prices.input)).name if self.engines else ""
 
 
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
+
+
+# The keys the parser accepts in each mapping of the file, by the mapping's key path ("": the top level;
+# NAME: any engine's name). The unknown-key checks read these, and so does the test that every key is
+# documented in docs/deployment.md (tests/docs/test_deployment_keys_documented.py): a key added here, or to
+# one of the dataclasses below, fails that test until the docs have it. An engine's other keys are its
+# EngineConfig (docs/engine.md) or MockConfig options, checked by their from_options.
+KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset({"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
+                   "redis_pool_wait_ms", "auth", "limits", "rate_limits", "admission", "routing", "engines", "spend",
+                   "dashboard", "metrics", "router", "policy", "batch", "pools"}),
+    "server": frozenset({"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
+                         "engine_process"}) | _names(Connections),
+    "auth": _names(Auth),
+    "limits": _names(Limits),
+    "rate_limits": _names(RateLimits),
+    "admission": _names(AdmissionConfig),
+    "routing": _names(Routing),
+    "router": ROUTER_KEYS,
+    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool"}),
+    "engines.NAME.prices": _names(Prices),
+    "engines.NAME.replica_pool": _names(PoolConfig),
+    "batch": BATCH_KEYS,
+    "pools": POOLS_KEYS,
+    "spend": _names(SpendConfig),
+    "spend.alerts": _names(AlertsConfig),
+    "dashboard": _names(DashboardConfig),
+    "metrics": _names(MetricsConfig),
+}
+
+
 def load_deployment(path: str | Path | None = None) -> Deployment:
     path = Path(path) if path is not None else DEFAULT_FILE
     try:
@@ -172,14 +212,10 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     """Validate a parsed YAML document. Relative paths are relative to base_dir (the file's folder)."""
     base = base_dir or Path.cwd()
     top = _mapping(data, "the document")
-    _only(top, "", {"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
-                    "redis_pool_wait_ms", "auth", "limits",
-                    "rate_limits", "admission", "routing", "engines", "spend", "dashboard", "metrics",
-                    "router", "policy", "batch", "pools"})
+    _only(top, "", KNOWN_KEYS[""])
     dep = Deployment()
     server = _mapping(top.get("server", {}), "server")
-    _only(server, "server.", {"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
-                              "engine_process", *Connections.__slots__})
+    _only(server, "server.", KNOWN_KEYS["server"])
     dep.host = _typed(server, "server.", "host", str, dep.host)
     dep.port = _typed(server, "server.", "port", int, dep.port)
     if not 0 <= dep.port <= 65535:
@@ -199,7 +235,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.redis_pool_size = _positive_int(top, "", "redis_pool_size", dep.redis_pool_size)
     dep.redis_pool_wait_ms = _positive_int(top, "", "redis_pool_wait_ms", dep.redis_pool_wait_ms)
     auth = _mapping(top.get("auth", {}), "auth")
-    _only(auth, "auth.", set(Auth.__slots__))
+    _only(auth, "auth.", KNOWN_KEYS["auth"])
     dep.auth.dev_key = _typed(auth, "auth.", "dev_key", str, None, nullable=True)
     dep.auth.key_cache_ttl_s = _number(auth, "auth.", "key_cache_ttl_s", dep.auth.key_cache_ttl_s)
     dep.auth.negative_cache_ttl_s = _number(auth, "auth.", "negative_cache_ttl_s", dep.auth.negative_cache_ttl_s)
@@ -208,7 +244,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     _rate_limits(_mapping(top.get("rate_limits", {}), "rate_limits"), dep.rate_limits)
     _admission(_mapping(top.get("admission", {}), "admission"), dep.admission)
     limits = _mapping(top.get("limits", {}), "limits")
-    _only(limits, "limits.", set(Limits.__slots__))
+    _only(limits, "limits.", KNOWN_KEYS["limits"])
     for key in ("max_body_bytes", "max_json_depth", "max_messages", "default_max_tokens", "stream_buffer_bytes"):
         value = _typed(limits, "limits.", key, int, getattr(dep.limits, key))
         if value <= 0:
@@ -222,7 +258,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     for name, spec in engines.items():
         dep.engines[str(name)] = _engine(str(name), spec, base)
     routing = _mapping(top.get("routing", {}), "routing")
-    _only(routing, "routing.", {"small", "large", "long_prompt_tokens"})
+    _only(routing, "routing.", KNOWN_KEYS["routing"])
     for key in ("small", "large"):
         value = _typed(routing, "routing.", key, str, None, nullable=True)
         if value is not None and value not in dep.engines:
@@ -267,7 +303,7 @@ def _connections(server: dict[str, Any], conn: Connections) -> None:
 
 
 def _rate_limits(section: dict[str, Any], rl: RateLimits) -> None:
-    _only(section, "rate_limits.", set(RateLimits.__slots__))
+    _only(section, "rate_limits.", KNOWN_KEYS["rate_limits"])
     rl.enabled = _typed(section, "rate_limits.", "enabled", bool, rl.enabled)
     rl.window_s = _number(section, "rate_limits.", "window_s", rl.window_s)
     rl.redis_retry_s = _number(section, "rate_limits.", "redis_retry_s", rl.redis_retry_s)
@@ -282,7 +318,7 @@ def _rate_limits(section: dict[str, Any], rl: RateLimits) -> None:
 
 
 def _admission(section: dict[str, Any], adm: AdmissionConfig) -> None:
-    _only(section, "admission.", set(AdmissionConfig.__slots__))
+    _only(section, "admission.", KNOWN_KEYS["admission"])
     for key in ("max_queue", "default_deadline_ms", "max_deadline_ms"):
         setattr(adm, key, _positive_int(section, "admission.", key, getattr(adm, key)))
     for key in ("max_concurrent_per_tenant", "max_running"):
@@ -362,7 +398,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
 
 def _prices(spec: dict[str, Any], where: str) -> Prices:
     prices_raw = _mapping(spec.pop("prices", {}), f"{where}.prices")
-    _only(prices_raw, f"{where}.prices.", {"input", "cached_input", "output"})
+    _only(prices_raw, f"{where}.prices.", KNOWN_KEYS["engines.NAME.prices"])
     amounts = {}
     for key in ("input", "cached_input", "output"):
         value = _typed(prices_raw, f"{where}.prices.", key, int, 0)

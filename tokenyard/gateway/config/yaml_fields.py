@@ -5,6 +5,7 @@ Every function raises `error` (the caller's exception type) with the full key pa
 """
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 
@@ -16,7 +17,7 @@ def mapping(value: Any, where: str, error: type[Exception]) -> dict[str, Any]:
     return value
 
 
-def only(section: dict[str, Any], prefix: str, known: set[str], error: type[Exception]) -> None:
+def only(section: dict[str, Any], prefix: str, known: Set[str], error: type[Exception]) -> None:
     unknown = sorted(str(k) for k in section if k not in known)
     if unknown:
         raise error(f"unknown key(s) {', '.join(prefix + k for k in unknown)}; known: "

@@ -103,14 +103,18 @@ def route_auto(learned: LearnedRouter | EngineSetRouter | None, interim: Router,
     return learned.decide(text, prompt_tokens, threshold)
 
 
+# The keys of the deployment's `router:` section (deployment.KNOWN_KEYS lists them for the docs test).
+ROUTER_KEYS = frozenset({"artifact", "target_large_share", "threshold", "small", "large", "quality_target", "cost_cap",
+                         "engines"})
+
+
 def parse_router_settings(data: Any, base_dir: Path, engines: Mapping[str, Any]) -> RouterSettings:
     """The `router:` section of the deployment file; errors name the key path."""
     if data is None:
         return RouterSettings()
     if not isinstance(data, dict):
         raise ValueError("router must be a mapping")
-    extra = set(data) - {"artifact", "target_large_share", "threshold", "small", "large", "quality_target", "cost_cap",
-                         "engines"}
+    extra = set(data) - ROUTER_KEYS
     if extra:
         raise ValueError(f"router: unknown keys {', '.join(sorted(map(str, extra)))}")
     out = RouterSettings(deployment_engines=list(engines))

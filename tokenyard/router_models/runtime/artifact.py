@@ -69,12 +69,12 @@ def with_threshold(artifact: Artifact, threshold: float | None = None,
     (At serving time `Scorer.set_threshold` does the same without writing a file.)"""
     from tokenyard.router_models.runtime.calibration import threshold_from_quantiles
 
-    if (threshold is None) == (target_large_share is None):
-        raise ValueError("give exactly one of threshold and target_large_share")
-    if threshold is not None:
+    if threshold is not None and target_large_share is None:
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold!r}")
         return replace(artifact, threshold=float(threshold), threshold_method="manual", threshold_target=None)
+    if threshold is not None or target_large_share is None:
+        raise ValueError("give exactly one of threshold and target_large_share")
     value = threshold_from_quantiles(artifact.quantiles, target_large_share)
     return replace(artifact, threshold=min(max(value, 0.0), 1.0), threshold_method="large_share",
                    threshold_target=float(target_large_share))

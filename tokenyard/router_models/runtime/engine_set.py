@@ -125,7 +125,7 @@ class EngineScorer:
         f0, f1, f2 = r.factors.tolist()
         p = []
         # a handful of engines: plain floats beat numpy's per-call cost
-        for b, s0, s1, s2, dense in zip(self._b, *r.sums.tolist()):
+        for b, s0, s1, s2, dense in zip(self._b, *r.weight_sums().tolist()):
             z = b + dense + s0 * f0 + s1 * f1 + s2 * f2
             # the logistic function without overflow for large |z|
             p.append(1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z)))

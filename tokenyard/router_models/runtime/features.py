@@ -126,8 +126,7 @@ class FeatureSpec:
             raise ValueError(f"feature spec lacks keys: {', '.join(sorted(missing))}")
         return cls(word_dim=int(d["word_dim"]), char_dim=int(d["char_dim"]), cross_dim=int(d["cross_dim"]),
                    cross_weight=float(d["cross_weight"]),
-                   word_ngrams=tuple(int(x) for x in d["word_ngrams"]),
-                   char_ngrams=tuple(int(x) for x in d["char_ngrams"]),
+                   word_ngrams=_ngram_range(d, "word_ngrams"), char_ngrams=_ngram_range(d, "char_ngrams"),
                    lowercase=bool(d["lowercase"]), window=int(d["window"]),
                    vocabulary=tuple(int(x) for x in d["vocabulary"]),
                    dense=tuple(str(x) for x in d["dense"]),
@@ -157,6 +156,14 @@ class FeatureSpec:
             raise ValueError("feature spec cross_weight must be a finite number >= 0")
         if any(s <= 0 or not math.isfinite(s) for s in self.dense_scale):
             raise ValueError("feature spec dense_scale values must be positive and finite")
+
+
+def _ngram_range(d: Mapping, key: str) -> tuple[int, int]:
+    """A spec's (lowest, highest) n-gram order, refused unless it is exactly two integers."""
+    value = [int(x) for x in d[key]]
+    if len(value) != 2:
+        raise ValueError(f"feature spec {key} must be [lowest, highest], got {d[key]!r}")
+    return value[0], value[1]
 
 
 def prompt_text(messages: Iterable[Mapping[str, str]]) -> str:
@@ -328,6 +335,12 @@ class Row:
     sums: np.ndarray | None = None      # with `weights` (k models): (4, k), each hashed block's sum of its
                                         # occurrences' weights, then dense @ their weights
 
+    def weight_sums(self) -> np.ndarray:
+        """`sums`, which only a row built with weights has."""
+        if self.sums is None:
+            raise ValueError("this feature row was built without weights: it has no sums")
+        return self.sums
+
 
 class Weights:
     """Weights over the feature columns for `row(..., weights=)`: a vector (one linear model) or
@@ -372,7 +385,7 @@ def compiled(spec: FeatureSpec) -> _Compiled:
         starts = (spec.n_dense, base, base + spec.char_dim)
         dims = (spec.word_dim, spec.char_dim, spec.cross_dim)
         params = native.params_of(spec.word_ngrams, spec.char_ngrams, dims, starts, spec.dim,
-                                  tuple(int(x) for x in (_SALT_WORD, _SALT_BIGRAM, _SALT_CHAR, _SALT_CROSS)),
+                                  (int(_SALT_WORD), int(_SALT_BIGRAM), int(_SALT_CHAR), int(_SALT_CROSS)),
                                   spec.cross_weight)
         mean = np.asarray(spec.dense_mean, dtype=np.float64)
         scale = np.asarray(spec.dense_scale, dtype=np.float64)
@@ -479,10 +492,10 @@ def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: 
     dense = (np.log1p(raw) - c.mean) / c.scale
     lo, hi = spec.word_ngrams
     h = toks.hashes
-    word_h = [h] if lo <= 1 else []
+    word_parts = [h] if lo <= 1 else []
     if hi >= 2 and h.size > 1:
-        word_h.append(h[:-1] * _U(_P) + h[1:] + _SALT_BIGRAM)
-    word_h = (np.concatenate(word_h) if len(word_h) > 1 else word_h[0] if word_h else h[:0]) ^ _SALT_WORD
+        word_parts.append(h[:-1] * _U(_P) + h[1:] + _SALT_BIGRAM)
+    word_h = (np.concatenate(word_parts) if len(word_parts) > 1 else word_parts[0] if word_parts else h[:0]) ^ _SALT_WORD
     char_h = (_char_hashes(cp, *spec.char_ngrams) if words else cp[:0]) ^ _SALT_CHAR
     cross_h = _cross_hashes(ins, _payload_kind(ins), novelty[0], tokens) ^ _SALT_CROSS
     ends = (word_h.size, word_h.size + char_h.size, word_h.size + char_h.size + cross_h.size)
@@ -540,7 +553,9 @@ def matrix(texts: Sequence[str], tokens: Sequence[int], spec: FeatureSpec):
     """Rows of `extract` as a scipy CSR matrix (training and batch evaluation)."""
     from scipy.sparse import csr_matrix
 
-    indptr, indices, data = [0], [], []
+    indptr: list[int] = [0]
+    indices: list[int] = []
+    data: list[float] = []
     for text, n in zip(texts, tokens):
         r = extract(text, n, spec)
         cols = sorted(r)

@@ -52,7 +52,7 @@ class Scorer:
         # the dense dot product.
         r = row(text, tokens, self.spec, self._weights)
         f0, f1, f2 = r.factors.tolist()
-        s0, s1, s2, dense = r.sums[:, 0].tolist()
+        s0, s1, s2, dense = r.weight_sums()[:, 0].tolist()
         return self.intercept + dense + s0 * f0 + s1 * f1 + s2 * f2
 
     def score(self, text: str, tokens: int) -> float:

@@ -46,12 +46,12 @@ def choose_all(P: np.ndarray, cost: np.ndarray, quality_target: float | None = N
     """The engine index per row of P (prompts x engines), by exactly one of the two policies;
     the same choices as the one-prompt functions, vectorised (numpy's argmax takes the first
     maximum, so columns go in cost order)."""
-    if (quality_target is None) == (lam is None):
-        raise ValueError("give exactly one of quality_target and lam")
     order = np.lexsort((np.arange(cost.size), cost))
     Q = P[:, order]
-    if lam is not None:
+    if lam is not None and quality_target is None:
         return order[np.argmax(Q - lam * cost[order], axis=1)]
+    if quality_target is None or lam is not None:
+        raise ValueError("give exactly one of quality_target and lam")
     if not 0.0 <= quality_target <= 1.0:
         raise ValueError(f"quality_target must lie in [0, 1], got {quality_target!r}")
     ok = Q >= quality_target
