@@ -95,6 +95,12 @@ class UpstreamEngine:
     def num_in_flight(self) -> int:
         return sum(d.in_flight for d in self.deployments)
 
+    @property
+    def num_failed_steps(self) -> int:
+        """No engine steps here (/metrics reads it of every engine): failed calls are counted per
+        deployment in tokenyard_upstream_attempts."""
+        return 0
+
     def stats(self) -> EngineStats:
         # Admission's room: `max_concurrency` per deployment that takes requests (at least one, so a
         # request can still reach a deployment whose pause has ended); no KV blocks to count.
