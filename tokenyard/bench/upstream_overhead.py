@@ -1,0 +1,145 @@
+"""What the gateway adds in front of an upstream engine (issue 48 goal): the same requests sent
+straight to an OpenAI-compatible server and through `tokenyard serve` with that server as a
+`type: openai` engine, in interleaved rounds, at `--concurrency` concurrent clients.
+
+The upstream is tokenyard/bench/openai_stub.py (canned replies, answered at once) so the difference
+is the gateway's own cost: HTTP in and out, validation, the key, the token rate limit in Redis
+(reserve and settle), admission, the prompt estimate, the upstream call on a keep-alive pool, the
+relay and the usage record (spend ledger on). Each of the three (stub, gateway, client) is its own
+process; on a small machine they share the cores, which the JSON records (load average, cores).
+
+Measured per mode: non-streamed latency p50/p99, streamed time to first content chunk p50/p99, and
+requests/s of the non-streamed rounds. Added = gateway percentile - direct percentile.
+
+    .venv/bin/python -m tokenyard.bench.upstream_overhead [--rounds 6] [--requests 640] [--concurrency 32]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from tokenyard.bench.serve_launch import ROOT, free_port, spawn_gateway, wait_ready
+
+KEY = "bench-key"
+BODY = {"model": "big", "max_tokens": 5, "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], stream: bool) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url, json={**body, "stream": stream}, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status} {await r.text()}")
+        if not stream:
+            await r.read()
+            return time.perf_counter() - t0
+        first = None
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {") and b'"content"' in line:
+                first = time.perf_counter() - t0
+        return first if first is not None else time.perf_counter() - t0
+
+
+async def _round(url: str, body: dict[str, Any], n: int, concurrency: int, stream: bool) -> tuple[list[float], float]:
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    out: list[float] = []
+    async with aiohttp.ClientSession(connector=conn) as session:
+        left = n
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                out.append(await _one(session, url, body, stream))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=640, help="per round and mode")
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args()
+    from tokenyard.bench.results_io import RunRecorder
+    rec = RunRecorder("upstream_overhead")
+    stub_port, gw_port = free_port(), free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "tokenyard.bench.openai_stub", "--port", str(stub_port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gw = None
+    try:
+        wait_ready(f"http://127.0.0.1:{stub_port}", 30, stub, path="/v1/models")
+        redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
+        doc = {"server": {"access_log": False}, "redis_url": redis_url,
+               "redis_prefix": f"tybench:up:{secrets.token_hex(4)}:",
+               "rate_limits": {"requests": 10**9, "tokens": 10**12},
+               "admission": {"max_concurrent_per_tenant": 0},
+               "engines": {"big": {"type": "openai", "base_url": f"http://127.0.0.1:{stub_port}/v1",
+                                   "upstream_model": "stub", "max_concurrency": 256,
+                                   "prices": {"input": 1000, "cached_input": 500, "output": 2000}}}}
+        cfg = Path(tempfile.mkdtemp(prefix="upbench-")) / "deployment.yaml"
+        cfg.write_text(yaml.safe_dump(doc))
+        env = {**os.environ, "TOKENYARD_DEV_KEY": KEY}
+        gw = spawn_gateway(cfg, env, gw_port)
+        urls = {"direct": f"http://127.0.0.1:{stub_port}/v1/chat/completions",
+                "gateway": f"http://127.0.0.1:{gw_port}/v1/chat/completions"}
+        bodies = {"direct": {**BODY, "model": "stub"}, "gateway": BODY}
+        for mode in urls:      # warm-up: connections, the key cache, first imports
+            asyncio.run(_round(urls[mode], bodies[mode], 64, args.concurrency, False))
+        lat: dict[str, list[float]] = {m: [] for m in urls}
+        ttft: dict[str, list[float]] = {m: [] for m in urls}
+        rps: dict[str, list[float]] = {m: [] for m in urls}
+        for r in range(args.rounds):
+            order = list(urls) if r % 2 == 0 else list(reversed(list(urls)))
+            for mode in order:
+                got, wall = asyncio.run(_round(urls[mode], bodies[mode], args.requests, args.concurrency, False))
+                lat[mode] += got
+                rps[mode].append(len(got) / wall)
+                got, _ = asyncio.run(_round(urls[mode], bodies[mode], args.requests // 2, args.concurrency, True))
+                ttft[mode] += got
+        ms = lambda v: round(v * 1000, 3)  # noqa: E731
+        figures: dict[str, Any] = {"concurrency": args.concurrency, "rounds": args.rounds,
+                                   "requests_per_round": args.requests}
+        for mode in urls:
+            figures[f"{mode}_p50_ms"] = ms(_pct(lat[mode], 0.5))
+            figures[f"{mode}_p99_ms"] = ms(_pct(lat[mode], 0.99))
+            figures[f"{mode}_ttft_p50_ms"] = ms(_pct(ttft[mode], 0.5))
+            figures[f"{mode}_ttft_p99_ms"] = ms(_pct(ttft[mode], 0.99))
+            figures[f"{mode}_rps_median"] = round(statistics.median(rps[mode]), 1)
+        figures["added_p50_ms"] = round(figures["gateway_p50_ms"] - figures["direct_p50_ms"], 3)
+        figures["added_p99_ms"] = round(figures["gateway_p99_ms"] - figures["direct_p99_ms"], 3)
+        figures["added_ttft_p99_ms"] = round(figures["gateway_ttft_p99_ms"] - figures["direct_ttft_p99_ms"], 3)
+        figures["goal"] = "added <= 1 ms p50 and <= 2 ms p99 at 32 concurrent; TTFT added <= 2 ms p99"
+        figures["goal_met"] = (figures["added_p50_ms"] <= 1 and figures["added_p99_ms"] <= 2
+                               and figures["added_ttft_p99_ms"] <= 2)
+        print(figures)
+        rec.write(figures, [{"rps": rps}], driver="aiohttp clients, stub upstream, tokenyard serve (spend on)")
+    finally:
+        for p in (gw, stub):
+            if p is not None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+if __name__ == "__main__":
+    main()
