@@ -97,8 +97,10 @@ def retry_after_s(raw: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time()) if when is not None else None
 
 
-def _error_text(raw: bytes) -> tuple[str, str | None, str | None]:
-    """(message, code, param) from an upstream's error body (OpenAI's shape, or plain text)."""
+def _error_text(raw: bytes, secret: str | None = None) -> tuple[str, str | None, str | None]:
+    """(message, code, param) from an upstream's error body (OpenAI's shape, or plain text), with
+    `secret` (the gateway's key: some servers echo the request's Authorization header) masked before
+    the message is cut to length."""
     try:
         doc = json.loads(raw)
     except ValueError:
@@ -110,7 +112,10 @@ def _error_text(raw: bytes) -> tuple[str, str | None, str | None]:
         msg, code, param = doc["message"], doc.get("code"), doc.get("param")
     else:
         msg, code, param = raw.decode("utf-8", "replace"), None, None
-    msg = " ".join(str(msg or "").split())[:MAX_ERROR_TEXT] or "no message"
+    msg = " ".join(str(msg or "").split())
+    if secret:
+        msg = msg.replace(secret, "***")
+    msg = msg[:MAX_ERROR_TEXT] or "no message"
     low = msg.lower()
     if code is None and ("context length" in low or "maximum context" in low or "context window" in low):
         code = "context_length_exceeded"
@@ -238,6 +243,9 @@ class UpstreamCall:
                 except StopAsyncIteration:
                     raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} closed the stream "
                                           f"before its first event") from None
+                # Nothing has reached the client yet: a first event that is malformed or an error is
+                # this attempt's failure (retried elsewhere), not an error event in the client's stream.
+                self._parse(self._first)
                 self.first_event_at = time.perf_counter()
                 return
             raw = await self._read_capped(resp, t.total_s)
@@ -265,7 +273,7 @@ class UpstreamCall:
                                   f"({type(e).__name__})") from None
 
     def _status_failure(self, resp: aiohttp.ClientResponse, raw: bytes) -> UpstreamFailure:
-        msg, code, param = _error_text(raw)
+        msg, code, param = _error_text(raw, self._secret)
         status = resp.status
         where = f"Upstream engine {self.name} answered {status}"
         if status == 429:
@@ -336,19 +344,10 @@ class UpstreamCall:
                     except StopAsyncIteration:
                         raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} ended the stream "
                                               f"without [DONE]") from None
-                if raw.strip() == b"[DONE]":
+                doc = self._parse(raw)
+                if doc is None:
                     yield None
                     return
-                try:
-                    doc = json.loads(raw)
-                except ValueError:
-                    raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} sent a malformed "
-                                          f"event") from None
-                if not isinstance(doc, dict):
-                    raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} sent a malformed event")
-                if "error" in doc:
-                    msg, _, _ = _error_text(raw)
-                    raise UpstreamFailure("server_error", f"Upstream engine {self.name} failed mid-stream: {msg}")
                 self._take_usage(doc)
                 for ch in doc.get("choices") or []:
                     if isinstance(ch, dict):
@@ -361,6 +360,26 @@ class UpstreamCall:
         except (aiohttp.ClientError, OSError) as e:
             raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} broke off the stream "
                                   f"({type(e).__name__})") from None
+
+    def _parse(self, raw: bytes) -> dict[str, Any] | None:
+        """One event's chunk; None for [DONE]. Raises UpstreamFailure for a malformed or error event."""
+        if raw.strip() == b"[DONE]":
+            return None
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            raise UpstreamFailure("broken_stream", f"Upstream engine {self.name} sent a malformed event")
+        if "error" in doc:
+            msg, _, _ = _error_text(raw, self._secret)
+            raise UpstreamFailure("server_error", f"Upstream engine {self.name} failed mid-stream: {msg}")
+        return doc
+
+    @property
+    def _secret(self) -> str | None:
+        key = self.engine.spec.api_key
+        return key.value if key is not None else None
 
     def _take_usage(self, doc: dict[str, Any]) -> None:
         usage = doc.get("usage")
