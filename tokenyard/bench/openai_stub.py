@@ -2,12 +2,14 @@
 (JSON, or SSE with a usage chunk), answered at once, so what is measured in front of it is the
 gateway's own cost. Not a test double for correctness (tests/gateway has those).
 
-    python -m tokenyard.bench.openai_stub --port 9100
+    TY_STUB_DELAY_MS=20 python -m tokenyard.bench.openai_stub --port 9100
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -15,12 +17,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 WORDS = ["The", " answer", " is", " four", "."]
+DELAY_S = float(os.environ.get("TY_STUB_DELAY_MS", "0")) / 1000    # before each reply (and between chunks)
 
 
 async def chat(request: Request) -> Response:
     body = await request.json()
     n = min(int(body.get("max_tokens") or len(WORDS)), len(WORDS))
-    usage = {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}
+    prompt = 10 + len(json.dumps(body.get("messages") or body.get("prompt") or "")) // 4
+    usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    if DELAY_S:
+        await asyncio.sleep(DELAY_S)
     if not body.get("stream"):
         return JSONResponse({"id": "stub", "object": "chat.completion", "created": 0, "model": body.get("model"),
                              "choices": [{"index": 0, "finish_reason": "stop",
@@ -32,6 +38,8 @@ async def chat(request: Request) -> Response:
         for i, w in enumerate(WORDS[:n]):
             delta = {"role": "assistant", "content": w} if i == 0 else {"content": w}
             yield "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}) + "\n\n"
+            if DELAY_S:
+                await asyncio.sleep(DELAY_S / len(WORDS))
         yield "data: " + json.dumps({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n"
         if (body.get("stream_options") or {}).get("include_usage"):
             yield "data: " + json.dumps({**head, "choices": [], "usage": usage}) + "\n\n"
