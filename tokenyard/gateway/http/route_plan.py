@@ -177,6 +177,15 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                router_scores=chosen.scores if chosen is not None else None,
                router_pick=chosen.engine if chosen is not None else None)
     gw.metrics.policy_decisions.labels(d.action).inc()
+    if d.error is not None and d.error.code == "engine_unavailable":
+        # The engine is down (an upstream whose deployments all rest): the policy's fallback chain
+        # for errors, when it has a live engine, takes the request instead of the 503.
+        chain = policy.fallback_for(key.tenant, d.rule_index)
+        live = [n for n in (chain.engines if chain is not None and "error" in chain.on else ())
+                if n in states and states[n].healthy]
+        if live:
+            gw.metrics.upstream_fallbacks.labels(pinned.engine if pinned is not None else "auto", "error").inc()
+            d.error, d.engine, d.reason, d.action = None, live[0], "fallback_error", "fallback"
     if d.error is not None:
         raise _refusal(d.error, states)
     dropped = 0
