@@ -62,8 +62,10 @@ def venv(dist, tmp_path_factory) -> Path:
                                          "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     (site / "_dev_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     wheel = next(dist.glob("tokenyard-*.whl"))
+    # Without PYTHONPATH: a checkout on it makes pip see tokenyard as installed already and skip the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "--quiet",
-                    "--no-deps", "--no-index", str(wheel)], check=True, timeout=300)
+                    "--no-deps", "--no-index", str(wheel)], check=True, timeout=300, env=env)
     return env_dir
 
 
