@@ -16,7 +16,7 @@ from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, mock_deployment, 
 
 from tokenyard.engines.core.structured_output import Grammars
 from tokenyard.engines.text.tokenizer import Tokenizer
-from tokenyard.gateway.prompt.prompt_guard import PROMPT_CHARS_PER_TOKEN
+from tokenyard.gateway.prompt.prompt_guard import INLINE_PROMPT_CHARS, PROMPT_CHARS_PER_TOKEN
 
 DEMO = str(ROOT / "models" / "demo-small")
 SIMPLE = {"type": "json_schema", "json_schema": {"name": "point", "schema": {
@@ -164,7 +164,8 @@ def test_a_megabyte_prompt_is_refused_before_tokenising(monkeypatch):
 
 
 def test_health_answers_while_a_prompt_is_tokenised(monkeypatch):
-    """Templating and tokenising run on the prompt threads: a 1.5 s encode does not stall /health."""
+    """Templating and tokenising a prompt longer than INLINE_PROMPT_CHARS run on the prompt threads: a
+    1.5 s encode does not stall /health. (A shorter prompt is encoded on the loop: tens of microseconds.)"""
     real = Tokenizer.encode
     slow = {"on": False}
 
@@ -177,10 +178,28 @@ def test_health_answers_while_a_prompt_is_tokenised(monkeypatch):
         monkeypatch.setattr(Tokenizer, "encode", slow_encode)
         slow["on"] = True
         with HealthProbe(srv) as probe:
-            status, _, data = srv.chat({"model": "mock", "messages": [{"role": "user", "content": "hi"}],
-                                        "max_tokens": 4})
+            status, _, data = srv.chat({"model": "mock", "max_tokens": 4, "messages": [
+                {"role": "user", "content": "hi " * (INLINE_PROMPT_CHARS // 3 + 1)}]})
         assert status == 200, data
         assert probe.count >= 10 and probe.worst < HEALTH_BOUND_S, (probe.count, probe.worst)
+
+
+def test_a_short_prompt_is_encoded_on_the_loop_without_a_thread_hop(monkeypatch):
+    """Each hop to the prompt threads costs more than encoding a short chat: none is taken for one."""
+    from tokenyard.gateway.prompt import prompt_guard
+    hops = []
+    real = prompt_guard.off_loop
+
+    async def counting(fn, *args):
+        hops.append(fn)
+        return await real(fn, *args)
+    monkeypatch.setattr(prompt_guard, "off_loop", counting)
+    with running_gateway(mock_deployment(max_sleep_ms=5)) as srv:
+        status, _, data = srv.chat({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 200 and hops == [], (data, hops)
+        status, _, data = srv.chat({"model": "mock", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "x " * (INLINE_PROMPT_CHARS // 2 + 10)}]})
+        assert status == 200 and len(hops) >= 1, (data, hops)
 
 
 def test_refused_long_prompts_count_against_the_request_limit():

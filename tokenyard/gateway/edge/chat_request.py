@@ -85,6 +85,7 @@ class SamplingRequest:
     # The body as the client sent it: what an upstream engine (type: openai) is sent, rewritten
     # (tokenyard/gateway/http/upstream_body.py). Not part of equality or repr (it may be large).
     body: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    prompt_chars: int | None = field(default=None, compare=False, repr=False)   # prompt_guard's count, once
 
 
 @dataclass(slots=True, kw_only=True)

@@ -36,7 +36,7 @@ from tokenyard.gateway.http.streaming import wait_disconnect
 from tokenyard.gateway.http.upstream_call import UpstreamCall
 from tokenyard.gateway.http.upstream_flow import start_upstream
 from tokenyard.gateway.http.upstream_reply import UpstreamJSONResponse, UpstreamSSEResponse
-from tokenyard.gateway.prompt.prompt_guard import UNROUTED, charge_refused, check_prompt_size, off_loop
+from tokenyard.gateway.prompt.prompt_guard import UNROUTED, charge_refused, check_prompt_size, prompt_work
 from tokenyard.gateway.spend.usage import RecordContext
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
                          f"another model or through /v1/batches", param="model", code="model_reserved_for_batch")
     handle = gw.handles[engine]
     max_len = handle.engine.max_model_len
-    all_ids = await off_loop(_all_prompt_ids, req, route.prompt_ids, handle.tokenizer)
+    all_ids = await prompt_work(req, _all_prompt_ids, req, route.prompt_ids, handle.tokenizer)
     prompt_ids = max(all_ids, key=len)
     if len(prompt_ids) >= max_len:
         raise BadRequest(f"This model's maximum context length is {max_len} tokens; the {prompt_param} have "
@@ -232,7 +232,7 @@ async def _generate_upstream(gw: "Gateway", req: AnyRequest, key: KeyRecord, pro
     context = _record_context(gw, req, key, entry, route, prices, lane)
 
     async def fallback(moved: Any, reason: str) -> Started:
-        ids = await off_loop(prompt_ids_for, gw, moved.engine, req)
+        ids = await prompt_work(req, prompt_ids_for, gw, moved.engine, req)
         return await _generate(gw, req, key, prompt_param, entry, replace(moved, prompt_ids=ids, reason=reason,
                                                                            prices=None), lane)
     return await start_upstream(gw, req, key, entry, route, lane, handle, prompt_lengths, max_tokens, priority,

@@ -42,7 +42,7 @@ from tokenyard.gateway.edge.completion_request import CompletionRequest
 from tokenyard.gateway.edge.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
 from tokenyard.gateway.edge.tool_request import ToolSetup
 from tokenyard.gateway.prompt.context_trim import ContextTooLong, trim_to_fit
-from tokenyard.gateway.prompt.prompt_guard import off_loop
+from tokenyard.gateway.prompt.prompt_guard import prompt_work
 from tokenyard.gateway.prompt.tool_prompt import template_messages
 from tokenyard.gateway.routing.context_route import move_to_fit
 from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
@@ -126,7 +126,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     state = gw.policy
     policy = state.policy
     counting = pinned.engine if pinned is not None else gw.router.counting_engine
-    tok, ids = await off_loop(_tokenize, gw, counting, req)   # template + encode on the prompt threads
+    tok, ids = await prompt_work(req, _tokenize, gw, counting, req)   # template + encode (threads if long)
     score = None
     chosen = None                   # an N-engine router's pick (EngineSetRouter)
     # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
@@ -158,7 +158,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         if chosen is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
             plan.explanation.append(f"router P(good): {shown}; chose {engine}")
-        return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan)))
+        return await prompt_work(req, lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan)))
 
     import asyncio
     loop = asyncio.get_running_loop()
@@ -191,7 +191,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     dropped = 0
     limit = policy.context_for(key.tenant, d.rule_index)
     if limit is not None and len(ids) > limit.max_prompt_tokens:
-        ids, dropped = await off_loop(_fit_context, req, tok, ids, limit)
+        ids, dropped = await prompt_work(req, _fit_context, req, tok, ids, limit)
     rule_priority = d.rule_index is not None and policy.rules[d.rule_index].action.priority is not None
     priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
                                                                         PRIORITIES.index(d.priority))
@@ -204,7 +204,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                 routed_prompt_tokens=features.prompt_tokens, fallback=policy.fallback_for(key.tenant, d.rule_index))
     if found:       # held at admission, settled with the usage record (tokenyard/gateway/spend/budget_hold.py)
         plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
-    return await off_loop(lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e))))
+    return await prompt_work(req, lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e))))
 
 
 def _fit(gw: "Gateway", req: ChatRequest | CompletionRequest, tok: Any, plan: Plan, prices_for=None) -> Plan:
