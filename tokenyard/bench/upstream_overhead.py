@@ -11,7 +11,12 @@ process; on a small machine they share the cores, which the JSON records (load a
 Measured per mode: non-streamed latency p50/p99, streamed time to first content chunk p50/p99, and
 requests/s of the non-streamed rounds. Added = gateway percentile - direct percentile.
 
-    .venv/bin/python -m tokenyard.bench.upstream_overhead [--rounds 6] [--requests 640] [--concurrency 32]
+With `--litellm PATH` (the `litellm` command of a venv with `litellm[proxy]`, a benchmark peer kept
+outside this project's dependencies), LiteLLM's proxy with one worker in front of the same stub is a
+third mode in the same interleaved rounds: the request rate per gateway worker is compared.
+
+    .venv/bin/python -m tokenyard.bench.upstream_overhead [--rounds 6] [--requests 640] [--concurrency 32] \
+        [--litellm /work/litellm-venv/bin/litellm]
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import yaml
 
 from tokenyard.bench.serve_launch import ROOT, free_port, spawn_gateway, wait_ready
 
-KEY = "bench-key"
+KEY = "sk-tybench-5f2c7d1e9a3b4c6d8e0f1a2b3c4d5e6f"   # one key for every mode (LiteLLM wants sk-...)
 BODY = {"model": "big", "max_tokens": 5, "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
 
 
@@ -77,13 +82,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=640, help="per round and mode")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--litellm", default=None, help="the litellm command (litellm[proxy]) to compare with")
     args = ap.parse_args()
     from tokenyard.bench.results_io import RunRecorder
     rec = RunRecorder("upstream_overhead")
     stub_port, gw_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "tokenyard.bench.openai_stub", "--port", str(stub_port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    gw = None
+    gw = peer = None
     try:
         wait_ready(f"http://127.0.0.1:{stub_port}", 30, stub, path="/v1/models")
         redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
@@ -101,13 +107,25 @@ def main() -> None:
         urls = {"direct": f"http://127.0.0.1:{stub_port}/v1/chat/completions",
                 "gateway": f"http://127.0.0.1:{gw_port}/v1/chat/completions"}
         bodies = {"direct": {**BODY, "model": "stub"}, "gateway": BODY}
+        if args.litellm:
+            peer_port = free_port()
+            peer_cfg = cfg.parent / "litellm.yaml"
+            peer_cfg.write_text(yaml.safe_dump({"model_list": [{"model_name": "big", "litellm_params": {
+                "model": "openai/stub", "api_base": f"http://127.0.0.1:{stub_port}/v1", "api_key": "none"}}],
+                "litellm_settings": {"set_verbose": False}, "general_settings": {"master_key": KEY}}))
+            peer = subprocess.Popen([args.litellm, "--config", str(peer_cfg), "--port", str(peer_port),
+                                     "--num_workers", "1"], cwd=cfg.parent, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env={**os.environ, "LITELLM_LOG": "ERROR"})
+            wait_ready(f"http://127.0.0.1:{peer_port}", 120, peer, path="/health/liveliness")
+            urls["litellm"] = f"http://127.0.0.1:{peer_port}/v1/chat/completions"
+            bodies["litellm"] = BODY
         for mode in urls:      # warm-up: connections, the key cache, first imports
             asyncio.run(_round(urls[mode], bodies[mode], 64, args.concurrency, False))
         lat: dict[str, list[float]] = {m: [] for m in urls}
         ttft: dict[str, list[float]] = {m: [] for m in urls}
         rps: dict[str, list[float]] = {m: [] for m in urls}
         for r in range(args.rounds):
-            order = list(urls) if r % 2 == 0 else list(reversed(list(urls)))
+            order = list(urls)[r % len(urls):] + list(urls)[:r % len(urls)]
             for mode in order:
                 got, wall = asyncio.run(_round(urls[mode], bodies[mode], args.requests, args.concurrency, False))
                 lat[mode] += got
@@ -129,10 +147,14 @@ def main() -> None:
         figures["goal"] = "added <= 1 ms p50 and <= 2 ms p99 at 32 concurrent; TTFT added <= 2 ms p99"
         figures["goal_met"] = (figures["added_p50_ms"] <= 1 and figures["added_p99_ms"] <= 2
                                and figures["added_ttft_p99_ms"] <= 2)
+        if "litellm" in urls:
+            figures["rps_vs_litellm"] = round(figures["gateway_rps_median"] / figures["litellm_rps_median"], 2)
+            figures["litellm_goal"] = "gateway requests/s per worker >= 10x LiteLLM's proxy"
+            figures["litellm_goal_met"] = figures["rps_vs_litellm"] >= 10
         print(figures)
         rec.write(figures, [{"rps": rps}], driver="aiohttp clients, stub upstream, tokenyard serve (spend on)")
     finally:
-        for p in (gw, stub):
+        for p in (gw, peer, stub):
             if p is not None:
                 p.terminate()
                 try:

@@ -239,7 +239,24 @@ def openapi_schema() -> dict[str, Any]:
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletion"}},
                                         "text/event-stream": {"schema": {
                                             "$ref": "#/components/schemas/ChatCompletionChunk"}}}},
-                    **errors(400, 401, 403, 404, 413, 422, 429, 500, 503)}}},
+                    **errors(400, 401, 403, 404, 413, 422, 429, 500, 502, 503, 504)}}},
+            "/v1/embeddings": {"post": {
+                "summary": "Create embeddings on an upstream engine that serves them (type: openai with "
+                           "embeddings: true; model names the engine); key, limits, admission and spend as chat",
+                "security": auth,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["model", "input"], "properties": {
+                        "model": {"type": "string"},
+                        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                            {"type": "array", "items": {"type": "integer"}},
+                                            {"type": "array", "items": {"type": "array",
+                                                                        "items": {"type": "integer"}}}]},
+                        "encoding_format": {"type": "string"}, "dimensions": {"type": "integer"},
+                        "user": {"type": "string"}}}}}},
+                "responses": {"200": json_body({"type": "object", "properties": {
+                    "object": {"const": "list"}, "data": {"type": "array"}, "model": {"type": "string"},
+                    "usage": {"type": "object"}}}, "the upstream's embeddings, model set to the engine"),
+                    **errors(400, 401, 404, 413, 429, 502, 503, 504)}}},
             "/v1/completions": {"post": {
                 "summary": "Create a text completion from a prompt (streamed as server-sent events when stream is "
                            "true); same admission, limits, routing and spend as chat",
@@ -255,7 +272,7 @@ def openapi_schema() -> dict[str, Any]:
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TextCompletion"}},
                                         "text/event-stream": {"schema": {
                                             "$ref": "#/components/schemas/TextCompletion"}}}},
-                    **errors(400, 401, 403, 404, 413, 429, 500, 503)}}},
+                    **errors(400, 401, 403, 404, 413, 429, 500, 502, 503, 504)}}},
             "/v1/models": {"get": {"summary": "List models: 'auto' and every engine", "security": auth,
                                    "responses": {"200": json_body({"type": "object", "properties": {
                                        "object": {"const": "list"},
