@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable
 
 log = logging.getLogger("tokenyard.usage")
@@ -86,13 +86,24 @@ class UsageRecord:
     upstream_attempts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """asdict's result without its recursive deep copy (a third of a millisecond per request):
+        the containers are copied one level, which is all a record holds (engine_state: a level more)."""
+        out = {name: getattr(self, name) for name in _FIELD_NAMES}
+        out["tags"] = dict(self.tags)
+        out["prices"] = list(self.prices)
+        out["choice_completion_tokens"] = list(self.choice_completion_tokens)
+        if self.engine_state is not None:
+            out["engine_state"] = {k: dict(v) for k, v in self.engine_state.items()}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "UsageRecord":
         """Inverse of to_dict; unknown keys (from a newer gateway) are ignored."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(UsageRecord))
 
 
 def _defaults() -> dict[str, Any]:
