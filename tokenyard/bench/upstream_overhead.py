@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--litellm", default=None, help="the litellm command (litellm[proxy]) to compare with")
     args = ap.parse_args()
     from tokenyard.bench.results_io import RunRecorder
-    rec = RunRecorder("upstream_overhead")
+    # One record per concurrency: 32 (the goal, and the LiteLLM comparison) and 1 (the added
+    # latency of one request with nothing queued) are both kept.
+    rec = RunRecorder("upstream_overhead" if args.concurrency == 32 else f"upstream_overhead_c{args.concurrency}")
     stub_port, gw_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "tokenyard.bench.openai_stub", "--port", str(stub_port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
