@@ -21,7 +21,7 @@ from tokenyard.engines.core.json_grammar import (
     MAX_EXPONENT_DIGITS,
     MAX_FRACTION_DIGITS,
     MAX_INT_DIGITS,
-    MAX_STRING_RUN,
+    MAX_STRING_CHARS,
     json_schema_ebnf,
 )
 from tokenyard.engines.core.structured_output import Grammars
@@ -103,11 +103,9 @@ def test_numbers_have_bounded_digits(grammars):
 def test_strings_never_hold_raw_control_characters(grammars):
     accepts = _Doc(grammars, City.model_json_schema()).takes
     doc = '{"name": "%s", "population_millions": 2}'
-    # No maxLength: escapes allowed; at most MAX_STRING_RUN plain characters up to the first escape (a small
-    # model's string loop holds none), then xgrammar's recursive rule (bounded by max_tokens).
+    # No maxLength: escapes allowed; at most MAX_STRING_CHARS characters, an escape counting as one.
     assert accepts(doc % 'a\\"b\\n\\u0041é😀')
-    assert accepts(doc % ("x" * MAX_STRING_RUN)) and not accepts(doc % ("x" * (MAX_STRING_RUN + 1)))
-    assert accepts(doc % ("x" * 300 + "\\n" + "x" * 2000))      # past an escape: no cap but max_tokens
+    assert accepts(doc % ("x" * MAX_STRING_CHARS)) and not accepts(doc % ("x" * (MAX_STRING_CHARS + 1)))
     for ctl in ("\x00", "\x11", "\t", "\x1f", "\n"):
         assert not accepts(doc % ctl), repr(ctl)
     bounded = _Doc(grammars, Order.model_json_schema()).takes
@@ -120,6 +118,55 @@ def test_strings_never_hold_raw_control_characters(grammars):
     assert not bounded('{"quantity": 101, "express": true, "note": ""}')
     assert not bounded('{"quantity": 0, "express": true, "note": ""}')
     assert not bounded('{"quantity":5, "express": true, "note": ""}')  # whitespace is fixed
+
+
+def test_a_string_without_max_length_holds_256_characters_escapes_counted(grammars):
+    """Issue 45: past its first escape a string had no cap, so SmolLM2 repeated a team name after a `\\n` until
+    max_tokens. Now 256 characters in all (docs/engine.md), an escape counting as one, a character as one
+    whatever its UTF-8 length; property names of open objects too."""
+    accepts = _Doc(grammars, City.model_json_schema()).takes
+    doc = '{"name": "%s", "population_millions": 2}'
+    for unit in ("x", "é", "😀", "\\n", '\\"', "\\u00e9", "\\\\"):
+        assert accepts(doc % (unit * 256)) and not accepts(doc % (unit * 257)), unit
+    assert accepts(doc % ("x" * 255 + "\\n")) and not accepts(doc % ("x" * 256 + "\\n"))
+    assert accepts(doc % ("x" * 100 + "\\n" + "y" * 155)) and not accepts(doc % ("x" * 100 + "\\n" + "y" * 156))
+    assert not accepts(doc % ("x" * 300 + "\\n" + "x" * 2000))
+    any_json = grammars.compile({"type": "json_object"})
+    for key, ok in (("k" * 256, True), ("k" * 257, False)):
+        m = xgr.GrammarMatcher(any_json, terminate_without_stop_token=True)
+        assert (m.accept_string('{"%s": "%s"}' % (key, "v" * 256)) and m.is_completed()) == ok
+
+
+def test_a_string_that_loops_through_escapes_ends_at_the_cap(grammars):
+    """A model that never closes a string, writing escapes (and characters) while the grammar allows them: after
+    256 characters the mask leaves it only tokens that close the string."""
+    c = grammars.constraint({"type": "json_schema", "schema": Team.model_json_schema()})
+    opening = b'{"team": "'
+    for b in opening:
+        assert c.accept(TOKENS.index(bytes([b])))
+    looping = [TOKENS.index(t) for t in (b'\\"', b"\\u00", b"x")]
+    text, step = b"", 0
+    while (pick := next((t for t in looping[step % 3:] + looping[:step % 3] if t in _allowed(c)), None)) is not None:
+        step += 1                                          # an escaped quote, a \u escape, a character, in turn
+        assert len(text) < 2000, text[-60:]                # no cap: it would loop to max_tokens
+        assert c.accept(pick)
+        text += TOKENS[pick]
+        if TOKENS[pick] == b"\\u00":                     # two hex digits complete the escape
+            for b in b"e9":
+                assert c.accept(TOKENS.index(bytes([b])))
+            text += b"e9"
+    assert all(TOKENS[t].startswith(b'"') for t in _allowed(c)), [TOKENS[t] for t in _allowed(c)]
+    assert len(json.loads(b'"' + text + b'"')) == 256 and b"\\u00e9" in text and b"x" in text
+
+
+def test_lists_without_max_items_hold_16(grammars):
+    """Issue 45: 32 members of a list of objects still filled 1,024 tokens; the default is 16 (docs/engine.md)."""
+    palette = _Doc(grammars, Palette.model_json_schema()).takes
+    doc = '{"colours": [%s]}'
+    assert palette(doc % ", ".join(['"red"'] * 16)) and not palette(doc % ", ".join(['"red"'] * 17))
+    open_map = _Doc(grammars, {"type": "object", "additionalProperties": {"type": "integer"}}).takes
+    props = ", ".join(f'"k{i}": 1' for i in range(16))
+    assert open_map("{" + props + "}") and not open_map("{" + props + ', "k16": 1}')
 
 
 _REPEAT = re.compile(r"\b(\w+)\{(\d+), (-?\d+)\}")

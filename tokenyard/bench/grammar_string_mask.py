@@ -7,12 +7,15 @@ the rewrite of a0873a5) made xgrammar 0.2.9 fill a mask in 150 ms at a string's 
 on the engine's step, for the whole batch (bench/RESULTS.md, structured parse()). Measured here, each on the
 49,152-token vocabulary (RAW bytes, as tokenyard.engines.core.structured_output.Grammars builds it):
 - shipped: what Grammars compiles now (tokenyard.engines.core.json_grammar) for a schema with one string property:
-  no maxLength, maxLength 512 and maxLength 16;
-- shipped, inside lists: 20 items into a list of objects and into an enum list (strings inside the item cap);
+  no maxLength (at the opening quote, 116 and 250 characters in, and 0 and 100 characters past a `\\n` written
+  after 100; plus the slowest of the positions 0, 4, 8, ... 252, "worst"), maxLength 512 and maxLength 16;
+- shipped, inside lists: 12 items into a list of objects and into an enum list (strings inside the item cap);
 - reference forms, written out as EBNF: xgrammar's recursive string rule, a plain character class repeat
   `[^"\\\\\\x00-\\x1f]{0, 512}`, and the slow alternation repeat.
 For each: the mask fill time (median and max of `reps` fills, or as many as `budget-s` allows) after the opening
-quote and after 300 characters of plain text (8 for maxLength 16). Writes bench/results/grammar_string_mask.json.
+quote and after 300 characters of plain text (8 for maxLength 16) unless said above; 116 characters in was the old
+512-character run's slowest point (1.2-2.9 ms here: xgrammar's unrolled part of a `{0, n}` repeat ends at 127).
+Writes bench/results/grammar_string_mask.json.
 """
 from __future__ import annotations
 
@@ -43,16 +46,16 @@ FORMS = {
 }
 _MEMBERS = {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "role": {"type": "string"}},
                                       "required": ["name", "role"]}}
-# Strings deep in a bounded list (the item-count repeat around them), 20 items in: a list of objects (a member's
+# Strings deep in a bounded list (the item-count repeat around them), 12 items in: a list of objects (a member's
 # name, at its start) and an enum list (after ", ").
 LISTS = {
-    "shipped, 21st member's name in a list of objects":
+    "shipped, 13th member's name in a list of objects":
         ({"type": "object", "properties": {"members": _MEMBERS}, "required": ["members"]},
-         '{"members": [' + ", ".join(['{"name": "Ann", "role": "dev"}'] * 20) + ', {"name": "'),
-    "shipped, 21st item of an enum list":
+         '{"members": [' + ", ".join(['{"name": "Ann", "role": "dev"}'] * 12) + ', {"name": "'),
+    "shipped, 13th item of an enum list":
         ({"type": "object", "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
           "required": ["colours"]},
-         '{"colours": [' + ", ".join(['"red"'] * 20) + ", "),
+         '{"colours": [' + ", ".join(['"red"'] * 12) + ", "),
 }
 SHIPPED = {"no maxLength": {"type": "string"}, "maxLength 512": {"type": "string", "maxLength": 512},
            "maxLength 16": {"type": "string", "maxLength": 16}}
@@ -101,6 +104,15 @@ def main() -> None:
     for label, string_schema in SHIPPED.items():
         schema = {"type": "object", "properties": {"s": string_schema}, "required": ["s"], "additionalProperties": False}
         compiled = grammars.compile({"type": "json_schema", "schema": schema})
+        if "maxLength" not in string_schema:
+            rows = measure(xgr, compiled, '{"s": "', [0, 116, 250], tok.vocab_size, args.reps, args.budget_s)
+            after = measure(xgr, compiled, '{"s": "' + TEXT[:100] + "\\n", [0, 100], tok.vocab_size, args.reps,
+                            args.budget_s)
+            every = measure(xgr, compiled, '{"s": "', list(range(0, 256, 4)), tok.vocab_size, 3, args.budget_s)
+            runs.append({"grammar": f"shipped, {label}", "rows": rows})
+            runs.append({"grammar": f"shipped, {label}, past an escape", "rows": after})
+            runs.append({"grammar": f"shipped, {label}, worst of 0-252", "rows": [max(every, key=lambda r: r["median_ms"])]})
+            continue
         depths = [0, 8] if string_schema.get("maxLength", 10**9) < 300 else [0, 300]
         runs.append({"grammar": f"shipped, {label}", "rows": measure(xgr, compiled, '{"s": "', depths, tok.vocab_size,
                                                                     args.reps, args.budget_s)})
