@@ -29,7 +29,7 @@ from tokenyard.gateway.edge.chat_request import ChatRequest
 from tokenyard.gateway.edge.completion_request import CompletionRequest
 from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
 from tokenyard.gateway.edge.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
-from tokenyard.gateway.http.generation import EngineFailed, Generation, RequestRejected
+from tokenyard.gateway.http.generation import EngineFailed, Generation, GenerationSetup, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.route_plan import plan_route, prompt_ids_for, tokenize_prompt
 from tokenyard.gateway.http.streaming import wait_disconnect
@@ -177,13 +177,11 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
     context = _record_context(gw, req, key, entry, route, prices, lane)
     percent = 100 if lane is None else lane.price_percent
     # Choice k is prompt k // n, its choice k % n; the prompt's first choice prefills it for the rest.
-    choices = [Generation(handle, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n],
-                          params[k % req.n], req.model, route.reason, req.stream, arrival, time.time(), gw.metrics,
-                          sink, priority=priority, tenant=key.tenant, context=context,
-                          price_percent=percent)
+    setup = GenerationSetup(handle, req.model, route.reason, req.stream, arrival, time.time(), gw.metrics, sink,
+                            priority=priority, tenant=key.tenant, context=context, price_percent=percent,
+                            grammar_param=grammar_param)
+    choices = [Generation(setup, engine_rid if k == 0 else f"{engine_rid}.{k}", all_ids[k // req.n], params[k % req.n])
                for k in range(num_choices)]
-    for g in choices:
-        g.grammar_param = grammar_param
     gen = GenerationGroup(choices, on_end=admitted.end, sink=sink,
                           leaders=[k - k % req.n for k in range(num_choices)])
     try:

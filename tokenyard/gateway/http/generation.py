@@ -12,6 +12,7 @@ tokens the engine had already produced, records metrics and hands a UsageRecord 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from tokenyard.engines.core.outputs import StepOutput
@@ -44,31 +45,51 @@ class RequestRejected(EngineFailed):
         return BadRequest(str(self), param=self.param, code=code)
 
 
+@dataclass(slots=True)
+class GenerationSetup:
+    """What every choice of one request shares: where it runs, how it was routed, what it is billed."""
+
+    handle: EngineHandle
+    requested_model: str
+    route_reason: str
+    stream: bool
+    arrival: float                          # perf_counter seconds
+    arrival_wall: float                     # unix seconds
+    metrics: GatewayMetrics
+    sink: UsageSink
+    priority: int = 0                       # engine priority: 0 interactive, 1 batch
+    tenant: str = ""
+    context: RecordContext | None = None
+    price_percent: int = 100                # share of the prices charged: 100, or the policy's batch price
+    grammar_param: str = "response_format"  # the parameter a grammar refusal is blamed on ("tools")
+
+
 class Generation:
-    def __init__(self, handle: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 requested_model: str, route_reason: str, stream: bool, arrival: float, arrival_wall: float,
-                 metrics: GatewayMetrics, sink: UsageSink, priority: int = 0, tenant: str = "",
-                 on_end: Callable[[int | None], None] | None = None, context: RecordContext | None = None,
-                 on_first_token: Callable[[], None] | None = None, counted: bool = True,
-                 price_percent: int = 100) -> None:
-        self.handle = handle
+    """One choice: `request_id` in the engine, its prompt ids and sampling parameters. on_end gets the
+    tokens used (None: never ran); on_first_token is called once, when the prefill is done; counted:
+    False when another choice of the same request counts it in the request metrics."""
+
+    def __init__(self, setup: GenerationSetup, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 on_end: Callable[[int | None], None] | None = None,
+                 on_first_token: Callable[[], None] | None = None, counted: bool = True) -> None:
+        self.handle = handle = setup.handle
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.requested_model = requested_model
-        self.route_reason = route_reason
-        self.stream = stream
-        self.arrival = arrival                 # perf_counter seconds
-        self.arrival_wall = arrival_wall       # unix seconds
-        self._metrics = metrics
-        self._sink = sink
-        self.priority = priority               # engine priority: 0 interactive, 1 batch
-        self.tenant = tenant
-        self.context = context or RecordContext(tenant=tenant)
+        self.requested_model = setup.requested_model
+        self.route_reason = setup.route_reason
+        self.stream = setup.stream
+        self.arrival = setup.arrival           # perf_counter seconds
+        self.arrival_wall = setup.arrival_wall  # unix seconds
+        self._metrics = setup.metrics
+        self._sink = setup.sink
+        self.priority = setup.priority         # engine priority: 0 interactive, 1 batch
+        self.tenant = setup.tenant
+        self.context = setup.context or RecordContext(tenant=setup.tenant)
         self._on_end = on_end                  # gets the tokens used (None: never ran): refund, free the slot
         self._on_first_token = on_first_token  # called once, when the prompt's prefill is done
         self._counted = counted                # False: another choice of the same request counts it
-        self.price_percent = price_percent     # share of the prices charged: 100, or the policy's batch price
+        self.price_percent = setup.price_percent  # share of the prices charged: 100, or the policy's batch price
         self._bucket = prompt_bucket(len(prompt_ids))
         self._text = TextStream(handle.tokenizer, params, prompt_ids)
         self._engine_stream: RequestStream | None = None
@@ -82,7 +103,7 @@ class Generation:
         # [token id, logprob, [[id, logprob], ...]] per completion token, when params.logprobs is set.
         self.logprobs: list = []
         self.rejected = False                  # the engine refused the request's input (a 400)
-        self.grammar_param = "response_format"  # the parameter a grammar refusal is blamed on ("tools")
+        self.grammar_param = setup.grammar_param
 
     # -- running ------------------------------------------------------------------------------
     def start(self) -> None:
