@@ -2,7 +2,7 @@
 is clearly needed, how often it calls one when none is, and whether the round trip (its call, the
 tool's result, its answer) ends in a plain answer rather than template markup.
 
-The prompts and the parsing are the gateway's own (tokenyard/gateway/http/route_plan.tokenize with the request's
+The prompts and the parsing are the gateway's own (tokenyard/gateway/prompt/rendering.tokenize with the request's
 tools, tokenyard/gateway/http/tool_calls.ToolCallStream with tool_choice "auto"); the model runs in-process
 through tokenyard.engines.LLM, greedy, with the default deployment's settings (int4 from the GGUF's Q4_1, fp32
 activations). Each prompt style is measured: "smollm2" (the model card's function-calling format,

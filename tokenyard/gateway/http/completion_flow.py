@@ -31,12 +31,13 @@ from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
 from tokenyard.gateway.edge.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from tokenyard.gateway.http.generation import EngineFailed, Generation, GenerationSetup, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
-from tokenyard.gateway.http.route_plan import plan_route, prompt_ids_for, tokenize_prompt
+from tokenyard.gateway.http.route_plan import plan_route
 from tokenyard.gateway.http.streaming import wait_disconnect
 from tokenyard.gateway.http.upstream_call import UpstreamCall
 from tokenyard.gateway.http.upstream_flow import start_upstream
 from tokenyard.gateway.http.upstream_reply import UpstreamJSONResponse, UpstreamSSEResponse
 from tokenyard.gateway.prompt.prompt_guard import UNROUTED, charge_refused, check_prompt_size, prompt_work
+from tokenyard.gateway.prompt.rendering import RenderedPrompt, tokenize_prompt
 from tokenyard.gateway.spend.usage import RecordContext
 
 if TYPE_CHECKING:
@@ -111,8 +112,9 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
     try:
         # Too long for any context it may be served with: refused before any template runs.
         check_prompt_size(gw, req, prompt_param)
-        # Policy and route: rules, the learned router, budget, overflow; may refuse here.
-        route = await plan_route(gw, req, key, entry.deadline)
+        # The prompt, rendered and encoded (once per tokenizer), then policy and route: rules, the
+        # learned router, budget, overflow; may refuse here.
+        route = await plan_route(gw, req, key, entry.deadline, RenderedPrompt(req))
         return await _generate(gw, req, key, prompt_param, entry, route, lane)
     except BadRequest as e:
         if e.code == "context_length_exceeded":   # still one request of the sender's limit
@@ -230,7 +232,7 @@ async def _generate_upstream(gw: "Gateway", req: AnyRequest, key: KeyRecord, pro
     context = _record_context(gw, req, key, entry, route, prices, lane)
 
     async def fallback(moved: Any, reason: str) -> Started:
-        ids = await prompt_work(req, prompt_ids_for, gw, moved.engine, req)
+        ids = await prompt_work(req, moved.prompt.ids, gw.handles[moved.engine].tokenizer)
         return await _generate(gw, req, key, prompt_param, entry, replace(moved, prompt_ids=ids, reason=reason,
                                                                            prices=None), lane)
     return await start_upstream(gw, req, key, entry, route, lane, handle, prompt_lengths, max_tokens, priority,

@@ -4,10 +4,10 @@ the limits.
     plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
 
 1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
-2. The prompt is tokenised once, on the prompt threads (tokenyard/gateway/prompt/prompt_guard.py), never on the
-   event loop (the pinned engine's tokenizer, else the counting engine's; again
-   only if the engine finally chosen has another tokenizer). Chat messages go through the model's
-   chat template; a text completion's prompt is encoded as is, or taken as token ids.
+2. The prompt's token ids come from the rendering step before this one (tokenyard/gateway/prompt/rendering.py:
+   template, tools and encoding, once per tokenizer; on the prompt threads when the prompt is long,
+   tokenyard/gateway/prompt/prompt_guard.py): the pinned engine's tokenizer, else the counting engine's;
+   again only if the engine finally chosen has another tokenizer.
 3. The learned router (deployment `router:`) scores every prompt: P(small is enough),
    to metrics, the response headers and the usage record (the replay of a policy needs it).
 4. Without a policy (the built-in default, version 0) the deployment's routing decides: a named
@@ -33,17 +33,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from tokenyard.engines.core.errors import RequestError
-from tokenyard.engines.text.chat_template import ChatTemplateError, apply_chat_template, tool_style
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
 from tokenyard.gateway.edge.chat_request import ChatRequest
 from tokenyard.gateway.edge.completion_request import CompletionRequest
-from tokenyard.gateway.edge.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, Unprocessable, retry_headers
-from tokenyard.gateway.edge.tool_request import ToolSetup
+from tokenyard.gateway.edge.errors import APIError, BadRequest, Forbidden, RateLimited, Unavailable, retry_headers
 from tokenyard.gateway.prompt.context_trim import ContextTooLong, trim_to_fit
 from tokenyard.gateway.prompt.prompt_guard import prompt_work
-from tokenyard.gateway.prompt.tool_prompt import template_messages
+from tokenyard.gateway.prompt.rendering import RenderedPrompt, tokenize
 from tokenyard.gateway.routing.context_route import move_to_fit
 from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
 from tokenyard.gateway.spend.budget_hold import BudgetCharge, meters_for
@@ -76,20 +73,14 @@ class Plan:
     context_dropped_tokens: int = 0             # prompt tokens the policy's context limit trimmed away
     budget: BudgetCharge | None = None          # the budgets to hold the worst-case cost against (admission)
     routed_prompt_tokens: int = 0               # the count routing and the policy decided with (the usage record)
+    prompt: RenderedPrompt | None = None        # the request's prompt, encoded per tokenizer (rendering.py)
     fallback: Any = None                        # policies.Fallback: where a failed upstream call may go next
     tried: tuple[str, ...] = ()                 # engines a fallback already left
 
 
-def prompt_ids_for(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> list[int]:
-    """The routed prompt's ids with this engine's tokenizer (a fallback moves a request to another engine)."""
-    return _tokenize(gw, engine, req)[1]
-
-
-def _tokenize(gw: "Gateway", engine: str, req: ChatRequest | CompletionRequest) -> tuple[Any, list[int]]:
+def _ids(gw: "Gateway", engine: str, prompt: RenderedPrompt) -> tuple[Any, list[int]]:
     tok = gw.handles[engine].tokenizer
-    if isinstance(req, CompletionRequest):
-        return tok, tokenize_prompt(tok, req.prompt)
-    return tok, tokenize(tok, req.messages, req.tools)
+    return tok, prompt.ids(tok)
 
 
 def _router_text(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int]) -> str:
@@ -109,8 +100,12 @@ def engine_states(gw: "Gateway", tenant: str, priority: int) -> dict[str, Engine
     return out
 
 
-async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
-    plan = await _route(gw, req, key, deadline)
+async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float,
+                     prompt: RenderedPrompt | None = None) -> Plan:
+    """prompt: the request's rendered prompt (made here when not given); the plan keeps it."""
+    prompt = prompt or RenderedPrompt(req)
+    plan = await _route(gw, req, key, deadline, prompt)
+    plan.prompt = prompt
     if plan.budget is not None:     # the worst case is reckoned at the prices the request is billed at
         plan.budget.prices = plan.prices or gw.handles[plan.engine].prices
     if req.priority is not None:
@@ -121,12 +116,13 @@ async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: K
     return plan
 
 
-async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float) -> Plan:
+async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float,
+                 prompt: RenderedPrompt) -> Plan:
     pinned = gw.router.pinned(req.model)          # NotFound for unknown names
     state = gw.policy
     policy = state.policy
     counting = pinned.engine if pinned is not None else gw.router.counting_engine
-    tok, ids = await prompt_work(req, _tokenize, gw, counting, req)   # template + encode (threads if long)
+    tok, ids = await prompt_work(req, _ids, gw, counting, prompt)   # template + encode (threads if long)
     score = None
     chosen = None                   # an N-engine router's pick (EngineSetRouter)
     # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
@@ -158,7 +154,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         if chosen is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
             plan.explanation.append(f"router P(good): {shown}; chose {engine}")
-        return await prompt_work(req, lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan)))
+        return await prompt_work(req, lambda: _finish(gw, prompt, tok, _fit(gw, prompt, tok, plan)))
 
     import asyncio
     loop = asyncio.get_running_loop()
@@ -191,7 +187,7 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     dropped = 0
     limit = policy.context_for(key.tenant, d.rule_index)
     if limit is not None and len(ids) > limit.max_prompt_tokens:
-        ids, dropped = await prompt_work(req, _fit_context, req, tok, ids, limit)
+        ids, dropped = await prompt_work(req, _fit_context, prompt, tok, ids, limit)
     rule_priority = d.rule_index is not None and policy.rules[d.rule_index].action.priority is not None
     priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
                                                                         PRIORITIES.index(d.priority))
@@ -204,18 +200,20 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
                 routed_prompt_tokens=features.prompt_tokens, fallback=policy.fallback_for(key.tenant, d.rule_index))
     if found:       # held at admission, settled with the usage record (tokenyard/gateway/spend/budget_hold.py)
         plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
-    return await prompt_work(req, lambda: _finish(gw, req, tok, _fit(gw, req, tok, plan, lambda e: state.prices.get(e))))
+    return await prompt_work(req, lambda: _finish(gw, prompt, tok, _fit(gw, prompt, tok, plan,
+                                                                          lambda e: state.prices.get(e))))
 
 
-def _fit(gw: "Gateway", req: ChatRequest | CompletionRequest, tok: Any, plan: Plan, prices_for=None) -> Plan:
+def _fit(gw: "Gateway", prompt: RenderedPrompt, tok: Any, plan: Plan, prices_for=None) -> Plan:
     """A routed prompt too long for its engine's context moves to one whose context holds it."""
-    return move_to_fit(gw, plan, tok, lambda engine: _tokenize(gw, engine, req)[1], prices_for)
+    return move_to_fit(gw, plan, tok, lambda engine: _ids(gw, engine, prompt)[1], prices_for)
 
 
-def _fit_context(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list[int],
+def _fit_context(prompt: RenderedPrompt, tok: Tokenizer, ids: list[int],
                  limit: ContextLimit) -> tuple[list[int], int]:
-    """The policy's context limit: a chat's oldest turns dropped to fit (req.messages replaced), or
+    """The policy's context limit: a chat's oldest turns dropped to fit (the messages replaced), or
     400 context_length_exceeded. Returns the new prompt ids and the tokens dropped."""
+    req = prompt.req
     if not isinstance(req, ChatRequest):
         raise BadRequest(f"The prompt has {len(ids)} tokens; the policy allows at most {limit.max_prompt_tokens} "
                          "prompt tokens for this request (a text prompt is never trimmed)", param="prompt",
@@ -225,13 +223,14 @@ def _fit_context(req: ChatRequest | CompletionRequest, tok: Tokenizer, ids: list
                                     limit.max_prompt_tokens, trim=limit.trim != "none", tokens=len(ids))
     except ContextTooLong as e:
         raise BadRequest(str(e), param="messages", code="context_length_exceeded") from e
-    req.messages = kept
-    return tokenize(tok, kept, req.tools), dropped
+    kept_ids = tokenize(tok, kept, req.tools)
+    prompt.replace_messages(kept, tok, kept_ids)
+    return kept_ids, dropped
 
 
-def _finish(gw: "Gateway", req: ChatRequest | CompletionRequest, counted_with: Any, plan: Plan) -> Plan:
+def _finish(gw: "Gateway", prompt: RenderedPrompt, counted_with: Any, plan: Plan) -> Plan:
     if gw.handles[plan.engine].tokenizer is not counted_with:
-        plan.prompt_ids = _tokenize(gw, plan.engine, req)[1]
+        plan.prompt_ids = _ids(gw, plan.engine, prompt)[1]
     return plan
 
 
@@ -244,29 +243,3 @@ def _refusal(denial: Any, states: dict[str, EngineState]) -> APIError:
     err = cls(denial.message, code=denial.code)
     err.type = denial.type
     return err
-
-
-def tokenize(tok: Tokenizer, messages: list[dict[str, Any]], tools: ToolSetup | None = None) -> list[int]:
-    """The chat through the model's template; tools as the template renders them, else in the
-    model's documented format or a system preamble (tokenyard/gateway/prompt/tool_prompt.py)."""
-    messages, template_tools = template_messages(messages, tools, tool_style(tok))
-    try:
-        text = apply_chat_template(tok, messages, add_generation_prompt=True, tools=template_tools)
-    except ChatTemplateError as e:
-        raise Unprocessable(f"The model's chat template rejected the conversation: {e}", param="messages",
-                            code="chat_template_error") from e
-    except RequestError as e:
-        raise BadRequest(str(e), param="messages") from e
-    return tok.encode(text, add_special_tokens=False)  # the template already wrote BOS
-
-
-def tokenize_prompt(tok: Tokenizer, prompt: str | list[int]) -> list[int]:
-    """A text completion's prompt: the text encoded as is (with the tokenizer's BOS, no chat
-    template), or token ids, which must be in this engine's vocabulary."""
-    if isinstance(prompt, str):
-        return tok.encode(prompt)
-    bad = next((t for t in prompt if not 0 <= t < tok.vocab_size), None)
-    if bad is not None:
-        raise BadRequest(f"prompt token id {bad} is outside the model's vocabulary (0..{tok.vocab_size - 1})",
-                         param="prompt")
-    return list(prompt)
