@@ -41,8 +41,14 @@ def checkpoint(root: Path, args: argparse.Namespace) -> Path:
                                    max_position_embeddings=1024, seed=9, std=0.02)
 
 
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of lo..hi random token ids (the same generator as the engine tests' helper)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
 def run_config(path: Path, name: str, args: argparse.Namespace) -> tuple[dict, dict[str, list[int]]]:
-    from tests.engine_helpers import random_prompts
     from tokenyard.engines import Engine, SamplingParams
 
     spec = dict(CONFIGS[name])
