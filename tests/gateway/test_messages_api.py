@@ -283,3 +283,24 @@ def test_unknown_tool_named_by_tool_choice_is_400():
     with pytest.raises(BadRequest, match="get_time"):
         parse_messages_request({"model": "m", "max_tokens": 5, "messages": HI, "tools": [WEATHER],
                                 "tool_choice": {"type": "tool", "name": "get_time"}})
+
+
+@pytest.mark.timeout(300)
+def test_forced_tool_use_on_smollm2():
+    """`any` and a named `tool` hold SmolLM2-135M's reply to one call (constrained decoding), streamed or not."""
+    from tests.gateway.test_gguf_smollm2_gateway import _smollm2_engine
+    tool = {"name": "get_weather", "description": "The current weather in a city", "input_schema": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 30}}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    with running_gateway({"server": {"access_log": False}, "engines": {"smollm2-135m": _smollm2_engine()}}) as s:
+        sdk = anthropic.Anthropic(base_url=s.base_url, api_key=KEY, max_retries=0, timeout=120)
+        m = sdk.messages.create(model="smollm2-135m", max_tokens=60, tools=[tool], tool_choice={"type": "any"},
+                                messages=ask, extra_body={"temperature": 0})
+        with sdk.messages.stream(model="smollm2-135m", max_tokens=60, tools=[tool], messages=ask,
+                                 tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+            final = stream.get_final_message()
+    for reply in (m, final):
+        assert reply.stop_reason == "tool_use"
+        (use,) = reply.content
+        assert use.type == "tool_use" and use.name == "get_weather" and set(use.input) == {"city"}
