@@ -190,6 +190,12 @@ def openai_error_shape(body: Any) -> bool:
             and (body["error"]["code"] is None or isinstance(body["error"]["code"], str)))
 
 
+def anthropic_error_shape(body: Any) -> bool:
+    """Anthropic's {"type": "error", "error": {"type", "message"}} (the Messages API routes)."""
+    return (isinstance(body, dict) and body.get("type") == "error" and isinstance(body.get("error"), dict)
+            and isinstance(body["error"].get("type"), str) and isinstance(body["error"].get("message"), str))
+
+
 def stop_process(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
     """SIGTERM, then the gateway's drain (server.drain_grace_s, 30 s by default) plus a margin;
     a gateway still up after that is killed, so a scenario's figures never wait on its shutdown."""

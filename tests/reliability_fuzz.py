@@ -5,7 +5,7 @@ import secrets
 import time
 
 from gateway_helpers import KEY, SHARED_REDIS, delete_prefix, mock_deployment, running_gateway
-from reliability_common import ErrorLogs, Report, check_idle, openai_error_shape
+from reliability_common import ErrorLogs, Report, anthropic_error_shape, check_idle, openai_error_shape
 
 
 # --- fuzzing ----------------------------------------------------------------------------------------
@@ -80,7 +80,10 @@ def run_fuzz(examples_per_mode: int, seed: int = 0) -> Report:
                         body = resp.json()
                     except ValueError:
                         body = None
-                    if not ctype.startswith("application/json") or not openai_error_shape(body):
+                    if case.path.startswith("/v1/messages"):    # the Messages API answers in Anthropic's shape
+                        if not ctype.startswith("application/json") or not anthropic_error_shape(body):
+                            failures.append(f"{where}: not Anthropic-shaped ({ctype}): {resp.text[:200]}")
+                    elif not ctype.startswith("application/json") or not openai_error_shape(body):
                         failures.append(f"{where}: not OpenAI-shaped ({ctype}): {resp.text[:200]}")
 
             for op in operations:
@@ -90,7 +93,7 @@ def run_fuzz(examples_per_mode: int, seed: int = 0) -> Report:
                 for label, cookies in variants:
                     for mode in GenerationMode:
                         strategy = op.as_strategy(generation_mode=mode)
-                        if op.path == "/v1/chat/completions" and mode.is_positive:
+                        if op.path in ("/v1/chat/completions", "/v1/messages") and mode.is_positive:
                             def real_model(pair):   # half the cases name the real engine: reach the engine
                                 case, use = pair
                                 if use and isinstance(case.body, dict):

@@ -28,6 +28,11 @@ class TextStream:
     def text(self) -> str:
         return self._detok.text
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._detok.stop_reason
+
     def feed(self, out: StepOutput) -> str:
         """Take one step's output; return the text delta it releases (maybe "")."""
         if self.finished:

@@ -82,6 +82,8 @@ class SamplingRequest:
     logprobs: int | None = None              # None: not asked; k: each token's logprob and k alternatives
     n: int = 1                               # choices; one prefill, shared through the prefix cache
     priority: int | None = None              # requested admission class index (service_tier / priority)
+    top_k: int = 0                           # the engine's top-k (0: off); only the Messages API sets it
+    api: str = "chat"                        # the client API it came in by (the usage record's `api`)
     # The body as the client sent it: what an upstream engine (type: openai) is sent, rewritten
     # (tokenyard/gateway/http/upstream_body.py). Not part of equality or repr (it may be large).
     body: dict[str, Any] | None = field(default=None, compare=False, repr=False)

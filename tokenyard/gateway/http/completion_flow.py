@@ -28,7 +28,7 @@ from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
 from tokenyard.gateway.edge.chat_request import ChatRequest
 from tokenyard.gateway.edge.completion_request import CompletionRequest
 from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
-from tokenyard.gateway.edge.errors import BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
+from tokenyard.gateway.edge.errors import APIError, BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from tokenyard.gateway.http.generation import EngineFailed, Generation, GenerationSetup, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.route_plan import plan_route
@@ -86,8 +86,9 @@ class BatchLane:
 
 
 async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], AnyRequest],
-                           prompt_param: str) -> Started:
-    """prompt_param: the parameter a too-long prompt is blamed on ("messages", "prompt")."""
+                           prompt_param: str, authorization: str | None = None) -> Started:
+    """prompt_param: the parameter a too-long prompt is blamed on ("messages", "prompt").
+    authorization: the credential as "Bearer <key>" when the route takes it from elsewhere (x-api-key)."""
     gw: Gateway = request.app.state.gateway
     arrival = time.perf_counter()
     info = request.scope.setdefault("tokenyard", {})
@@ -96,7 +97,7 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
                           headers={"retry-after": "1"})
     body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
     req = parse(body, gw)
-    key = await gw.keys.authenticate(request.headers.get("authorization"))
+    key = await gw.keys.authenticate(authorization or request.headers.get("authorization"))
     info["tenant"] = key.tenant
     elapsed = time.perf_counter() - arrival
     deadline = gw.admission.deadline(_deadline_header(request), elapsed)
@@ -154,7 +155,7 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
                                         [len(ids) for ids in all_ids], max_tokens, priority)
     grammar_param = "tools" if getattr(req, "tools", None) is not None and req.tools.forced else "response_format"
     try:
-        params = [SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        params = [SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                  seed=choice_seed(req.seed, i), stop=req.stop, response_format=req.response_format,
                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                  logit_bias=req.logit_bias, logprobs=req.logprobs) for i in range(req.n)]
@@ -250,7 +251,8 @@ def _record_context(gw: "Gateway", req: AnyRequest, key: KeyRecord, entry: Entry
                          requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
                          prices=prices, policy_version=route.policy_version,
                          context_dropped_tokens=route.context_dropped_tokens,
-                         routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None)
+                         routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None,
+                         api=req.api)
 
 
 async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:
@@ -381,10 +383,12 @@ class CompletionResponse:
     render(gen) gives the reply's JSON object once every choice's text is complete."""
 
     def __init__(self, gen: GenerationGroup, headers: dict[str, str],
-                 render: Callable[[GenerationGroup], dict]) -> None:
+                 render: Callable[[GenerationGroup], dict],
+                 error_body: Callable[[APIError], dict] = APIError.body) -> None:
         self.gen = gen
         self.headers = headers
         self.render = render
+        self.error_body = error_body    # the API's error shape (the Messages API has its own)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gen = self.gen
@@ -403,9 +407,10 @@ class CompletionResponse:
                 status, record_status = 499, "client_disconnected"
                 return  # nobody to answer
             if rejected is not None:
-                body = rejected.as_http().body()
+                body = self.error_body(rejected.as_http())
             elif status == 500:
-                body = ServerError("The engine failed while generating this response", code="engine_error").body()
+                body = self.error_body(ServerError("The engine failed while generating this response",
+                                                   code="engine_error"))
             else:
                 body = self.render(gen)
             data = json.dumps(body, ensure_ascii=False).encode()

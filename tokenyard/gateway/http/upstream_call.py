@@ -455,7 +455,7 @@ class UpstreamCall:
                                                                                           self.price_percent),
             key_name=ctx.key_name, requested_max_tokens=ctx.requested_max_tokens, engine_state=ctx.engine_state,
             policy_version=ctx.policy_version, context_dropped_tokens=ctx.context_dropped_tokens,
-            routed_prompt_tokens=ctx.routed_prompt_tokens, batch=ctx.batch, price_percent=self.price_percent,
+            routed_prompt_tokens=ctx.routed_prompt_tokens, batch=ctx.batch, price_percent=self.price_percent, api=ctx.api,
             usage_estimated=estimated, upstream_deployment=self.deployment.label if self.deployment else "",
             upstream_attempts=len(self.attempts))
         self._sink(self.record)

@@ -25,7 +25,8 @@ from tokenyard.gateway.batch.batch_metrics import BatchCollector
 from tokenyard.gateway.batch.service import BatchService
 from tokenyard.gateway.config.deployment import Deployment
 from tokenyard.gateway.edge.errors import APIError, ServerError, error_for_status
-from tokenyard.gateway.http import chat_endpoint, completions_endpoint, embeddings_endpoint
+from tokenyard.gateway.edge.messages_errors import error_response, is_messages_path
+from tokenyard.gateway.http import chat_endpoint, completions_endpoint, embeddings_endpoint, messages_endpoint
 from tokenyard.gateway.observability.access_log import AccessLog
 from tokenyard.gateway.routes import policy_api as policy_routes
 from tokenyard.gateway.routes import spend_api as spend_routes
@@ -91,6 +92,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
             gc.unfreeze()
 
     routes = chat_endpoint.routes() + completions_endpoint.routes() + embeddings_endpoint.routes()
+    routes += messages_endpoint.routes()
     routes += service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
@@ -109,18 +111,23 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     gw = gateway_of(request)
     request.scope.setdefault("tokenyard", {})["error_code"] = exc.code
-    if request.url.path in ("/v1/chat/completions", "/v1/completions"):
+    if request.url.path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
         gw.metrics.count_request("", exc.status, "")
-    return exc.response()
+    return _respond(request, exc)
+
+
+def _respond(request: Request, err: APIError) -> Response:
+    """The error in the shape of the API the path belongs to (Anthropic's on the Messages API)."""
+    return error_response(err) if is_messages_path(request.url.path) else err.response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = {404: f"Unknown path {request.url.path}", 405: f"Method {request.method} not allowed here"}
     err = error_for_status(exc.status_code, message.get(exc.status_code, str(exc.detail)))
-    return err.response()
+    return _respond(request, err)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-    return ServerError("Internal server error").response()
+    return _respond(request, ServerError("Internal server error"))

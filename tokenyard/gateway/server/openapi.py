@@ -13,6 +13,7 @@ from tokenyard.gateway.batch.openapi_paths import batch_paths
 from tokenyard.gateway.edge.chat_request import MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ROLES, UNSUPPORTED
 from tokenyard.gateway.edge.completion_request import MAX_CHOICES, MAX_LOGPROBS, MAX_PROMPTS
 from tokenyard.gateway.edge.completion_request import UNSUPPORTED as TEXT_UNSUPPORTED
+from tokenyard.gateway.edge.messages_openapi import messages_paths
 from tokenyard.gateway.edge.openapi_parts import errors, json_body
 from tokenyard.gateway.edge.tool_request import MAX_TOOLS
 from tokenyard.gateway.server.openapi_admin import dashboard_paths, policy_paths, spend_paths
@@ -218,7 +219,8 @@ def openapi_schema() -> dict[str, Any]:
         "info": {"title": "Tokenyard gateway", "version": "0.1.0",
                  "description": "OpenAI-compatible chat and text completions over Tokenyard's engines"},
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
             "schemas": {"ChatCompletionRequest": request, "ChatCompletion": completion,
                         "ChatCompletionChunk": chunk, "CompletionRequest": text_request,
                         "TextCompletion": text_completion, "Error": error, "Model": model}},
@@ -302,5 +304,6 @@ def openapi_schema() -> dict[str, Any]:
             **dashboard_paths(),
             **policy_paths(auth),
             **batch_paths(auth),
+            **messages_paths(),
         },
     }
