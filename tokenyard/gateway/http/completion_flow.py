@@ -71,6 +71,7 @@ class Entry:
     deadline_ms: int                # the same, as the budget in ms from arrival (the usage record)
     request_id: str
     info: dict[str, Any]            # the access log's fields (engine, route reason, the generation)
+    api: str = "chat"               # the client API (the usage record's `api`)
 
 
 @dataclass(slots=True)
@@ -250,7 +251,8 @@ def _record_context(gw: "Gateway", req: AnyRequest, key: KeyRecord, entry: Entry
                          requested_max_tokens=req.max_tokens, engine_state=route.engine_state,
                          prices=prices, policy_version=route.policy_version,
                          context_dropped_tokens=route.context_dropped_tokens,
-                         routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None)
+                         routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None,
+                         api=entry.api)
 
 
 async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:
@@ -381,7 +383,7 @@ class CompletionResponse:
     render(gen) gives the reply's JSON object once every choice's text is complete."""
 
     def __init__(self, gen: GenerationGroup, headers: dict[str, str],
-                 render: Callable[[GenerationGroup], dict]) -> None:
+                 render: Callable[[GenerationGroup], dict | Awaitable[dict]]) -> None:
         self.gen = gen
         self.headers = headers
         self.render = render
@@ -408,6 +410,8 @@ class CompletionResponse:
                 body = ServerError("The engine failed while generating this response", code="engine_error").body()
             else:
                 body = self.render(gen)
+                if asyncio.iscoroutine(body):   # a render that writes too (a stored response)
+                    body = await body
             data = json.dumps(body, ensure_ascii=False).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]

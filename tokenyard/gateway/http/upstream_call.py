@@ -457,7 +457,7 @@ class UpstreamCall:
             policy_version=ctx.policy_version, context_dropped_tokens=ctx.context_dropped_tokens,
             routed_prompt_tokens=ctx.routed_prompt_tokens, batch=ctx.batch, price_percent=self.price_percent,
             usage_estimated=estimated, upstream_deployment=self.deployment.label if self.deployment else "",
-            upstream_attempts=len(self.attempts))
+            upstream_attempts=len(self.attempts), api=ctx.api)
         self._sink(self.record)
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
