@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from tokenyard.gateway.edge.chat_request import ChatRequest
 from tokenyard.gateway.edge.errors import APIError, NotFound, ServerError, Unavailable
 from tokenyard.gateway.edge.responses_request import ResponsesDraft, parse_responses_request
 from tokenyard.gateway.http.completion_flow import CompletionResponse, Entry, Started, _deadline_header, generate, read_json
@@ -86,15 +87,7 @@ async def create_response(request: Request) -> Any:
     draft = parse_responses_request(body)
     key = await gw.keys.authenticate(request.headers.get("authorization"))
     info["tenant"] = key.tenant
-    previous: list[dict[str, Any]] = []
-    if draft.previous_response_id is not None:
-        stored = await ResponseStore.of(gw).get(key.tenant, draft.previous_response_id)
-        if stored is None:
-            raise NotFound(f"Previous response with id '{draft.previous_response_id}' not found.",
-                           param="previous_response_id", code="previous_response_not_found")
-        previous = stored["messages"]
-    req = draft.chat_request(previous, gw.deployment.limits.max_messages)
-    turn = Turn(gw, draft, key.tenant, previous)
+    req, turn = await open_turn(gw, draft, key.tenant)
     elapsed = time.perf_counter() - arrival
     deadline = gw.admission.deadline(_deadline_header(request), elapsed)
     deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
@@ -104,12 +97,31 @@ async def create_response(request: Request) -> Any:
     return reply(request, started, turn)
 
 
+async def open_turn(gw: "Gateway", draft: ResponsesDraft, tenant: str) -> tuple[ChatRequest, Turn]:
+    """The chat request of a Responses body (an HTTP request's or a Batch API line's) and its turn:
+    the stored conversation of previous_response_id (the tenant's own only) comes first."""
+    previous: list[dict[str, Any]] = []
+    if draft.previous_response_id is not None:
+        stored = await ResponseStore.of(gw).get(tenant, draft.previous_response_id)
+        if stored is None:
+            raise NotFound(f"Previous response with id '{draft.previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        previous = stored["messages"]
+    req = draft.chat_request(previous, gw.deployment.limits.max_messages)
+    return req, Turn(gw, draft, tenant, previous)
+
+
+def reply_tools(req: ChatRequest) -> Any:
+    """The request's tools when the reply's text is parsed for calls, else None."""
+    return req.tools if req.tools is not None and req.tools.parses_calls else None
+
+
 def reply(request: Request, started: Started, turn: Turn) -> Any:
     if started.upstream is not None:
         return upstream_response(request, started, turn)
     gen = started.gen
     assert gen is not None
-    tools = started.req.tools if started.req.tools is not None and started.req.tools.parses_calls else None
+    tools = reply_tools(started.req)
     if turn.draft.stream:
         lim = request.app.state.gateway.deployment.limits
         return ResponsesSSE(gen, turn, started.headers, lim.stream_buffer_bytes, lim.stream_write_timeout_s,

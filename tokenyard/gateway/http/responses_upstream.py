@@ -42,6 +42,20 @@ def _usage(call: UpstreamCall) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+async def document_response(call: UpstreamCall, turn: "Turn") -> dict[str, Any]:
+    """The Response object of an upstream's whole chat reply (stored when store is on)."""
+    doc = call.document or {}
+    choice = (doc.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    b = turn.builder(call.name)
+    b.feed({"content": message.get("content") or ""})
+    for i, c in enumerate(message.get("tool_calls") or ()):
+        b.feed({"tool_calls": [{**c, "index": i}]})
+    b.close(choice.get("finish_reason"), _usage(call))
+    await turn.keep(b)
+    return b.response()
+
+
 class ResponsesUpstreamJSON:
     def __init__(self, call: UpstreamCall, turn: "Turn", headers: dict[str, str]) -> None:
         self.call = call
@@ -51,16 +65,7 @@ class ResponsesUpstreamJSON:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self.call
         try:
-            doc = call.document or {}
-            choice = (doc.get("choices") or [{}])[0]
-            message = choice.get("message") or {}
-            b = self.turn.builder(call.name)
-            b.feed({"content": message.get("content") or ""})
-            for i, c in enumerate(message.get("tool_calls") or ()):
-                b.feed({"tool_calls": [{**c, "index": i}]})
-            b.close(choice.get("finish_reason"), _usage(call))
-            await self.turn.keep(b)
-            data = json.dumps(b.response(), ensure_ascii=False).encode()
+            data = json.dumps(await document_response(call, self.turn), ensure_ascii=False).encode()
             call.finish(200)      # the usage record exists before the client sees the reply
             headers = _headers(self.headers, b"application/json") + [(b"content-length", str(len(data)).encode())]
             await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -16,6 +16,7 @@ from tokenyard.gateway.edge.completion_request import UNSUPPORTED as TEXT_UNSUPP
 from tokenyard.gateway.edge.openapi_parts import errors, json_body
 from tokenyard.gateway.edge.tool_request import MAX_TOOLS
 from tokenyard.gateway.server.openapi_admin import dashboard_paths, policy_paths, spend_paths
+from tokenyard.gateway.server.openapi_responses import responses_paths
 
 
 @lru_cache(maxsize=1)
@@ -302,5 +303,6 @@ def openapi_schema() -> dict[str, Any]:
             **dashboard_paths(),
             **policy_paths(auth),
             **batch_paths(auth),
+            **responses_paths(auth, request),
         },
     }
