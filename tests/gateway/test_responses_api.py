@@ -299,3 +299,51 @@ def test_responses_parse_with_a_pydantic_model(torch_srv):
                             temperature=0, store=False)
     assert r.status == "completed", r
     assert isinstance(r.output_parsed, Pet) and 0 <= r.output_parsed.legs <= 8
+
+
+# -- an upstream engine (type: openai): its chat reply translated, whole and streamed ---------------------------
+@pytest.fixture(scope="module")
+def upstream_pair():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TY_TEST_UPSTREAM_KEY", KEY)      # the upstream gateway's dev key
+    records: list = []
+    up_doc = {"server": {"access_log": False}, "engines": {
+        "m": {"type": "mock", "model": MODEL_DIR}, "mt": {"type": "mock", "model": MODEL_DIR, "reply": CALL_REPLY}}}
+    try:
+        with running_gateway(up_doc) as up:
+            front_doc = {"server": {"access_log": False}, "engines": {
+                name: {"type": "openai", "base_urls": [up.base_url + "/v1"], "upstream_model": model,
+                       "api_key_env": "TY_TEST_UPSTREAM_KEY"} for name, model in (("big", "m"), ("big-tools", "mt"))}}
+            with running_gateway(front_doc, usage_sink=records.append) as front:
+                front.records = records
+                yield front, openai.OpenAI(base_url=front.base_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    finally:
+        mp.undo()
+
+
+def test_upstream_engine_reply_as_a_response(upstream_pair):
+    front, sdk = upstream_pair
+    before = len(front.records)
+    r = sdk.responses.create(model="big", input="hello", instructions="be brief")
+    assert r.model == "big" and r.output_text == DEFAULT_REPLY and r.status == "completed"
+    rec = _record(front, before)
+    assert rec.api == "responses" and (rec.prompt_tokens, rec.completion_tokens) == (r.usage.input_tokens,
+                                                                                     r.usage.output_tokens)
+    assert sdk.responses.retrieve(r.id).output_text == DEFAULT_REPLY
+    with sdk.responses.stream(model="big", input="hello", previous_response_id=r.id) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert final.output_text == DEFAULT_REPLY and final.usage.input_tokens > r.usage.input_tokens
+
+
+def test_upstream_function_call_streamed(upstream_pair):
+    _, sdk = upstream_pair
+    r = sdk.responses.create(model="big-tools", input="Weather?", tools=[WEATHER], store=False)
+    assert r.output[0].type == "function_call" and json.loads(r.output[0].arguments) == {"city": "Paris"}
+    with sdk.responses.stream(model="big-tools", input="Weather?", tools=[WEATHER], store=False) as stream:
+        list(stream)
+        final = stream.get_final_response()
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"}
