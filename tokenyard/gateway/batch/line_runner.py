@@ -20,11 +20,14 @@ from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.edge.chat_request import parse_chat_request
 from tokenyard.gateway.edge.completion_request import parse_completion_request
 from tokenyard.gateway.edge.errors import APIError, BadRequest, ServerError
+from tokenyard.gateway.edge.responses_request import parse_responses_request
 from tokenyard.gateway.http.chat_endpoint import render_chat
 from tokenyard.gateway.http.completion_flow import BatchLane, Entry, generate
 from tokenyard.gateway.http.completions_endpoint import render_text
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
+from tokenyard.gateway.http.responses_endpoint import open_turn, render_response, reply_tools
+from tokenyard.gateway.http.responses_upstream import document_response
 from tokenyard.gateway.http.upstream_body import as_ours
 
 if TYPE_CHECKING:
@@ -48,9 +51,13 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
     """The line's response (status_code, request_id, body), or None when it was aborted (cancel).
     on_start(gen) gets the running request, so a cancel can abort it."""
     try:
+        turn = None
         if url == "/v1/chat/completions":
             req: Any = parse_chat_request(body, gw.deployment.limits.max_messages)
             prompt_param, prefix = "messages", "chatcmpl-"
+        elif url == "/v1/responses":
+            req, turn = await open_turn(gw, parse_responses_request(body), key.tenant)
+            prompt_param, prefix = "input", "resp-"
         else:
             req = parse_completion_request(body)
             prompt_param, prefix = "prompt", "cmpl-"
@@ -59,7 +66,8 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
                              param="stream", code="unsupported_parameter")
         loop = asyncio.get_running_loop()
         max_ms = gw.deployment.admission.max_deadline_ms
-        entry = Entry(time.perf_counter(), loop.time() + max_ms / 1000, max_ms, request_id, {})
+        entry = Entry(time.perf_counter(), loop.time() + max_ms / 1000, max_ms, request_id, {},
+                      api="chat" if turn is None else "responses")
         started = await generate(gw, req, key, prompt_param, entry, lane)
     except APIError as e:
         if e.code in _RETRY_CODES or (e.status == 503 and e.code is None):
@@ -69,8 +77,10 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
         call = started.upstream
         try:
             assert call.document is not None
+            doc = as_ours(call.document, prefix + request_id, call.name) if turn is None else \
+                await document_response(call, turn)
             call.finish(200)
-            return _response(200, request_id, as_ours(call.document, prefix + request_id, call.name))
+            return _response(200, request_id, doc)
         finally:
             call.finish(200)
     gen = started.gen
@@ -91,8 +101,12 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
         if gen.aborted is not None:
             status, record_status = 499, gen.aborted
             return None
-        reply = render_chat(gen, req, prefix + request_id) if url == "/v1/chat/completions" else \
-            render_text(gen, prefix + request_id)
+        if turn is not None:
+            reply = await render_response(gen, reply_tools(req), turn)
+        elif url == "/v1/chat/completions":
+            reply = render_chat(gen, req, prefix + request_id)
+        else:
+            reply = render_text(gen, prefix + request_id)
         return _response(200, request_id, reply)
     except asyncio.CancelledError:      # the gateway stops: the line runs again after the restart
         status, record_status = 499, "unfinished"

@@ -20,6 +20,7 @@ import yaml
 from tokenyard.gateway.config import yaml_fields
 from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
+from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
 from tokenyard.gateway.config.spend_settings import (
     AlertsConfig,
     DashboardConfig,
@@ -149,6 +150,7 @@ class Deployment:
     router: Any = None                     # router_route.RouterSettings (the `router:` section)
     policy_file: Path | None = None        # policy imported when Redis holds none (`policy:`)
     batch: BatchSettings = field(default_factory=BatchSettings)   # `batch:` and `pools:` (the Batch API)
+    responses: ResponsesSettings = field(default_factory=ResponsesSettings)   # stored /v1/responses
 
     @property
     def baseline_engine(self) -> str:
@@ -173,7 +175,7 @@ def _names(cls: type) -> frozenset[str]:
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset({"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
                    "redis_pool_wait_ms", "auth", "limits", "rate_limits", "admission", "routing", "engines", "spend",
-                   "dashboard", "metrics", "router", "policy", "batch", "pools"}),
+                   "dashboard", "metrics", "router", "policy", "batch", "pools", "responses"}),
     "server": frozenset({"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
                          "engine_process"}) | _names(Connections),
     "auth": _names(Auth),
@@ -187,6 +189,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "engines.NAME.replica_pool": _names(PoolConfig),
     "batch": BATCH_KEYS,
     "pools": POOLS_KEYS,
+    "responses": RESPONSES_KEYS,
     "spend": _names(SpendConfig),
     "spend.alerts": _names(AlertsConfig),
     "dashboard": _names(DashboardConfig),
@@ -269,6 +272,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.web = parse_web_settings(top, base, list(dep.engines), DeploymentError)
     _router_and_policy(top, base, dep)
     dep.batch = parse_batch_settings(top, base, dep.engines, DeploymentError)
+    dep.responses = parse_responses_settings(top, DeploymentError)
     for key, engine in (("routing.small", dep.routing.small), ("routing.large", dep.routing.large),
                         ("router.small", dep.router.small), ("router.large", dep.router.large)):
         if engine is not None and engine in dep.batch.bulk_engines:

@@ -72,6 +72,7 @@ class Entry:
     deadline_ms: int                # the same, as the budget in ms from arrival (the usage record)
     request_id: str
     info: dict[str, Any]            # the access log's fields (engine, route reason, the generation)
+    api: str = "chat"               # the client API (the usage record's `api`)
 
 
 @dataclass(slots=True)
@@ -252,7 +253,7 @@ def _record_context(gw: "Gateway", req: AnyRequest, key: KeyRecord, entry: Entry
                          prices=prices, policy_version=route.policy_version,
                          context_dropped_tokens=route.context_dropped_tokens,
                          routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None,
-                         api=req.api)
+                         api=req.api if req.api != "chat" else entry.api)
 
 
 async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:
@@ -383,7 +384,7 @@ class CompletionResponse:
     render(gen) gives the reply's JSON object once every choice's text is complete."""
 
     def __init__(self, gen: GenerationGroup, headers: dict[str, str],
-                 render: Callable[[GenerationGroup], dict],
+                 render: Callable[[GenerationGroup], dict | Awaitable[dict]],
                  error_body: Callable[[APIError], dict] = APIError.body) -> None:
         self.gen = gen
         self.headers = headers
@@ -413,6 +414,8 @@ class CompletionResponse:
                                                    code="engine_error"))
             else:
                 body = self.render(gen)
+                if asyncio.iscoroutine(body):   # a render that writes too (a stored response)
+                    body = await body
             data = json.dumps(body, ensure_ascii=False).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]

@@ -26,7 +26,13 @@ from tokenyard.gateway.batch.service import BatchService
 from tokenyard.gateway.config.deployment import Deployment
 from tokenyard.gateway.edge.errors import APIError, ServerError, error_for_status
 from tokenyard.gateway.edge.messages_errors import error_response, is_messages_path
-from tokenyard.gateway.http import chat_endpoint, completions_endpoint, embeddings_endpoint, messages_endpoint
+from tokenyard.gateway.http import (
+    chat_endpoint,
+    completions_endpoint,
+    embeddings_endpoint,
+    messages_endpoint,
+    responses_endpoint,
+)
 from tokenyard.gateway.observability.access_log import AccessLog
 from tokenyard.gateway.routes import policy_api as policy_routes
 from tokenyard.gateway.routes import spend_api as spend_routes
@@ -93,6 +99,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
 
     routes = chat_endpoint.routes() + completions_endpoint.routes() + embeddings_endpoint.routes()
     routes += messages_endpoint.routes()
+    routes += responses_endpoint.routes()
     routes += service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
@@ -111,7 +118,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     gw = gateway_of(request)
     request.scope.setdefault("tokenyard", {})["error_code"] = exc.code
-    if request.url.path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+    if request.url.path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"):
         gw.metrics.count_request("", exc.status, "")
     return _respond(request, exc)
 

@@ -17,6 +17,7 @@ from tokenyard.gateway.edge.messages_openapi import messages_paths
 from tokenyard.gateway.edge.openapi_parts import errors, json_body
 from tokenyard.gateway.edge.tool_request import MAX_TOOLS
 from tokenyard.gateway.server.openapi_admin import dashboard_paths, policy_paths, spend_paths
+from tokenyard.gateway.server.openapi_responses import responses_paths
 
 
 @lru_cache(maxsize=1)
@@ -305,5 +306,6 @@ def openapi_schema() -> dict[str, Any]:
             **policy_paths(auth),
             **batch_paths(auth),
             **messages_paths(),
+            **responses_paths(auth, request),
         },
     }

@@ -40,7 +40,7 @@ class RecordContext:
     context_dropped_tokens: int = 0    # prompt tokens the policy's context limit trimmed away (oldest turns)
     routed_prompt_tokens: int = 0      # the prompt count the policy decided with (0: not known)
     batch: bool = False                # a Batch API line (charged the batch price)
-    api: str = "chat"                  # the client API the request came in by: chat, messages, ...
+    api: str = "chat"                  # the client API the request came in by: chat, messages, responses
 
 
 @dataclass(slots=True)
@@ -85,7 +85,7 @@ class UsageRecord:
     usage_estimated: bool = False
     upstream_deployment: str = ""
     upstream_attempts: int = 0
-    api: str = "chat"              # the client API the request came in by: chat, messages, ...
+    api: str = "chat"              # the client API the request came in by: chat, messages, responses
 
     def to_dict(self) -> dict[str, Any]:
         """asdict's result without its recursive deep copy (a third of a millisecond per request):
