@@ -36,10 +36,10 @@ from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.messages_blocks import BlockStream, content_of, stop_reason, usage_of
 from tokenyard.gateway.http.messages_upstream import upstream_message
-from tokenyard.gateway.http.route_plan import prompt_ids_for
 from tokenyard.gateway.http.streaming import SSEResponse
 from tokenyard.gateway.http.tool_calls import ToolCallStream
 from tokenyard.gateway.prompt.prompt_guard import prompt_work
+from tokenyard.gateway.prompt.rendering import RenderedPrompt
 
 log = logging.getLogger(__name__)
 
@@ -179,5 +179,5 @@ async def count_tokens(request: Request) -> JSONResponse:
         raise BadRequest("stream: Extra inputs are not permitted", param="stream")
     pinned = gw.router.pinned(req.model)       # NotFound for an unknown model, as create does
     engine = pinned.engine if pinned is not None else gw.router.counting_engine
-    ids = await prompt_work(req, prompt_ids_for, gw, engine, req)
+    ids = await prompt_work(req, RenderedPrompt(req).ids, gw.handles[engine].tokenizer)
     return JSONResponse({"input_tokens": len(ids)})
