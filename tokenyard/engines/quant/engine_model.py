@@ -18,6 +18,23 @@ from tokenyard.engines.quant.quantization import check_mode, checkpoint_quantiza
 from tokenyard.engines.weights.checkpoint import load_model
 
 
+def resolve_quantization(model_dir: str | Path, quantization: str, group_size: int) -> tuple[str, int]:
+    """`quantization: auto` as (mode, group size): a GGUF file as its layers are stored (4-bit blocks
+    or fewer: int4 in groups of 32, the blocks' own size, so Q4_0/Q4_1 are kept as stored; 5- to
+    8-bit: int8; floats: none), a checkpoint from `tokenyard quantize` as written, anything else
+    none. An explicit mode is kept as given."""
+    if quantization != "auto":
+        return quantization, group_size
+    if is_gguf(model_dir):
+        from tokenyard.engines.formats.gguf_reader import stored_precision
+        mode = stored_precision(model_dir)
+        return mode, 32 if mode == "int4" else group_size
+    qc = checkpoint_quantization(model_dir)
+    if qc is not None:
+        return qc["mode"], int(qc.get("group_size") or group_size)
+    return "none", group_size
+
+
 def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                       progress: bool, cfg: ModelConfig, quantization: str = "none",
                       group_size: int = 128) -> tuple[CausalLM, ModelConfig]:

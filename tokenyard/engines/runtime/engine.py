@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner
 from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
-from tokenyard.engines.quant.engine_model import load_engine_model
+from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.engines.tp.tensor_parallel import check_divisible, shard_model_
@@ -51,6 +52,13 @@ class Engine:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
         cfg = config or EngineConfig.from_options(options)
         cfg.validate()
+        if cfg.quantization == "auto":
+            # The checkpoint's own storage decides (a Q4_1 GGUF stays int4); the rest of the engine
+            # (TP ranks, pipeline stages, engine processes) sees the resolved mode.
+            mode, group = resolve_quantization(model_dir, cfg.quantization, cfg.quant_group_size)
+            cfg = replace(cfg, quantization=mode, quant_group_size=group)
+            log.info("%s: quantization auto -> %s%s", Path(model_dir).name, mode,
+                     f" (groups of {group})" if mode == "int4" else "")
         self.config = cfg
         self.device = cfg.torch_device()
         if self.device.type == "cpu":

