@@ -185,6 +185,12 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def embedding_size(self) -> int | None:
+        """The length of embed()'s vectors (the model's hidden size); None when the engine computes none."""
+        cfg = getattr(self.engine, "model_config", None)
+        return cfg.hidden_size if cfg is not None and hasattr(self.engine, "embed") else None
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
