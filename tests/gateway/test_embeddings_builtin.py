@@ -32,7 +32,8 @@ def front():
     records = []
     prefix = unique_prefix("emb")   # the shared Redis: the token limit is checked there
     try:
-        with running_gateway({**_doc(), "redis_url": SHARED_REDIS, "redis_prefix": prefix},
+        # access_log on: its line reads the request's usage record as it reads a completion's
+        with running_gateway({**_doc(access_log=True), "redis_url": SHARED_REDIS, "redis_prefix": prefix},
                              usage_sink=records.append) as srv:
             yield srv, records
     finally:
