@@ -40,9 +40,10 @@ import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
-from tokenyard.engines.core.errors import EngineDeadError
+from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.model.pooled_embedding import pack
 from tokenyard.engines.runtime.executor import torch_executor
 from tokenyard.engines.runtime.grammar_gate import GrammarGate
 from tokenyard.engines.runtime.grammar_worker import GrammarWorker
@@ -184,6 +185,12 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def embedding_size(self) -> int | None:
+        """The length of embed()'s vectors (the model's hidden size); None when the engine computes none."""
+        cfg = getattr(self.engine, "model_config", None)
+        return cfg.hidden_size if cfg is not None and hasattr(self.engine, "embed") else None
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -233,6 +240,24 @@ class AsyncEngine:
             stream.put(StepOutput(request_id, [], finished=True, finish_reason="abort"))
             if self._wake is not None:
                 self._wake.set()
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Embeddings of token-id prompts (tokenyard.engines.Engine.embed), computed on the step executor
+        between steps, a batch of at most max_num_batched_tokens tokens at a time: a long list takes
+        turns with the running requests' steps instead of holding them up. Every prompt is checked
+        first (on a worker thread), so a bad one fails the call before anything runs. RequestError
+        when the engine computes none (the mock) or a prompt is bad; EngineDeadError when it is down."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
+        if not hasattr(self.engine, "embed"):
+            raise RequestError(f"engine {self.name} does not compute embeddings")
+        prompts = await asyncio.to_thread(self.engine.check_embed, prompts)
+        loop = asyncio.get_running_loop()
+        out: list[list[float]] = []
+        for idx in pack(prompts, self.engine.config.max_num_batched_tokens):
+            # self.engine each time: a restart between batches replaces it (the same checkpoint).
+            out += await loop.run_in_executor(self._executor, self.engine.embed, [prompts[i] for i in idx])
+        return out
 
     def stats(self) -> EngineStats:
         """Taken on the step thread after the latest step, so it never races the scheduler."""

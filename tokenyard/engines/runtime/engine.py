@@ -36,6 +36,7 @@ from tokenyard.engines.model.attention import resolve_backend
 from tokenyard.engines.model.cpu_allocator import keep_freed_memory
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner
+from tokenyard.engines.model.pooled_embedding import check_prompts, embed_prompts
 from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
@@ -238,6 +239,17 @@ class Engine:
         self._prefill_tokens += prefill
         self._batch_counts[bisect.bisect_left(BATCH_BUCKETS, len(batch.chunks))] += 1
         return outputs
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """A unit vector per prompt (tokenyard/engines/model/pooled_embedding.py). It touches no KV block, so it
+        runs between any two steps, on the step thread (AsyncEngine.embed). RequestError for bad prompts."""
+        return embed_prompts(self.model, self.check_embed(prompts), self.config.max_num_batched_tokens).tolist()
+
+    def check_embed(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The prompts as lists, or RequestError (any thread)."""
+        if self.config.tensor_parallel_size > 1 or uses_pipeline(self.config):
+            raise RequestError("embeddings are not supported with tensor or pipeline parallelism")
+        return check_prompts(prompts, self.model_config.vocab_size, self.max_model_len)
 
     def stats(self) -> EngineStats:
         total = self.blocks.num_blocks

@@ -76,6 +76,16 @@ class LLM:
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
         return self._run(ids, texts, params, [0] * len(ids), use_tqdm)
 
+    def embed(self, texts: Prompt | Seq[Prompt]) -> list[list[float]]:
+        """One embedding per prompt, in order: the final hidden states mean-pooled over the prompt's
+        tokens and L2-normalised (Engine.embed). Strings are encoded as generate() encodes them (with
+        the tokenizer's BOS where it adds one); token-id lists are used as they are."""
+        if self._closed:
+            raise RequestError("this LLM is closed; make a new one")
+        if isinstance(texts, str) or (texts and isinstance(texts[0], int)):
+            texts = [texts]  # a single prompt
+        return self.engine.embed([self._tokens(t) for t in texts])
+
     # -- internals ----------------------------------------------------------------------------
     def _run(self, token_prompts: list[list[int]], texts: list[str | None], params: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:

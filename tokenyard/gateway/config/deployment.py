@@ -59,6 +59,7 @@ class EngineSpec:
     prices: Prices
     replicas: ReplicaSet | None = None   # `replicas:` / `replica_pool:` (None: one in-process engine)
     upstream: UpstreamSpec | None = None  # type openai: where and how to call it
+    embeddings: bool = False      # type torch: /v1/embeddings served from its pooled hidden states
 
 
 @dataclass(slots=True)
@@ -184,7 +185,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "admission": _names(AdmissionConfig),
     "routing": _names(Routing),
     "router": ROUTER_KEYS,
-    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool"}),
+    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings"}),
     "engines.NAME.prices": _names(Prices),
     "engines.NAME.replica_pool": _names(PoolConfig),
     "batch": BATCH_KEYS,
@@ -388,6 +389,11 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
     model_dir = _model_path(model, base, where)
     replicas = parse_replica_keys(spec, where, DeploymentError)
     prices = _prices(spec, where)
+    embeddings = spec.pop("embeddings", False)   # a gateway key: the engine itself can always embed
+    if not isinstance(embeddings, bool):
+        raise DeploymentError(f"{where}.embeddings must be true or false")
+    if embeddings and kind != "torch":
+        raise DeploymentError(f"{where}.embeddings: only torch engines compute embeddings (a mock has no model)")
     try:  # validate the engine keys now, before anything loads
         if kind == "torch":
             from tokenyard.engines.core.config import EngineConfig
@@ -397,7 +403,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
             MockConfig.from_options(dict(spec))
     except (TypeError, ValueError) as e:
         raise DeploymentError(f"{where}: {e}") from e
-    return EngineSpec(name, kind, model_dir, spec, prices, replicas)
+    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings)
 
 
 def _prices(spec: dict[str, Any], where: str) -> Prices:

@@ -1,5 +1,6 @@
-"""POST /v1/embeddings, passed through to an upstream engine that serves embeddings
-(`type: openai` with `embeddings: true`): the client names the engine as `model`.
+"""POST /v1/embeddings: the client names the engine as `model`. A built-in torch engine marked
+`embeddings: true` computes them itself (builtin_embeddings.py); an upstream engine that serves them
+(`type: openai` with `embeddings: true`) gets the request passed through, as below.
 
 The request runs the same gates as a completion: its key, the token rate limit (the input counted
 before the call with the engine's tokenizer, or estimated), the engine's admission queue and
@@ -19,6 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tokenyard.gateway.edge.errors import BadRequest, NotFound
+from tokenyard.gateway.http import builtin_embeddings
 from tokenyard.gateway.http.completion_flow import read_json
 from tokenyard.gateway.http.upstream_call import UpstreamCall, UpstreamFailure
 from tokenyard.gateway.spend.usage import RecordContext
@@ -61,8 +63,13 @@ async def embeddings(request: Request) -> Any:
     info["tenant"] = key.tenant
     handle = gw.handles.get(model)
     spec = getattr(handle.engine, "spec", None) if handle is not None else None
+    request_id = info.get("request_id") or secrets.token_hex(12)
+    if handle is not None and handle.type != "openai" and _builtin(gw, model):
+        return await builtin_embeddings.serve(request, gw, key, handle, body, inputs, arrival, info,
+                                              _context(key, request_id, body, handle))
     if handle is None or handle.type != "openai" or not getattr(spec, "embeddings", False):
-        served = sorted(n for n, h in gw.handles.items() if getattr(getattr(h.engine, "spec", None), "embeddings", 0))
+        served = sorted(n for n, h in gw.handles.items()
+                        if getattr(getattr(h.engine, "spec", None), "embeddings", 0) or _builtin(gw, n))
         raise NotFound(f"The model {model!r} does not serve embeddings" +
                        (f"; engines that do: {', '.join(served)}" if served else "; no engine here does"),
                        param="model", code="model_not_found")
@@ -72,12 +79,9 @@ async def embeddings(request: Request) -> Any:
             lambda: sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs))
     deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
     admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline)
-    request_id = info.get("request_id") or secrets.token_hex(12)
     upstream = {k: v for k, v in body.items() if k not in ("metadata",)}
     upstream["model"] = spec.upstream_model
-    context = RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id,
-                            tags=_tags(body.get("metadata")), user=body.get("user") if isinstance(body.get("user"), str)
-                            else None, baseline_engine=handle.name, key_name=key.name, prices=handle.prices)
+    context = _context(key, request_id, body, handle)
     call = UpstreamCall(handle.engine, "/embeddings", upstream, request_id=f"{request_id}-{secrets.token_hex(4)}",
                         requested_model=model, route_reason="embeddings", arrival=arrival, arrival_wall=time.time(),
                         metrics=gw.metrics, sink=admitted.billing(gw.usage_sink), prices=handle.prices,
@@ -99,6 +103,18 @@ async def embeddings(request: Request) -> Any:
     reply = {**call.document, "model": handle.name}
     call.finish(200)
     return JSONResponse(reply, headers={"x-tokenyard-engine": handle.name, **admitted.headers})
+
+
+def _builtin(gw: Any, name: str) -> bool:
+    """A built-in engine the deployment marks `embeddings: true` (builtin_embeddings.py serves it)."""
+    spec = gw.deployment.engines.get(name)
+    return spec is not None and spec.embeddings
+
+
+def _context(key: Any, request_id: str, body: dict[str, Any], handle: Any) -> RecordContext:
+    return RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id,
+                         tags=_tags(body.get("metadata")), user=body.get("user") if isinstance(body.get("user"), str)
+                         else None, baseline_engine=handle.name, key_name=key.name, prices=handle.prices)
 
 
 def _tags(meta: Any) -> dict[str, str]:

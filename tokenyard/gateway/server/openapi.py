@@ -244,8 +244,9 @@ def openapi_schema() -> dict[str, Any]:
                                             "$ref": "#/components/schemas/ChatCompletionChunk"}}}},
                     **errors(400, 401, 403, 404, 413, 422, 429, 500, 502, 503, 504)}}},
             "/v1/embeddings": {"post": {
-                "summary": "Create embeddings on an upstream engine that serves them (type: openai with "
-                           "embeddings: true; model names the engine); key, limits, admission and spend as chat",
+                "summary": "Create embeddings on an engine that serves them (embeddings: true; model names the "
+                           "engine): a torch engine's mean-pooled, L2-normalised final hidden states, or an "
+                           "upstream's reply; key, limits, admission and spend as chat",
                 "security": auth,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["model", "input"], "properties": {
@@ -254,11 +255,12 @@ def openapi_schema() -> dict[str, Any]:
                                             {"type": "array", "items": {"type": "integer"}},
                                             {"type": "array", "items": {"type": "array",
                                                                         "items": {"type": "integer"}}}]},
-                        "encoding_format": {"type": "string"}, "dimensions": {"type": "integer"},
+                        "encoding_format": {"enum": ["float", "base64"]},
+                        "dimensions": {"type": "integer", "minimum": 1},
                         "user": {"type": "string"}}}}}},
                 "responses": {"200": json_body({"type": "object", "properties": {
                     "object": {"const": "list"}, "data": {"type": "array"}, "model": {"type": "string"},
-                    "usage": {"type": "object"}}}, "the upstream's embeddings, model set to the engine"),
+                    "usage": {"type": "object"}}}, "the embeddings, model set to the engine"),
                     **errors(400, 401, 404, 413, 429, 502, 503, 504)}}},
             "/v1/completions": {"post": {
                 "summary": "Create a text completion from a prompt (streamed as server-sent events when stream is "
