@@ -65,6 +65,7 @@ def test_sdk_embeddings_are_the_engines_and_billed(front, expected):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(lens)
     rec = records[-1]
+    assert rec.api == "embeddings"
     assert (rec.engine, rec.route_reason, rec.status) == ("emb", "embeddings", "ok")
     assert (rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens) == (sum(lens), 0, 0)
     # micro-units per million tokens, rounded half up: the input price alone

@@ -70,6 +70,7 @@ def test_embeddings_pass_through_and_are_billed(front):
     assert r.model == "emb" and [d.embedding for d in r.data] == [[0.5, 1.0], [0.5, 3.0]]
     assert SEEN[-1]["body"]["model"] == "emb-up" and SEEN[-1]["auth"] == "Bearer sk-upstream-secret"
     rec = records[-1]
+    assert rec.api == "embeddings"
     assert rec.engine == "emb" and rec.prompt_tokens == 14 and rec.completion_tokens == 0
     assert rec.cost_micros == 14 * 100_000 // 10**6 and not rec.usage_estimated
 

@@ -139,4 +139,4 @@ def _record(gw: Any, handle: EngineHandle, ctx: RecordContext, tokens: int, arri
         e2e_s=now - arrival, stream=False, tenant=ctx.tenant, key_id=ctx.key_id,
         client_request_id=ctx.client_request_id, tags=dict(ctx.tags), user=ctx.user,
         prices=[prices.input, prices.cached_input, prices.output], baseline_engine=ctx.baseline_engine or handle.name,
-        baseline_cost_micros=cost, key_name=ctx.key_name, routed_prompt_tokens=tokens)
+        baseline_cost_micros=cost, key_name=ctx.key_name, routed_prompt_tokens=tokens, api=ctx.api)

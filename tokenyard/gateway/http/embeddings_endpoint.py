@@ -114,7 +114,8 @@ def _builtin(gw: Any, name: str) -> bool:
 def _context(key: Any, request_id: str, body: dict[str, Any], handle: Any) -> RecordContext:
     return RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id,
                          tags=_tags(body.get("metadata")), user=body.get("user") if isinstance(body.get("user"), str)
-                         else None, baseline_engine=handle.name, key_name=key.name, prices=handle.prices)
+                         else None, baseline_engine=handle.name, key_name=key.name, prices=handle.prices,
+                         api="embeddings")
 
 
 def _tags(meta: Any) -> dict[str, str]:
