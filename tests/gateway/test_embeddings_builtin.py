@@ -182,3 +182,30 @@ def test_default_deployment_smollm2_serves_embeddings():
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
         again = client.embeddings.create(model="smollm2-135m", input=texts)
         assert np.array_equal(np.array([d.embedding for d in again.data]), got)
+
+
+def test_batch_api_lines_for_embeddings(front, expected):
+    """Batch API lines with url /v1/embeddings run the endpoint's own work at batch priority and the
+    batch price; the output file holds the same vectors as the HTTP request (issue 50.4)."""
+    from batch_helpers import jsonl, read_lines, wait_batch
+    srv, records = front
+    vectors, counts, _ = expected
+    c = _client(srv)
+    lines = [json.dumps({"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                         "body": {"model": "emb", "input": t, "encoding_format": "float"}}) for i, t in enumerate(TEXTS)]
+    lines.append(json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                             "body": {"model": "mock", "input": "x"}}))
+    f = c.files.create(file=("e.jsonl", jsonl(lines)), purpose="batch")
+    done = wait_batch(c, c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h").id)
+    assert done.request_counts.completed == len(TEXTS) and done.request_counts.failed == 1, done
+    outs = {o["custom_id"]: o for o in read_lines(c, done.output_file_id)}
+    for i in range(len(TEXTS)):
+        body = outs[f"e{i}"]["response"]["body"]
+        assert outs[f"e{i}"]["response"]["status_code"] == 200 and body["model"] == "emb"
+        assert np.allclose(body["data"][0]["embedding"], vectors[i], atol=1e-5)
+        assert body["usage"]["prompt_tokens"] == counts[i]
+    batch_recs = [r for r in records if r.batch and r.api == "embeddings"]
+    assert sorted(r.prompt_tokens for r in batch_recs) == sorted(counts)
+    from tokenyard.policies.schema import Prices
+    assert all(r.cost_micros == Prices(**PRICES).cost(r.prompt_tokens, 0, 0, r.price_percent) for r in batch_recs)
+    assert all(r.price_percent < 100 for r in batch_recs)          # the batch price, not the interactive one

@@ -17,7 +17,7 @@ from typing import BinaryIO
 from tokenyard.gateway.edge.errors import BadRequest
 from tokenyard.gateway.http.completion_flow import decode_json
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 MAX_CUSTOM_ID = 512
 _KEYS = {"custom_id", "method", "url", "body"}
 

@@ -24,6 +24,7 @@ from tokenyard.gateway.edge.responses_request import parse_responses_request
 from tokenyard.gateway.http.chat_endpoint import render_chat
 from tokenyard.gateway.http.completion_flow import BatchLane, Entry, generate
 from tokenyard.gateway.http.completions_endpoint import render_text
+from tokenyard.gateway.http.embeddings_endpoint import run_embeddings
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.responses_endpoint import open_turn, render_response, reply_tools
@@ -50,6 +51,8 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
                    lane: BatchLane, on_start: Callable[[GenerationGroup], None]) -> dict[str, Any] | None:
     """The line's response (status_code, request_id, body), or None when it was aborted (cancel).
     on_start(gen) gets the running request, so a cancel can abort it."""
+    if url == "/v1/embeddings":
+        return await _embeddings_line(gw, key, body, request_id, lane)
     try:
         turn = None
         if url == "/v1/chat/completions":
@@ -113,6 +116,21 @@ async def run_line(gw: "Gateway", key: KeyRecord, url: str, body: dict[str, Any]
         raise
     finally:
         gen.finish(status, record_status)
+
+
+async def _embeddings_line(gw: "Gateway", key: KeyRecord, body: dict[str, Any], request_id: str,
+                           lane: BatchLane) -> dict[str, Any]:
+    """An embeddings line: the endpoint's own work at batch priority and the batch's price (one call,
+    nothing to abort half-way)."""
+    max_ms = gw.deployment.admission.max_deadline_ms
+    try:
+        reply, _ = await run_embeddings(gw, key, body, request_id, {}, time.perf_counter(),
+                                        asyncio.get_running_loop().time() + max_ms / 1000, lane)
+    except APIError as e:
+        if e.code in _RETRY_CODES or (e.status == 503 and e.code is None):
+            raise RetryLater(_retry_after(e), e.code or "unavailable") from e
+        return _response(e.status, request_id, e.body())
+    return _response(200, request_id, reply)
 
 
 def _response(status: int, request_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from typing import Any
 
 from tokenyard.gateway.edge.openapi_parts import errors, json_body, path_param, query
 
-_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+_ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"]
 
 
 def batch_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:

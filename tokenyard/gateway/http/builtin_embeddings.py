@@ -23,11 +23,9 @@ import time
 from typing import Any
 
 import numpy as np
-from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
-from tokenyard.gateway.auth.api_keys import KeyRecord
+from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
 from tokenyard.gateway.backends.engine_pool import EngineHandle
 from tokenyard.gateway.edge.errors import BadRequest, Unavailable
 from tokenyard.gateway.observability.metrics import prompt_bucket
@@ -77,9 +75,10 @@ def _token_ids(tok: Any, inputs: list[str] | list[list[int]]) -> list[list[int]]
     return [list(x) if isinstance(x, list) else tok.encode(x) for x in inputs]
 
 
-async def serve(request: Request, gw: Any, key: KeyRecord, handle: EngineHandle, body: dict[str, Any],
+async def serve(gw: Any, key: KeyRecord, handle: EngineHandle, body: dict[str, Any],
                 inputs: list[str] | list[list[int]], arrival: float, info: dict[str, Any],
-                context: RecordContext) -> JSONResponse:
+                context: RecordContext, deadline: float, lane: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the reply object, its headers). lane: a Batch API line's (batch priority, idle room, price percent)."""
     engine = handle.engine
     size = getattr(engine, "embedding_size", None)
     if size is None:
@@ -99,8 +98,10 @@ async def serve(request: Request, gw: Any, key: KeyRecord, handle: EngineHandle,
             raise BadRequest(f"This model's maximum context length is {max_len} tokens; input {i} has {len(ids)}",
                              param="input", code="context_length_exceeded")
     tokens = sum(len(ids) for ids in prompts)
-    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
-    admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline)
+    if lane is not None:
+        await lane.wait_for_room(handle.name)
+    admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline,
+                                         None if lane is None else PRIORITIES.index("batch"))
     info.update(engine=handle.name, route_reason="embeddings")
     try:
         vectors = await engine.embed(prompts)
@@ -115,23 +116,24 @@ async def serve(request: Request, gw: Any, key: KeyRecord, handle: EngineHandle,
         raise
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(shape(vectors, dims, encoding))]
     call = EmbeddingCall()
-    call.record = _record(gw, handle, context, tokens, arrival)
+    call.record = _record(gw, handle, context, tokens, arrival, 100 if lane is None else lane.price_percent)
     info["generation"] = call
     admitted.billing(gw.usage_sink)(call.record)
     admitted.end(tokens)
-    return JSONResponse({"object": "list", "data": data, "model": handle.name,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                        headers={"x-tokenyard-engine": handle.name, **admitted.headers})
+    return ({"object": "list", "data": data, "model": handle.name,
+             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+            {"x-tokenyard-engine": handle.name, **admitted.headers})
 
 
-def _record(gw: Any, handle: EngineHandle, ctx: RecordContext, tokens: int, arrival: float) -> UsageRecord:
+def _record(gw: Any, handle: EngineHandle, ctx: RecordContext, tokens: int, arrival: float,
+            percent: int = 100) -> UsageRecord:
     """The request's usage: prompt tokens at the input price; the metrics a completion counts."""
     now = time.perf_counter()
     prices, m = handle.prices, gw.metrics
     m.e2e.labels(handle.name, prompt_bucket(tokens)).observe(now - arrival)
     m.prompt_tokens.labels(handle.name).inc(tokens)
     m.count_request(handle.name, 200, "embeddings")
-    cost = prices.cost(tokens, 0, 0)
+    cost = prices.cost(tokens, 0, 0, percent)
     return UsageRecord(
         request_id=f"{ctx.client_request_id}-{secrets.token_hex(4)}", time=time.time() - (now - arrival),
         engine=handle.name, requested_model=handle.name, route_reason="embeddings", prompt_tokens=tokens,
@@ -139,4 +141,5 @@ def _record(gw: Any, handle: EngineHandle, ctx: RecordContext, tokens: int, arri
         e2e_s=now - arrival, stream=False, tenant=ctx.tenant, key_id=ctx.key_id,
         client_request_id=ctx.client_request_id, tags=dict(ctx.tags), user=ctx.user,
         prices=[prices.input, prices.cached_input, prices.output], baseline_engine=ctx.baseline_engine or handle.name,
-        baseline_cost_micros=cost, key_name=ctx.key_name, routed_prompt_tokens=tokens, api=ctx.api)
+        baseline_cost_micros=cost, key_name=ctx.key_name, routed_prompt_tokens=tokens, api=ctx.api,
+        batch=ctx.batch, price_percent=percent)

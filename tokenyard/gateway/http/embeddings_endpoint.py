@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from tokenyard.gateway.auth.api_keys import PRIORITIES
 from tokenyard.gateway.edge.errors import BadRequest, NotFound
 from tokenyard.gateway.http import builtin_embeddings
 from tokenyard.gateway.http.completion_flow import read_json
@@ -53,20 +54,36 @@ async def embeddings(request: Request) -> Any:
     arrival = time.perf_counter()
     info = request.scope.setdefault("tokenyard", {})
     body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
+    check_body(body)
+    key = await gw.keys.authenticate(request.headers.get("authorization"))
+    info["tenant"] = key.tenant
+    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
+    reply, headers = await run_embeddings(gw, key, body, info.get("request_id") or secrets.token_hex(12), info,
+                                          arrival, deadline)
+    return JSONResponse(reply, headers=headers)
+
+
+def check_body(body: Any) -> list[str] | list[list[int]]:
+    """The request's own checks, before its key is read: an object with a model and an input."""
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' must name an engine that serves embeddings", param="model")
-    inputs = _inputs(body.get("input"))
-    key = await gw.keys.authenticate(request.headers.get("authorization"))
-    info["tenant"] = key.tenant
+    return _inputs(body.get("input"))
+
+
+async def run_embeddings(gw: Any, key: Any, body: Any, request_id: str, info: dict[str, Any], arrival: float,
+                         deadline: float, lane: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """One embeddings request after its key: (the reply object, its headers). `lane`: a Batch API line's
+    (completion_flow.BatchLane: batch priority, idle room, its price percent); None for HTTP."""
+    inputs = check_body(body)
+    model = body["model"]
     handle = gw.handles.get(model)
     spec = getattr(handle.engine, "spec", None) if handle is not None else None
-    request_id = info.get("request_id") or secrets.token_hex(12)
+    context = _context(key, request_id, body, handle, lane) if handle is not None else None
     if handle is not None and handle.type != "openai" and _builtin(gw, model):
-        return await builtin_embeddings.serve(request, gw, key, handle, body, inputs, arrival, info,
-                                              _context(key, request_id, body, handle))
+        return await builtin_embeddings.serve(gw, key, handle, body, inputs, arrival, info, context, deadline, lane)
     if handle is None or handle.type != "openai" or not getattr(spec, "embeddings", False):
         served = sorted(n for n, h in gw.handles.items()
                         if getattr(getattr(h.engine, "spec", None), "embeddings", 0) or _builtin(gw, n))
@@ -77,16 +94,17 @@ async def embeddings(request: Request) -> Any:
     tokens = sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs) \
         if len(inputs) < 64 else await asyncio.to_thread(
             lambda: sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs))
-    deadline = gw.admission.deadline(request.headers.get("x-request-deadline-ms"), time.perf_counter() - arrival)
-    admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline)
+    if lane is not None:
+        await lane.wait_for_room(handle.name)
+    admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline,
+                                         None if lane is None else PRIORITIES.index("batch"))
     upstream = {k: v for k, v in body.items() if k not in ("metadata",)}
     upstream["model"] = spec.upstream_model
-    context = _context(key, request_id, body, handle)
     call = UpstreamCall(handle.engine, "/embeddings", upstream, request_id=f"{request_id}-{secrets.token_hex(4)}",
                         requested_model=model, route_reason="embeddings", arrival=arrival, arrival_wall=time.time(),
                         metrics=gw.metrics, sink=admitted.billing(gw.usage_sink), prices=handle.prices,
                         context=context, prompt_tokens=tokens, max_tokens=0, on_end=admitted.end,
-                        expect="data")
+                        price_percent=100 if lane is None else lane.price_percent, expect="data")
     info.update(engine=handle.name, route_reason="embeddings")
     try:
         await call.open()
@@ -102,7 +120,7 @@ async def embeddings(request: Request) -> Any:
     assert call.document is not None
     reply = {**call.document, "model": handle.name}
     call.finish(200)
-    return JSONResponse(reply, headers={"x-tokenyard-engine": handle.name, **admitted.headers})
+    return reply, {"x-tokenyard-engine": handle.name, **admitted.headers}
 
 
 def _builtin(gw: Any, name: str) -> bool:
@@ -111,11 +129,11 @@ def _builtin(gw: Any, name: str) -> bool:
     return spec is not None and spec.embeddings
 
 
-def _context(key: Any, request_id: str, body: dict[str, Any], handle: Any) -> RecordContext:
+def _context(key: Any, request_id: str, body: dict[str, Any], handle: Any, lane: Any = None) -> RecordContext:
     return RecordContext(tenant=key.tenant, key_id=key.key_id, client_request_id=request_id,
                          tags=_tags(body.get("metadata")), user=body.get("user") if isinstance(body.get("user"), str)
                          else None, baseline_engine=handle.name, key_name=key.name, prices=handle.prices,
-                         api="embeddings")
+                         api="embeddings", batch=lane is not None)
 
 
 def _tags(meta: Any) -> dict[str, str]:
