@@ -86,6 +86,13 @@ def wait_ready(base_url: str, timeout_s: float, proc: subprocess.Popen | None = 
         time.sleep(0.2)
 
 
+def stop_processes(*procs: subprocess.Popen | None, grace_s: float = 10) -> None:
+    """SIGTERM each process still running (None skipped), SIGKILL after grace_s."""
+    for p in procs:
+        if p is not None:
+            _stop(p, grace_s)
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)            # the gateway drains, then exits 0

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tokenyard.bench.serve_launch import ROOT, free_port, spawn_gateway, wait_ready
+from tokenyard.bench.serve_launch import ROOT, free_port, spawn_gateway, stop_processes, wait_ready
 
 KEY = "bench-key"
 PRICES = {"input": 1_000_000, "cached_input": 500_000, "output": 3_000_000}
@@ -171,13 +171,7 @@ def main() -> None:
         rec.write(figures, [{"errors": out["errors_before_stream"][:20]}],
                   driver="aiohttp clients, three stub upstreams (one SIGKILLed), tokenyard serve, spend on")
     finally:
-        for p in [gw, *stubs]:
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes(gw, *stubs)
 
 
 if __name__ == "__main__":

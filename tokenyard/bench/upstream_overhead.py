@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tokenyard.bench.serve_launch import ROOT, free_port, spawn_gateway, wait_ready
+from tokenyard.bench.serve_launch import ROOT, free_port, spawn_gateway, stop_processes, wait_ready
 
 KEY = "sk-tybench-5f2c7d1e9a3b4c6d8e0f1a2b3c4d5e6f"   # one key for every mode (LiteLLM wants sk-...)
 BODY = {"model": "big", "max_tokens": 5, "messages": [{"role": "user", "content": "What is 2 + 2?"}]}
@@ -156,13 +156,7 @@ def main() -> None:
         print(figures)
         rec.write(figures, [{"rps": rps}], driver="aiohttp clients, stub upstream, tokenyard serve (spend on)")
     finally:
-        for p in (gw, peer, stub):
-            if p is not None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes(gw, peer, stub)
 
 
 if __name__ == "__main__":

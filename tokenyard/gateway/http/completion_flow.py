@@ -93,18 +93,27 @@ async def start_generation(request: Request, parse: Callable[[Any, "Gateway"], A
     gw: Gateway = request.app.state.gateway
     arrival = time.perf_counter()
     info = request.scope.setdefault("tokenyard", {})
-    if gw.draining:
-        raise Unavailable("The server is shutting down; retry on another instance", code="draining",
-                          headers={"retry-after": "1"})
+    refuse_if_draining(gw)
     body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
     req = parse(body, gw)
     key = await gw.keys.authenticate(authorization or request.headers.get("authorization"))
     info["tenant"] = key.tenant
+    return await generate(gw, req, key, prompt_param, new_entry(request, gw, arrival, info))
+
+
+def refuse_if_draining(gw: "Gateway") -> None:
+    if gw.draining:
+        raise Unavailable("The server is shutting down; retry on another instance", code="draining",
+                          headers={"retry-after": "1"})
+
+
+def new_entry(request: Request, gw: "Gateway", arrival: float, info: dict[str, Any], api: str = "chat") -> Entry:
+    """The request's entry once it is authenticated: its start deadline (x-request-deadline-ms, from
+    arrival) and its id; `api` the client API it came by (the usage record's)."""
     elapsed = time.perf_counter() - arrival
     deadline = gw.admission.deadline(_deadline_header(request), elapsed)
     deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
-    entry = Entry(arrival, deadline, deadline_ms, info.get("request_id") or secrets.token_hex(12), info)
-    return await generate(gw, req, key, prompt_param, entry)
+    return Entry(arrival, deadline, deadline_ms, info.get("request_id") or secrets.token_hex(12), info, api=api)
 
 
 async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param: str, entry: Entry,

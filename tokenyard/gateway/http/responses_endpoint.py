@@ -15,7 +15,6 @@ Responses an upstream engine (type: openai) serves are translated from its chat 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import secrets
@@ -27,9 +26,16 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tokenyard.gateway.edge.chat_request import ChatRequest
-from tokenyard.gateway.edge.errors import APIError, NotFound, ServerError, Unavailable
+from tokenyard.gateway.edge.errors import APIError, NotFound, ServerError
 from tokenyard.gateway.edge.responses_request import ResponsesDraft, parse_responses_request
-from tokenyard.gateway.http.completion_flow import CompletionResponse, Entry, Started, _deadline_header, generate, read_json
+from tokenyard.gateway.http.completion_flow import (
+    CompletionResponse,
+    Started,
+    generate,
+    new_entry,
+    read_json,
+    refuse_if_draining,
+)
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
 from tokenyard.gateway.http.responses_output import ResponseBuilder, output_messages, sse_event
@@ -80,19 +86,13 @@ async def create_response(request: Request) -> Any:
     gw: Gateway = request.app.state.gateway
     arrival = time.perf_counter()
     info = request.scope.setdefault("tokenyard", {})
-    if gw.draining:
-        raise Unavailable("The server is shutting down; retry on another instance", code="draining",
-                          headers={"retry-after": "1"})
+    refuse_if_draining(gw)
     body = await read_json(request, gw.deployment.limits.max_body_bytes, gw.deployment.limits.max_json_depth)
     draft = parse_responses_request(body)
     key = await gw.keys.authenticate(request.headers.get("authorization"))
     info["tenant"] = key.tenant
     req, turn = await open_turn(gw, draft, key.tenant)
-    elapsed = time.perf_counter() - arrival
-    deadline = gw.admission.deadline(_deadline_header(request), elapsed)
-    deadline_ms = round((deadline - asyncio.get_running_loop().time() + elapsed) * 1000)
-    entry = Entry(arrival, deadline, deadline_ms, info.get("request_id") or secrets.token_hex(12), info,
-                  api="responses")
+    entry = new_entry(request, gw, arrival, info, api="responses")
     started = await generate(gw, req, key, "input", entry)
     return reply(request, started, turn)
 
