@@ -100,3 +100,22 @@ def test_upstream_refusal_is_a_400_naming_the_engine(pair):
 def test_models_lists_the_upstream_engine(pair):
     _, _, client, _ = pair
     assert "big" in [m.id for m in client.models.list()]
+
+
+def test_anthropic_messages_through_an_upstream_engine(pair):
+    """A Messages request routed to an upstream engine: its chat reply and chunks shown in Anthropic's
+    shapes (tokenyard/gateway/http/messages_upstream.py), billed from the upstream's usage."""
+    anthropic = pytest.importorskip("anthropic")
+    _, front, _, records = pair
+    client = anthropic.Anthropic(base_url=front.base_url, api_key=KEY, max_retries=0)
+    m = client.messages.create(model="big", max_tokens=6, messages=[{"role": "user", "content": "hello"}],
+                               extra_body={"temperature": 0})
+    assert m.type == "message" and m.model == "big" and m.content and m.content[0].type == "text"
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens >= 1
+    rec = records[-1]
+    assert rec.engine == "big" and rec.api == "messages" and rec.completion_tokens == m.usage.output_tokens
+    with client.messages.stream(model="big", max_tokens=5, messages=[{"role": "user", "content": "hi"}]) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == "".join(b.text for b in final.content if b.type == "text") and final.usage.output_tokens >= 1
+    assert records[-1].api == "messages" and records[-1].stream
