@@ -27,7 +27,8 @@ from tokenyard.gateway.http.completions_endpoint import render_text
 from tokenyard.gateway.http.embeddings_endpoint import run_embeddings
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
-from tokenyard.gateway.http.responses_endpoint import open_turn, render_response, reply_tools
+from tokenyard.gateway.http.responses_endpoint import render_response, reply_tools
+from tokenyard.gateway.http.responses_turn import open_turn
 from tokenyard.gateway.http.responses_upstream import document_response
 from tokenyard.gateway.http.upstream_body import as_ours
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +25,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tokenyard.gateway.edge.chat_request import ChatRequest
-from tokenyard.gateway.edge.errors import APIError, NotFound, ServerError
-from tokenyard.gateway.edge.responses_request import ResponsesDraft, parse_responses_request
+from tokenyard.gateway.edge.errors import NotFound, ServerError
+from tokenyard.gateway.edge.responses_request import parse_responses_request
 from tokenyard.gateway.http.completion_flow import (
     CompletionResponse,
     Started,
@@ -38,7 +37,8 @@ from tokenyard.gateway.http.completion_flow import (
 )
 from tokenyard.gateway.http.generation import EngineFailed, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
-from tokenyard.gateway.http.responses_output import ResponseBuilder, output_messages, sse_event
+from tokenyard.gateway.http.responses_output import sse_event
+from tokenyard.gateway.http.responses_turn import Turn, open_turn
 from tokenyard.gateway.http.responses_upstream import upstream_response
 from tokenyard.gateway.http.streaming import SSEResponse
 from tokenyard.gateway.http.tool_calls import ToolCallStream
@@ -57,31 +57,6 @@ def routes() -> list[Route]:
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"])]
 
 
-class Turn:
-    """One request's way to its reply: the draft, the conversation before it, where it is stored."""
-
-    def __init__(self, gw: "Gateway", draft: ResponsesDraft, tenant: str, previous: list[dict[str, Any]]) -> None:
-        self.draft = draft
-        self.tenant = tenant
-        self.previous = previous
-        self.store = ResponseStore.of(gw)
-        self.response_id = "resp_" + secrets.token_hex(24)
-
-    def builder(self, model: str) -> ResponseBuilder:
-        return ResponseBuilder(self.response_id, model, self.draft.echo)
-
-    async def keep(self, builder: ResponseBuilder) -> None:
-        """Store the finished response (store: true), never failing the reply."""
-        if not self.draft.store:
-            return
-        entry = {"response": builder.response(),
-                 "messages": self.draft.conversation(self.previous) + output_messages(builder.items)}
-        try:
-            await self.store.put(self.tenant, self.response_id, entry)
-        except APIError as e:
-            log.warning("response %s was not stored: %s", self.response_id, e.message)
-
-
 async def create_response(request: Request) -> Any:
     gw: Gateway = request.app.state.gateway
     arrival = time.perf_counter()
@@ -95,20 +70,6 @@ async def create_response(request: Request) -> Any:
     entry = new_entry(request, gw, arrival, info, api="responses")
     started = await generate(gw, req, key, "input", entry)
     return reply(request, started, turn)
-
-
-async def open_turn(gw: "Gateway", draft: ResponsesDraft, tenant: str) -> tuple[ChatRequest, Turn]:
-    """The chat request of a Responses body (an HTTP request's or a Batch API line's) and its turn:
-    the stored conversation of previous_response_id (the tenant's own only) comes first."""
-    previous: list[dict[str, Any]] = []
-    if draft.previous_response_id is not None:
-        stored = await ResponseStore.of(gw).get(tenant, draft.previous_response_id)
-        if stored is None:
-            raise NotFound(f"Previous response with id '{draft.previous_response_id}' not found.",
-                           param="previous_response_id", code="previous_response_not_found")
-        previous = stored["messages"]
-    req = draft.chat_request(previous, gw.deployment.limits.max_messages)
-    return req, Turn(gw, draft, tenant, previous)
 
 
 def reply_tools(req: ChatRequest) -> Any:

@@ -22,7 +22,7 @@ from tokenyard.gateway.http.upstream_call import UpstreamCall, UpstreamFailure
 from tokenyard.gateway.http.upstream_reply import UpstreamSSEResponse, _headers
 
 if TYPE_CHECKING:
-    from tokenyard.gateway.http.responses_endpoint import Turn
+    from tokenyard.gateway.http.responses_turn import Turn
 
 log = logging.getLogger(__name__)
 
