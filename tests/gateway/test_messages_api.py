@@ -168,6 +168,7 @@ def test_bad_and_missing_keys_are_401_authentication_error(srv):
     status, _, body = srv.request("POST", "/v1/messages/count_tokens", {"model": "mock", "messages": HI},
                                   headers={"Authorization": ""})
     assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+    assert "x-api-key" in json.loads(body)["error"]["message"]       # the header these routes' clients send
 
 
 @pytest.mark.parametrize("body, field", [

@@ -33,8 +33,14 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
+_MISSING_KEY = "You didn't provide an API key."
+
+
 def error_body(err: APIError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(err.status), "message": err.message}}
+    message = err.message
+    if err.status == 401 and message.startswith(_MISSING_KEY):   # these routes take the key as x-api-key too
+        message = _MISSING_KEY + " Send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')."
+    return {"type": "error", "error": {"type": error_type(err.status), "message": message}}
 
 
 def error_response(err: APIError) -> Response:
