@@ -1,7 +1,8 @@
 """Rewording benchmark: does the shipped router decide the same when the same prompt is worded anew?
 
     .venv/bin/python -m tokenyard.bench.router_rewording [--artifact tokenyard/router_models/artifacts/demo_router.json]
-        [--labels tokenyard/router_models/data] [--limit N] [--seed 0] [--resamples 1000] [--no-results]
+        [--labels tokenyard/router_models/data] [--limit N] [--seed 0] [--resamples 1000]
+        [--no-results | --results-name router_rewording]
 
 Inputs and outcomes: the router's test split (tokenyard/router_models/data/test.jsonl), its items in
 the familiar phrasings 0-2, with the committed correctness of the small and the large demo engine on
@@ -181,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="wordings and bootstrap resamples")
     ap.add_argument("--resamples", type=int, default=1000)
     ap.add_argument("--no-results", action="store_true")
+    ap.add_argument("--results-name", default="router_rewording", help="bench/results/<name>.json")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
-    rec = RunRecorder("router_rewording")
+    rec = RunRecorder(args.results_name)
     report = run(Path(args.labels), Path(args.artifact), args.limit, args.seed, args.resamples)
     print(f"{report['items']} items: small {report['quality_small']:.3f}, large {report['quality_large']:.3f}, "
           f"threshold {report['threshold']:.4f}, familiar token-count mismatches {report['familiar_token_mismatches']}")
