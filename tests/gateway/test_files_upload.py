@@ -30,7 +30,7 @@ def _stored_files(srv) -> list[str]:
     ([json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}})], 1, "invalid_batch_line",
      "custom_id"),
     ([GOOD, GOOD], 2, "duplicate_custom_id", "repeats custom_id 'a'"),
-    ([chat_line("a", url="/v1/embeddings")], 1, "invalid_batch_line", "url must be one of"),
+    ([chat_line("a", url="/v1/moderations")], 1, "invalid_batch_line", "url must be one of"),
     ([GOOD.replace('"POST"', '"GET"')], 1, "invalid_batch_line", "method must be"),
     ([json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": "x"})], 1,
      "invalid_batch_line", "body must be a JSON object"),
