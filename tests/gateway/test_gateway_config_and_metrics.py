@@ -197,7 +197,7 @@ def test_every_metric_and_deployment_key_is_documented():
     metrics = GatewayMetrics(lambda: {})
     names = {m.name for m in metrics.registry.collect()}
     names |= {"tokenyard_engine_running_requests", "tokenyard_engine_waiting_requests",
-              "tokenyard_engine_desired_replicas",
+              "tokenyard_engine_desired_replicas", "tokenyard_engine_startup_seconds",
               "tokenyard_engine_kv_usage_ratio", "tokenyard_engine_prefix_cache_hit_rate",
               "tokenyard_engine_preemptions_total", "tokenyard_engine_failed_steps_total"}
     for name in names:

@@ -197,8 +197,14 @@ class _EngineCollector(Collector):
         kv_block = GaugeMetricFamily("tokenyard_engine_kv_bytes_per_block",
                                      "Bytes of one KV-cache block (all layers, K and V, scales) in the stored dtype",
                                      labels=["engine", "dtype"])
-        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block]
+        startup = GaugeMetricFamily("tokenyard_engine_startup_seconds",
+                                    "Seconds building each in-process engine took, per phase (weights_read, "
+                                    "quantise_pack, kv_allocation, compile, other)", labels=["engine", "phase"])
+        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block,
+                    startup]
         for name, eng in self._engines().items():
+            for phase, seconds in (getattr(eng, "startup_phases", None) or {}).items():
+                startup.add_metric([name, phase], seconds)
             s = eng.stats()
             running.add_metric([name], s.num_running)
             waiting.add_metric([name], s.num_waiting)
