@@ -60,7 +60,8 @@ class Engine:
         if cfg.quantization == "auto":
             # The checkpoint's own storage decides (a Q4_1 GGUF stays int4); the rest of the engine
             # (TP ranks, pipeline stages, engine processes) sees the resolved mode.
-            mode, group = resolve_quantization(model_dir, cfg.quantization, cfg.quant_group_size)
+            with phases.phase("weights_read"):     # it reads the checkpoint's tensor headers (a GGUF: seconds)
+                mode, group = resolve_quantization(model_dir, cfg.quantization, cfg.quant_group_size)
             cfg = replace(cfg, quantization=mode, quant_group_size=group)
             log.info("%s: quantization auto -> %s%s", Path(model_dir).name, mode,
                      f" (groups of {group})" if mode == "int4" else "")
