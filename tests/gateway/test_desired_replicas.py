@@ -96,3 +96,25 @@ def test_bounded_by_min_and_max_through_the_tracker():
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError):
         DesiredReplicasConfig(**bad)
+
+
+def test_deployment_file_sets_the_rule_and_refuses_bad_values():
+    from dataclasses import replace
+
+    from gateway_helpers import mock_deployment
+
+    from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
+    dep = parse_deployment({**mock_deployment(), "autoscaling": {"lead_time_s": 300, "max_replicas": 8,
+                                                                 "scale_down_hold_s": 0}})
+    assert dep.autoscaling == replace(DesiredReplicasConfig(), lead_time_s=300.0, max_replicas=8,
+                                      scale_down_hold_s=0.0)
+    assert parse_deployment(mock_deployment()).autoscaling == DesiredReplicasConfig()
+    for bad, message in [({"lead_time": 1}, "unknown key(s) autoscaling.lead_time"),
+                         ({"slo_ttft_s": 1}, "unknown key(s) autoscaling.slo_ttft_s"),
+                         ({"max_replicas": 2.5}, "autoscaling.max_replicas must be an integer"),
+                         ({"target_kv_usage": "high"}, "autoscaling.target_kv_usage must be a number"),
+                         ({"target_kv_usage": 2}, "target_kv_usage must be in (0, 1]"),
+                         ({"min_replicas": 4, "max_replicas": 2}, "min_replicas <= max_replicas")]:
+        with pytest.raises(DeploymentError) as err:
+            parse_deployment({**mock_deployment(), "autoscaling": bad})
+        assert message in str(err.value), (bad, str(err.value))
