@@ -197,6 +197,7 @@ def test_every_metric_and_deployment_key_is_documented():
     metrics = GatewayMetrics(lambda: {})
     names = {m.name for m in metrics.registry.collect()}
     names |= {"tokenyard_engine_running_requests", "tokenyard_engine_waiting_requests",
+              "tokenyard_engine_desired_replicas", "tokenyard_engine_startup_seconds",
               "tokenyard_engine_kv_usage_ratio", "tokenyard_engine_prefix_cache_hit_rate",
               "tokenyard_engine_preemptions_total", "tokenyard_engine_failed_steps_total"}
     for name in names:
@@ -239,3 +240,25 @@ def test_engine_model_references_are_checked(tmp_path, model, message):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(DeploymentError, match=re.escape(message)):
         load_deployment(path)
+
+
+def test_metrics_show_desired_replicas_per_engine():
+    doc = {**mock_deployment(), "autoscaling": {"min_replicas": 2, "max_replicas": 3}, "metrics": {"slo_ttft_s": 4.0}}
+    doc["engines"]["mock-b"] = dict(doc["engines"]["mock"])
+    with running_gateway(doc) as srv:
+        assert srv.gateway.admission.scaling.slo_ttft_s == 4.0     # the rule's SLO is metrics.slo_ttft_s
+
+        def desired() -> dict[str, float]:
+            text = srv.request("GET", "/metrics", headers={"Authorization": ""})[2].decode()
+            return {m.group(1): float(m.group(2)) for m in re.finditer(
+                r'^tokenyard_engine_desired_replicas{engine="([^"]+)"} (\S+)$', text, re.M)}
+
+        assert desired() == {"mock": 2.0, "mock-b": 2.0}         # idle: the minimum, one series per engine
+        q = srv.gateway.admission.queues["mock"]
+        # as if twice its slots were running and 9 more: beyond two replicas' worth (slots + 4 queued each)
+        q.running += 2 * q.slots + 9
+        try:
+            assert desired() == {"mock": 3.0, "mock-b": 2.0}
+        finally:
+            q.running -= 2 * q.slots + 9
+        assert desired()["mock"] == 3.0          # and it stays up: scale-down waits for the hold (300 s)

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenyard.engines.core.startup_phases import StartupPhases, process_age_s
     from tokenyard.engines.runtime.async_engine import AsyncEngine
     from tokenyard.engines.serving.engine_process import EngineProcess
     from tokenyard.engines.serving.replica_server import serve
@@ -46,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
     # a replica's event loop and its engine's step thread share the GIL as a gateway's do; or the
     # engine steps in a process of its own (server.engine_process), as behind a gateway
     sys.setswitchinterval(dep.gil_switch_interval_ms / 1000.0)
+    # Start-up phases (tokenyard_engine_startup_seconds): until here, the interpreter, the imports
+    # and the deployment file; then the engine's own phases; serve() adds warm_up and closes at ready.
+    startup = StartupPhases()
+    startup.add("imports", process_age_s() or 0.0)
     engine = EngineProcess(_recipe(spec), spec.name) if dep.engine_process else AsyncEngine(_build(spec), spec.name)
+    startup.merge(getattr(engine, "startup_phases", None) or {})    # an engine process keeps its own: other
     grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
-    return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model))
+    return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model), startup=startup)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -86,6 +87,8 @@ class Gateway:
         self.limiter = RateLimiter(self.redis, prefix, deployment.rate_limits, self.guard, self.metrics)
         self.admission = Admission(deployment.admission, self.metrics, {})
         self.metrics.admission = self.admission.snapshot
+        self.admission.scaling = replace(deployment.autoscaling, slo_ttft_s=deployment.web.metrics.slo_ttft_s)
+        self.metrics.desired_replicas = self.admission.desired_replicas
         self.gatekeeper = Gatekeeper(self.limiter, self.admission)
         # The learned router behind model "auto" (None: the interim rule of routing.py).
         self.learned_router = load_learned_router(deployment)

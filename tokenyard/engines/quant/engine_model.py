@@ -5,7 +5,9 @@ One dispatcher above the loaders, so that none of them needs to know the others.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +18,9 @@ from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.gguf_quantized import load_gguf_quantized
 from tokenyard.engines.quant.quantization import check_mode, checkpoint_quantization, load_quantized_model, quantize_model
 from tokenyard.engines.weights.checkpoint import load_model
+
+if TYPE_CHECKING:
+    from tokenyard.engines.core.startup_phases import StartupPhases
 
 
 def resolve_quantization(model_dir: str | Path, quantization: str, group_size: int) -> tuple[str, int]:
@@ -37,8 +42,10 @@ def resolve_quantization(model_dir: str | Path, quantization: str, group_size: i
 
 def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                       progress: bool, cfg: ModelConfig, quantization: str = "none",
-                      group_size: int = 128) -> tuple[CausalLM, ModelConfig]:
-    """The engine's loader: plain, quantised at load, or a pre-quantised checkpoint as stored."""
+                      group_size: int = 128, phases: StartupPhases | None = None) -> tuple[CausalLM, ModelConfig]:
+    """The engine's loader: plain, quantised at load, or a pre-quantised checkpoint as stored.
+    phases: where quantising after the read is timed ("quantise_pack"); a GGUF's blocks are
+    repacked as they are read, so that time stays in the caller's weights_read."""
     qc = checkpoint_quantization(model_dir)
     if qc is not None:
         if quantization not in ("none", qc["mode"]) or (quantization == "int4" and group_size != qc["group_size"]):
@@ -57,11 +64,12 @@ def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
         return model, cfg
     # Quantise from float32 weights (as save_quantized does), then bring the rest to dtype.
     model, cfg = load_model(model_dir, torch.float32, device, max_positions, progress, cfg)
-    quantize_model(model, quantization, group_size)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
-        for m in model.modules():
-            if isinstance(m, QuantLinear) and m.bias is not None:
-                m.bias = m.bias.to(dtype)
+    with phases.phase("quantise_pack") if phases is not None else nullcontext():
+        quantize_model(model, quantization, group_size)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+            for m in model.modules():
+                if isinstance(m, QuantLinear) and m.bias is not None:
+                    m.bias = m.bias.to(dtype)
     return model, cfg

@@ -191,6 +191,12 @@ class AsyncEngine:
         return cfg.hidden_size if cfg is not None and hasattr(self.engine, "embed") else None
 
     @property
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds per phase of building the engine core (core/startup_phases.py); {} when it keeps none."""
+        phases = getattr(self.engine, "startup_phases", None)
+        return phases.as_dict() if phases is not None else {}
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

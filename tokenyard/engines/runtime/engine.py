@@ -30,6 +30,7 @@ from tokenyard.engines.core.request_inbox import RequestInbox
 from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenyard.engines.core.sequence import Sequence
+from tokenyard.engines.core.startup_phases import StartupPhases
 from tokenyard.engines.core.structured_output import GrammarError, Grammars
 from tokenyard.engines.model import kv_cache
 from tokenyard.engines.model.attention import resolve_backend
@@ -51,12 +52,16 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **options: Any) -> None:
         if config is not None and options:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
+        # Where building this engine's time goes (startup_phases.py); "other" = the rest of __init__.
+        phases = self.startup_phases = StartupPhases()
+        t_init = time.perf_counter()
         cfg = config or EngineConfig.from_options(options)
         cfg.validate()
         if cfg.quantization == "auto":
             # The checkpoint's own storage decides (a Q4_1 GGUF stays int4); the rest of the engine
             # (TP ranks, pipeline stages, engine processes) sees the resolved mode.
-            mode, group = resolve_quantization(model_dir, cfg.quantization, cfg.quant_group_size)
+            with phases.phase("weights_read"):     # it reads the checkpoint's tensor headers (a GGUF: seconds)
+                mode, group = resolve_quantization(model_dir, cfg.quantization, cfg.quant_group_size)
             cfg = replace(cfg, quantization=mode, quant_group_size=group)
             log.info("%s: quantization auto -> %s%s", Path(model_dir).name, mode,
                      f" (groups of {group})" if mode == "int4" else "")
@@ -91,9 +96,10 @@ class Engine:
             self.model, self.model_config = self.runner.model, self.runner.model_config
         else:
             # Plain, quantised at load (cfg.quantization), or a pre-quantised checkpoint as stored.
-            self.model, self.model_config = load_engine_model(model_dir, self.dtype, self.device, max_len,
-                                                              cfg.progress, mcfg, cfg.quantization,
-                                                              cfg.quant_group_size)
+            with phases.phase("weights_read"):
+                self.model, self.model_config = load_engine_model(model_dir, self.dtype, self.device, max_len,
+                                                                  cfg.progress, mcfg, cfg.quantization,
+                                                                  cfg.quant_group_size, phases)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -109,13 +115,18 @@ class Engine:
         elif tp > 1:
             self.runner = self._start_tensor_parallel(model_dir, num_blocks)
         else:
-            kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device,
-                                   cfg.kv_cache_dtype)
-            self.runner = ModelRunner(self.model, kv, self.device, RunnerConfig(
-                block_size=cfg.block_size, attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-                max_model_len=max_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
-                cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
-                cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch, cpu_onednn_linear=cfg.cpu_onednn_linear))
+            with phases.phase("kv_allocation"):
+                kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype,
+                                                self.device, cfg.kv_cache_dtype)
+            # The runner captures CUDA graphs, builds the C decode step, compiles (and warms up) the CPU
+            # decode graph and packs oneDNN weights, as the configuration asks.
+            with phases.phase("compile"):
+                self.runner = ModelRunner(self.model, kv, self.device, RunnerConfig(
+                    block_size=cfg.block_size, attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
+                    max_model_len=max_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                    cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
+                    cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch,
+                    cpu_onednn_linear=cfg.cpu_onednn_linear))
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
         self._grammars: Grammars | None = None   # built by warm_grammars() or the first response_format request
@@ -134,6 +145,8 @@ class Engine:
         self._prefill_tokens = 0
         self._output_tokens = 0
         self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
+        phases.finish(time.perf_counter() - t_init)
+        log.info("%s: engine built in %s", model_dir.name, phases.describe())
 
     # -- the interface ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,

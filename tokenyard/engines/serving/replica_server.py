@@ -29,11 +29,13 @@ import asyncio
 import json
 import logging
 import signal
+import time
 from dataclasses import asdict
 from typing import Any
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
+from tokenyard.engines.core.startup_phases import StartupPhases, process_age_s
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.runtime.async_engine import AsyncEngine
 
@@ -52,6 +54,8 @@ class ReplicaState:
         self.ready = False
         self.streaming = 0          # generate responses still open
         self.preparing = 0          # generate requests whose grammar is being made ready
+        # Seconds per start-up phase, process start to ready when serve() was given them, else the engine's own.
+        self.startup: dict[str, float] = dict(getattr(engine, "startup_phases", None) or {})
 
 
 def build_app(state: ReplicaState):
@@ -158,6 +162,11 @@ def metrics_text(state: ReplicaState) -> str:
     out = []
     for metric, help_, value in rows:
         out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge", f'{metric}{{engine="{name}"}} {value}']
+    if state.startup:
+        out += ["# HELP tokenyard_engine_startup_seconds Seconds from process start to ready, per phase",
+                "# TYPE tokenyard_engine_startup_seconds gauge"]
+        out += [f'tokenyard_engine_startup_seconds{{engine="{name}",phase="{phase}"}} {s}'
+                for phase, s in state.startup.items()]
     return "\n".join(out) + "\n"
 
 
@@ -199,9 +208,13 @@ class _NDJSONStream:
 
 
 def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, model_fingerprint: str = "",
-          announce=lambda line: print(line, flush=True)) -> int:
-    """Run a replica until SIGTERM/SIGINT (drain) and return the exit status."""
+          announce=lambda line: print(line, flush=True), startup: StartupPhases | None = None) -> int:
+    """Run a replica until SIGTERM/SIGINT (drain) and return the exit status. startup: the phases
+    measured so far since the process started (`tokenyard engine serve`); from here to ready is
+    warm_up (engine start, server bind), and the whole is closed at the process's age when ready."""
     import uvicorn
+
+    serve_t0 = time.perf_counter()
 
     state = ReplicaState(engine, model_fingerprint)
     app = build_app(state)
@@ -217,8 +230,14 @@ def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, mode
 
         async def startup(self, sockets=None) -> None:
             await engine.start()
-            state.ready = True
             await super().startup(sockets)
+            if startup is not None:
+                startup.add("warm_up", time.perf_counter() - serve_t0)
+                age = process_age_s()
+                startup.finish(age if age is not None else sum(startup.seconds.values()))
+                state.startup = startup.as_dict()
+                log.info("replica %s ready in %s", engine.name, startup.describe())
+            state.ready = True
 
         async def on_tick(self, counter: int) -> bool:
             if self.drain_requested and self.drain_task is None:

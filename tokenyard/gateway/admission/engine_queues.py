@@ -25,6 +25,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from tokenyard.gateway.admission.desired_replicas import DesiredReplicas, DesiredReplicasConfig, ScalingSignals
 from tokenyard.gateway.admission.fair_queue import FairQueue, Waiter
 from tokenyard.gateway.admission.shedding import ArrivalRate, ServiceRate, predicted_wait, shed
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
@@ -59,6 +60,22 @@ class EngineQueue:
             return 0.0
         overtaking = sum(a.per_second() for a in self.arrivals[:priority])
         return predicted_wait(self.queue.ahead(tenant, priority), self.rate.per_second(self.running), overtaking)
+
+    def replicas_up(self) -> int:
+        """Replicas taking requests: a pool's routable ones, else 1 unless the engine is dead."""
+        replicas = getattr(self.engine, "replicas", None)
+        if replicas is None:
+            return 0 if self.engine.dead else 1
+        return sum(1 for r in replicas if r.routable)
+
+    def scaling_signals(self) -> ScalingSignals:
+        # Running: the engine's own count (all gateways' requests, for shared replicas) if larger than ours.
+        s = self.engine.stats()
+        return ScalingSignals(
+            replicas=self.replicas_up(), slots=self.slots, running=max(self.running, s.num_running + s.num_waiting),
+            queue_depth=len(self.queue), kv_usage=s.kv_usage, predicted_wait_s=self.predicted_wait(),
+            arrival_rate=sum(a.per_second() for a in self.arrivals),
+            service_rate=self.rate.per_second(self.running))
 
     def _room_for(self, blocks: int) -> bool:
         if self.running >= self.slots:
@@ -189,6 +206,9 @@ class Admission:
         self.tenants: dict[str, int] = {}   # requests queued or running per tenant
         # The tenant's fair-share weight; the policy state installs its lookup (policies: tenants.NAME.weight).
         self.weight_of: Callable[[str], int] = lambda tenant: 1
+        # The desired-replicas rule (desired_replicas.py); the gateway sets slo_ttft_s from its metrics config.
+        self.scaling = DesiredReplicasConfig()
+        self._desired: dict[str, DesiredReplicas] = {}
         self.add_engines(engines)
 
     def add_engines(self, engines: dict[str, EngineBackend]) -> None:
@@ -238,6 +258,18 @@ class Admission:
         """Per engine: queue depth per class and the predicted wait of a new batch request."""
         return {name: ([q.queue.depth(c) for c in range(len(PRIORITIES))], q.predicted_wait())
                 for name, q in self.queues.items()}
+
+    def desired_replicas(self, now: float | None = None) -> dict[str, int]:
+        """Per engine: the replicas it should run (tokenyard_engine_desired_replicas). Each call
+        advances the scale-down hysteresis, which counts seconds, not calls, so scrapers may poll."""
+        now = time.monotonic() if now is None else now
+        out = {}
+        for name, q in self.queues.items():
+            tracker = self._desired.get(name)
+            if tracker is None or tracker.cfg is not self.scaling:
+                tracker = self._desired[name] = DesiredReplicas(self.scaling)
+            out[name] = tracker.update(q.scaling_signals(), now)
+        return out
 
     async def stop(self) -> None:
         for q in self.queues.values():

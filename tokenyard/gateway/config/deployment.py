@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from tokenyard.gateway.config import yaml_fields
+from tokenyard.gateway.config.autoscaling_config import AUTOSCALING_KEYS, DesiredReplicasConfig, parse_autoscaling
 from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
@@ -145,6 +146,8 @@ class Deployment:
     limits: Limits = field(default_factory=Limits)
     rate_limits: RateLimits = field(default_factory=RateLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # tokenyard_engine_desired_replicas' rule (`autoscaling:`; its slo_ttft_s comes from metrics.slo_ttft_s)
+    autoscaling: DesiredReplicasConfig = field(default_factory=DesiredReplicasConfig)
     routing: Routing = field(default_factory=Routing)
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     web: WebSettings = field(default_factory=WebSettings)   # spend ledger, dashboard, /metrics access
@@ -175,14 +178,15 @@ def _names(cls: type) -> frozenset[str]:
 # EngineConfig (docs/engine.md) or MockConfig options, checked by their from_options.
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset({"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
-                   "redis_pool_wait_ms", "auth", "limits", "rate_limits", "admission", "routing", "engines", "spend",
-                   "dashboard", "metrics", "router", "policy", "batch", "pools", "responses"}),
+                   "redis_pool_wait_ms", "auth", "limits", "rate_limits", "admission", "autoscaling", "routing",
+                   "engines", "spend", "dashboard", "metrics", "router", "policy", "batch", "pools", "responses"}),
     "server": frozenset({"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
                          "engine_process"}) | _names(Connections),
     "auth": _names(Auth),
     "limits": _names(Limits),
     "rate_limits": _names(RateLimits),
     "admission": _names(AdmissionConfig),
+    "autoscaling": AUTOSCALING_KEYS,
     "routing": _names(Routing),
     "router": ROUTER_KEYS,
     "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings"}),
@@ -247,6 +251,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
                                                     dep.auth.max_concurrent_lookups)
     _rate_limits(_mapping(top.get("rate_limits", {}), "rate_limits"), dep.rate_limits)
     _admission(_mapping(top.get("admission", {}), "admission"), dep.admission)
+    dep.autoscaling = parse_autoscaling(_mapping(top.get("autoscaling", {}), "autoscaling"), DeploymentError)
     limits = _mapping(top.get("limits", {}), "limits")
     _only(limits, "limits.", KNOWN_KEYS["limits"])
     for key in ("max_body_bytes", "max_json_depth", "max_messages", "default_max_tokens", "stream_buffer_bytes"):

@@ -137,8 +137,9 @@ class GatewayMetrics:
                                           "Requests moved to a fallback engine, by the engine left and why",
                                           ("engine", "reason"), registry=r)
         self.admission: Callable[[], dict[str, tuple[list[int], float]]] = dict
+        self.desired_replicas: Callable[[], dict[str, int]] = dict    # admission's, set by the gateway
         r.register(_EngineCollector(engines))
-        r.register(_AdmissionCollector(lambda: self.admission()))
+        r.register(_AdmissionCollector(lambda: self.admission(), lambda: self.desired_replicas()))
 
     def count_request(self, engine: str, status: int | str, route_reason: str) -> None:
         self.requests.labels(engine or "none", str(status), route_reason or "none").inc()
@@ -196,8 +197,14 @@ class _EngineCollector(Collector):
         kv_block = GaugeMetricFamily("tokenyard_engine_kv_bytes_per_block",
                                      "Bytes of one KV-cache block (all layers, K and V, scales) in the stored dtype",
                                      labels=["engine", "dtype"])
-        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block]
+        startup = GaugeMetricFamily("tokenyard_engine_startup_seconds",
+                                    "Seconds building each in-process engine took, per phase (weights_read, "
+                                    "quantise_pack, kv_allocation, compile, other)", labels=["engine", "phase"])
+        families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block,
+                    startup]
         for name, eng in self._engines().items():
+            for phase, seconds in (getattr(eng, "startup_phases", None) or {}).items():
+                startup.add_metric([name, phase], seconds)
             s = eng.stats()
             running.add_metric([name], s.num_running)
             waiting.add_metric([name], s.num_waiting)
@@ -225,10 +232,13 @@ class _EngineCollector(Collector):
 
 
 class _AdmissionCollector(Collector):
-    """Queue depth per engine and class, and the predicted wait of a new request, at scrape time."""
+    """Queue depth per engine and class, the predicted wait of a new request and the desired replicas,
+    at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, tuple[list[int], float]]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, tuple[list[int], float]]],
+                 desired: Callable[[], dict[str, int]]) -> None:
         self._snapshot = snapshot
+        self._desired = desired
 
     def describe(self) -> Iterable:
         return []
@@ -242,4 +252,10 @@ class _AdmissionCollector(Collector):
             for cls, n in zip(("interactive", "batch"), by_class):
                 depth.add_metric([name, cls], n)
             wait.add_metric([name], min(predicted, 3600.0))   # inf: batch is being shed outright
-        return [depth, wait]
+        desired = GaugeMetricFamily("tokenyard_engine_desired_replicas",
+                                    "Replicas the engine should run, from queue, KV occupancy and predicted wait "
+                                    "with lead time and scale-down hysteresis (what the autoscaler scales on)",
+                                    labels=["engine"])
+        for name, n in self._desired().items():
+            desired.add_metric([name], n)
+        return [depth, wait, desired]

@@ -1,0 +1,124 @@
+"""Replica cold start, by phase (issue 52, item 1): `tokenyard engine serve` from process start to
+ready, per engine of the packaged deployment, `--repeats` fresh processes each.
+
+For each start: the wall time the launcher saw (Popen to the first /ready 200), the replica's own
+`tokenyard_engine_startup_seconds` phases (imports, weights_read, quantise_pack, kv_allocation,
+compile, warm_up, other), and the latency of the first and the tenth request after ready (the same
+short prompt, `--max-tokens` greedy tokens, one at a time) to show what is still paid lazily.
+Reported per engine: the median of each figure over the repeats.
+
+    python -m tokenyard.bench.startup_bench [--engines demo-small demo-large smollm2-135m] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PHASE_RE = re.compile(r'^tokenyard_engine_startup_seconds{engine="[^"]+",phase="([a-z_]+)"} (\S+)$', re.M)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _generate(base: str, rid: str, max_tokens: int) -> float:
+    body = json.dumps({"request_id": rid, "prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+                       "params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}).encode()
+    req = urllib.request.Request(base + "/v1/engine/generate", body, {"content-type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        lines = r.read().splitlines()
+    if not lines or not json.loads(lines[-1]).get("finished"):
+        raise RuntimeError(f"request {rid} did not finish: {lines[-1:]}")
+    return time.perf_counter() - t0
+
+
+def one_start(engine: str, max_tokens: int, timeout_s: float) -> dict:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "engine", "serve", "--engine", engine,
+                             "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{engine} exited {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{engine} not ready after {timeout_s} s")
+            try:
+                if _get(base + "/ready", 0.5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        ready_wall = time.monotonic() - t0
+        phases = {m.group(1): float(m.group(2)) for m in PHASE_RE.finditer(_get(base + "/metrics")[1].decode())}
+        latencies = [_generate(base, f"r{i}", max_tokens) for i in range(10)]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return {"engine": engine, "ready_wall_s": ready_wall, "phases_s": phases,
+            "reported_total_s": sum(phases.values()), "first_request_s": latencies[0],
+            "tenth_request_s": latencies[9]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engines", nargs="+", default=["demo-small", "demo-large", "smollm2-135m"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/startup_phases.json")
+    args = ap.parse_args()
+    from tokenyard.bench.results_io import RunRecorder
+    rec = RunRecorder("startup_phases")
+    runs = []
+    for engine in args.engines:
+        for _ in range(args.repeats):
+            runs.append(one_start(engine, args.max_tokens, args.timeout_s))
+            print(json.dumps(runs[-1]), flush=True)
+    figures = {}
+    for engine in args.engines:
+        mine = [r for r in runs if r["engine"] == engine]
+        names = sorted({p for r in mine for p in r["phases_s"]}, key=lambda p: list(mine[0]["phases_s"]).index(p)
+                       if p in mine[0]["phases_s"] else 99)
+        figures[engine] = {
+            "ready_wall_s": statistics.median(r["ready_wall_s"] for r in mine),
+            "reported_total_s": statistics.median(r["reported_total_s"] for r in mine),
+            "phases_s": {p: statistics.median(r["phases_s"].get(p, 0.0) for r in mine) for p in names},
+            "first_request_s": statistics.median(r["first_request_s"] for r in mine),
+            "tenth_request_s": statistics.median(r["tenth_request_s"] for r in mine)}
+    print(json.dumps(figures, indent=1))
+    if not args.no_results:
+        print("wrote", rec.write(figures, runs, repeats=args.repeats, max_tokens=args.max_tokens))
+
+
+if __name__ == "__main__":
+    main()
