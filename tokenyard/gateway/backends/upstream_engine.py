@@ -232,7 +232,6 @@ class UpstreamEngine:
         if self.session is None:
             return False
         t = self.spec.timeouts
-        t0 = time.monotonic()
         try:
             async with self.session.get(dep.url + "/models", headers=self.headers(),
                                         timeout=aiohttp.ClientTimeout(total=t.connect_s + t.first_token_s,
@@ -248,7 +247,6 @@ class UpstreamEngine:
                 self._gauge(dep)
         elif dep.state == "up" or time.monotonic() >= dep.until:
             self.failed(dep)
-        _ = t0
         return ok
 
     def headers(self) -> dict[str, str]:
