@@ -17,7 +17,7 @@ from tokenyard.gateway.edge.errors import ServerError
 from tokenyard.gateway.edge.messages_errors import error_body
 from tokenyard.gateway.http.messages_blocks import BlockStream, content_of, stop_reason, usage_of
 from tokenyard.gateway.http.upstream_call import UpstreamCall, UpstreamFailure
-from tokenyard.gateway.http.upstream_reply import UpstreamSSEResponse, _headers
+from tokenyard.gateway.http.upstream_reply import UpstreamSSEResponse, send_json, start_stream
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,7 @@ class _Whole:
                 reason = "end_turn"
             body = {"id": self.message_id, "type": "message", "role": "assistant", "model": call.name,
                     "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(call)}
-            data = json.dumps(body, ensure_ascii=False).encode()
-            call.finish(200)      # the usage record exists before the client sees the reply
-            headers = _headers(self.headers, b"application/json") + [(b"content-length", str(len(data)).encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": data})
+            await send_json(send, call, body, self.headers)
         finally:
             call.finish(200)
 
@@ -93,9 +89,7 @@ class _Stream(UpstreamSSEResponse):
 
     async def _relay(self, send: Send) -> None:
         call = self.call
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": _headers(self.headers, b"text/event-stream; charset=utf-8")
-                    + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        await start_stream(send, self.headers)
         blocks = BlockStream()
         finish, stop_string = None, None
         try:

@@ -8,7 +8,6 @@ aborts the upstream request, a slow reader is cut); only what is written differs
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from tokenyard.gateway.edge.errors import ServerError
 from tokenyard.gateway.http.completion_flow import Started
 from tokenyard.gateway.http.responses_output import sse_event
 from tokenyard.gateway.http.upstream_call import UpstreamCall, UpstreamFailure
-from tokenyard.gateway.http.upstream_reply import UpstreamSSEResponse, _headers
+from tokenyard.gateway.http.upstream_reply import UpstreamSSEResponse, send_json, start_stream
 
 if TYPE_CHECKING:
     from tokenyard.gateway.http.responses_turn import Turn
@@ -65,11 +64,7 @@ class ResponsesUpstreamJSON:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self.call
         try:
-            data = json.dumps(await document_response(call, self.turn), ensure_ascii=False).encode()
-            call.finish(200)      # the usage record exists before the client sees the reply
-            headers = _headers(self.headers, b"application/json") + [(b"content-length", str(len(data)).encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": data})
+            await send_json(send, call, await document_response(call, self.turn), self.headers)
         finally:
             call.finish(200)
 
@@ -86,9 +81,7 @@ class ResponsesUpstreamSSE(UpstreamSSEResponse):
 
     async def _relay(self, send: Send) -> None:
         call, b = self.call, self.builder
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": _headers(self.headers, b"text/event-stream; charset=utf-8")
-                    + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        await start_stream(send, self.headers)
         finish = None
         try:
             await self._events(send, b.start())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -31,6 +32,22 @@ def _headers(extra: dict[str, str], content_type: bytes) -> list[tuple[bytes, by
     return out
 
 
+async def send_json(send: Send, call: UpstreamCall, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """A whole reply: the usage record written first (call.finish), then the JSON object."""
+    data = json.dumps(body, ensure_ascii=False).encode()
+    call.finish(200)      # the usage record exists before the client sees the reply
+    await send({"type": "http.response.start", "status": 200,
+                "headers": _headers(headers, b"application/json") + [(b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def start_stream(send: Send, headers: dict[str, str]) -> None:
+    """The head of a server-sent event stream."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": _headers(headers, b"text/event-stream; charset=utf-8")
+                + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+
 class UpstreamJSONResponse:
     """A non-streamed reply: the upstream's object, already read in full by UpstreamCall.open()."""
 
@@ -43,11 +60,7 @@ class UpstreamJSONResponse:
         call = self.call
         try:
             assert call.document is not None
-            data = json.dumps(as_ours(call.document, self.completion_id, call.name), ensure_ascii=False).encode()
-            call.finish(200)      # the usage record exists before the client sees the reply
-            headers = _headers(self.headers, b"application/json") + [(b"content-length", str(len(data)).encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": data})
+            await send_json(send, call, as_ours(call.document, self.completion_id, call.name), self.headers)
         finally:
             call.finish(200)
 
@@ -97,9 +110,7 @@ class UpstreamSSEResponse:
 
     async def _relay(self, send: Send) -> None:
         call = self.call
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": _headers(self.headers, b"text/event-stream; charset=utf-8")
-                    + [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        await start_stream(send, self.headers)
         try:
             async for doc in call.events():
                 if doc is None:
