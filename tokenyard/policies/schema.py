@@ -9,6 +9,7 @@ Every key, its allowed values and its default are documented in policies/README.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .cost import request_cost
@@ -140,6 +141,13 @@ class Fallback:
 
     engines: tuple[str, ...]
     on: tuple[str, ...] = FALLBACK_ON
+
+    def next_engine(self, reason: str, live: Callable[[str], bool], tried: Iterable[str] = ()) -> str | None:
+        """The first engine of the chain that is live and not tried yet, when the chain covers `reason`."""
+        if reason not in self.on:
+            return None
+        skip = set(tried)
+        return next((e for e in self.engines if e not in skip and live(e)), None)
 
 
 @dataclass(slots=True, frozen=True)

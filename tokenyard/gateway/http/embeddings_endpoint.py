@@ -90,10 +90,9 @@ async def run_embeddings(gw: Any, key: Any, body: Any, request_id: str, info: di
         raise NotFound(f"The model {model!r} does not serve embeddings" +
                        (f"; engines that do: {', '.join(served)}" if served else "; no engine here does"),
                        param="model", code="model_not_found")
-    tok = handle.tokenizer
-    tokens = sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs) \
-        if len(inputs) < 64 else await asyncio.to_thread(
-            lambda: sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs))
+    # A long list is counted on a worker thread (the tokenizer holds the loop otherwise).
+    tokens = _count(handle.tokenizer, inputs) if len(inputs) < 64 else \
+        await asyncio.to_thread(_count, handle.tokenizer, inputs)
     if lane is not None:
         await lane.wait_for_room(handle.name)
     admitted = await gw.gatekeeper.enter(key, handle.name, tokens, 0, deadline,
@@ -121,6 +120,11 @@ async def run_embeddings(gw: Any, key: Any, body: Any, request_id: str, info: di
     reply = {**call.document, "model": handle.name}
     call.finish(200)
     return reply, {"x-tokenyard-engine": handle.name, **admitted.headers}
+
+
+def _count(tok: Any, inputs: list[str] | list[list[int]]) -> int:
+    """Input tokens before the call: token-id inputs as given, strings with the engine's tokenizer."""
+    return sum(len(x) if isinstance(x, list) else len(tok.encode(x, add_special_tokens=False)) for x in inputs)
 
 
 def _builtin(gw: Any, name: str) -> bool:

@@ -177,11 +177,10 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         # The engine is down (an upstream whose deployments all rest): the policy's fallback chain
         # for errors, when it has a live engine, takes the request instead of the 503.
         chain = policy.fallback_for(key.tenant, d.rule_index)
-        live = [n for n in (chain.engines if chain is not None and "error" in chain.on else ())
-                if n in states and states[n].healthy]
-        if live:
+        nxt = chain.next_engine("error", lambda n: n in states and states[n].healthy) if chain else None
+        if nxt is not None:
             gw.metrics.upstream_fallbacks.labels(pinned.engine if pinned is not None else "auto", "error").inc()
-            d.error, d.engine, d.reason, d.action = None, live[0], "fallback_error", "fallback"
+            d.error, d.engine, d.reason, d.action = None, nxt, "fallback_error", "fallback"
     if d.error is not None:
         raise _refusal(d.error, states)
     dropped = 0

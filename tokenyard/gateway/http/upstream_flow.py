@@ -83,13 +83,9 @@ async def start_upstream(gw: "Gateway", req: Any, key: Any, entry: Any, route: A
 
 def _next_engine(gw: "Gateway", route: Any, failed: str, e: UpstreamFailure) -> Any:
     """The route moved to the next live engine of its fallback chain, or None."""
-    chain = getattr(route, "fallback", None)
-    if chain is None or e.fallback_reason not in chain.on:
+    chain = route.fallback
+    if chain is None:
         return None
-    tried = set(getattr(route, "tried", ()) or ()) | {failed}
-    for name in chain.engines:
-        h = gw.handles.get(name)
-        if name in tried or h is None or h.engine.dead:
-            continue
-        return replace(route, engine=name, tried=tuple(sorted(tried)))
-    return None
+    tried = set(route.tried) | {failed}
+    name = chain.next_engine(e.fallback_reason, lambda n: n in gw.handles and not gw.handles[n].engine.dead, tried)
+    return None if name is None else replace(route, engine=name, tried=tuple(sorted(tried)))
