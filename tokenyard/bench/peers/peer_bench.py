@@ -242,7 +242,10 @@ def w2_config() -> Config:
 def smollm2_config() -> Config:
     path = pm.smollm2_gguf()
     return Config("smollm2", path, path,
-                  {"int4": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_decode_step="off"),
+                  # LLM(path) with no engine option named (issue 49.1): quantization auto (the Q4_1 blocks as
+                  # stored, int4 g32), dtype auto (fp32 on a CPU), the C decode step auto
+                  {"default": dict(),
+                   "int4": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_decode_step="off"),
                    "int4_compiled": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_compile="on",
                                          cpu_decode_step="off"),
                    "int4_step": dict(quantization="int4", quant_group_size=32, dtype="float32", cpu_compile="on",
@@ -651,8 +654,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slots", default=None, help="llama-server slot counts, comma-separated (default: w2 32,96; "
                                                   "smollm2 32)")
     ap.add_argument("--modes", default=None, help="Tokenyard modes for decode/prefill, comma-separated "
-                                                  "(default all: w2 fp32,fp32_compiled,fp32_step,fp32_default; smollm2 int4,"
-                                                  "int4_compiled,int4_step,fp32,bf16; *_compiled: cpu_compile on; "
+                                                  "(default all: w2 fp32,fp32_compiled,fp32_step,fp32_default; smollm2 "
+                                                  "default,int4,int4_compiled,int4_step,fp32,bf16; *_compiled: cpu_compile on; "
                                                   "*_step: cpu_decode_step on, the C decode step)")
     ap.add_argument("--served-mode", default=None, help="the Tokenyard mode the gateway serves (default: w2 "
                                                         "fp32_default, smollm2 int4_step)")
