@@ -200,8 +200,11 @@ class _EngineCollector(Collector):
         startup = GaugeMetricFamily("tokenyard_engine_startup_seconds",
                                     "Seconds building each in-process engine took, per phase (weights_read, "
                                     "quantise_pack, kv_allocation, compile, other)", labels=["engine", "phase"])
+        closed = CounterMetricFamily("tokenyard_engine_grammar_closed",
+                                     "Constrained replies the engine's grammar_close_reserve ended (the JSON closed "
+                                     "before max_tokens)", labels=["engine"])
         families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block,
-                    startup]
+                    startup, closed]
         for name, eng in self._engines().items():
             for phase, seconds in (getattr(eng, "startup_phases", None) or {}).items():
                 startup.add_metric([name, phase], seconds)
@@ -211,6 +214,7 @@ class _EngineCollector(Collector):
             kv.add_metric([name], s.kv_usage)
             hit.add_metric([name], s.prefix_cache_hit_rate)
             pre.add_metric([name], s.num_preemptions)
+            closed.add_metric([name], s.num_grammar_closed)
             fail.add_metric([name], eng.num_failed_steps)
             restarts.add_metric([name], getattr(eng, "num_restarts", 0))
             busy.add_metric([name], s.busy_seconds)
