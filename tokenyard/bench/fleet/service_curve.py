@@ -16,7 +16,7 @@ chunk sizes. The fit's relative error on the measured points is kept with the cu
 can judge it. Start-up figures (cold start, wake) are inputs of the fleet, not of the curve:
 see `FleetTimes` in simulator.py.
 
-    python -m tokenyard.bench.fleet.service_curve [--engine demo-small] [--quick]
+    python -m tokenyard.bench.fleet.service_curve [--engine smollm2-135m] [--quick]
         -> bench/results/fleet_service_curve.json (RunRecorder), read by `tokenyard bench fleet`
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def fit(samples: list[StepSample], max_num_seqs: int, max_num_batched_tokens: in
 
 @dataclass(slots=True)
 class MeasureConfig:
-    engine: str = "demo-small"          # an engine of the packaged deployment (tokenyard/deploy/default.yaml)
+    engine: str = "smollm2-135m"        # an engine of the packaged deployment (tokenyard/deploy/default.yaml)
     batches: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
     contexts: tuple[int, ...] = (32, 128, 320)
     prefills: tuple[int, ...] = (16, 64, 128, 256, 480)
@@ -208,7 +208,7 @@ def measure(cfg: MeasureConfig) -> tuple[ServiceCurve, list[StepSample]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="measure and fit the fleet simulator's service curve")
-    ap.add_argument("--engine", default="demo-small")
+    ap.add_argument("--engine", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-num-seqs", type=int, default=REPLICA_MAX_NUM_SEQS)
     ap.add_argument("--quick", action="store_true", help="a smaller grid (seconds), for a look")
