@@ -142,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
         step = max(args.period_s / 400, 1.0)
         rate = [(i * step, trace.rate_at(i * step)) for i in range(int(args.period_s / step) + 1)]
         png = plot(rows, results, rate, rec.out_dir / f"{args.name}.png")
-        timelines = {f"{f.policy}{'' if f.shedding else ' (no shed)'}": res.timeline[::max(1, len(res.timeline) // 200)]
+        # The replica counts over the day, every 96th of it (the plot has them all): files stay small.
+        keep = ("t", "ready", "target", "asleep", "queue")
+        timelines = {f"{f.policy}{'' if f.shedding else ' (no shed)'}":
+                     [{k: row[k] for k in keep} for row in res.timeline[::max(1, len(res.timeline) // 96)]]
                      for f, res in zip(rows, results)}
         rec.write({"table": [f.to_dict() for f in rows], "replica_capacity_rps": capacity,
                    "static_peak_replicas": peak_n, "static_average_replicas": avg_n,

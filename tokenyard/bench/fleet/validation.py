@@ -117,46 +117,71 @@ async def replay(base_url: str, api_key: str | None, reqs: list[Any], offsets: l
         return list(records), time.perf_counter() - t0
 
 
-def calibrate(base_url: str, api_key: str | None, replicas: int, seed: int) -> tuple[Any, list[Any]]:
-    """The service curve of these replicas as served here: every replica busy at once (so the cores
-    are shared as in the trace), timed from the client, on requests apart from the trace's. Prefill:
-    the TTFT of one request per replica at a time, per prompt length (the gateway's own time folds
-    into the prefill terms). Decode: the median gap between chunks with `b` requests per replica
-    decoding together."""
+def _engine_stats(urls: list[str]) -> list[dict[str, Any]]:
+    import json
+    import urllib.request
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(u + "/v1/engine/stats", timeout=10) as r:
+            out.append(json.loads(r.read()))
+    return out
+
+
+def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) -> tuple[Any, list[Any], float]:
+    """The service curve of these replicas as they run here, every replica busy at once (so the
+    cores are shared as in the trace), on requests apart from the trace's (after it). Prefill: one
+    request of max_tokens 1 per replica at a time, per prompt length; its step time is the replicas'
+    own busy seconds over the steps they took (`/v1/engine/stats`), and what the client waited
+    beyond it is the gateway's and the network's time (`overhead_s`, which delays a first token
+    but occupies no replica). Decode: the median gap between chunks with `b` requests per replica
+    decoding together, at two prompt lengths (so context and batch size are told apart)."""
     from tokenyard.bench.fleet.service_curve import StepSample, fit
     from tokenyard.bench.serving_metrics import percentile
-    rng_base = 10_000 + seed
+    n_rep = len(urls)
+    base_id = 10_000 + seed
     samples: list[StepSample] = []
+    overheads: list[float] = []
     for i, n in enumerate((24, 64, 128, 192)):
-        probe = [Request(rng_base + i * 100 + j, 0.0, n, 4) for j in range(replicas)]
-        ttfts, prompts = [], []
-        for rep in range(4):
-            recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(probe, seed + rep), [0.0] * replicas))
-            if rep:                                         # the first warms this prompt length up
-                ttfts += [r.ttft for r in recs if r.ok and r.ttft is not None]
-                prompts += [r.prompt_tokens - r.cached_tokens for r in recs if r.ok]
-        if ttfts:
-            samples.append(StepSample(0, 0, round(sum(prompts) / len(prompts)), percentile(ttfts, 50)))
-    for b in (1, 2, 4, 8, 12, 16):
-        batch = [Request(rng_base + 1000 + b * 100 + j, 0.0, 48, 48) for j in range(b * replicas)]
-        recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(batch, seed), [0.0] * len(batch)))
-        ok = [r for r in recs if r.ok]
-        if not ok:
-            continue
-        # The decode gaps after every prompt is in (the longest TTFT), before the first to end.
-        start = max(r.ttft for r in ok if r.ttft is not None)
-        gaps = []
-        for r in ok:
-            t = r.ttft or 0.0
-            for g in r.itls:
-                t += g
-                if t > start:
-                    gaps.append(g)
-        ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in ok) / len(ok)
-        if gaps:
-            samples.append(StepSample(b, round(b * ctx), 0, percentile(gaps, 50)))
-    return fit(samples, REPLICA_MAX_NUM_SEQS, 512, f"served: {replicas} replicas behind the gateway on this machine, "
-               "timed from the client"), samples
+        probe = [Request(base_id + i * 100 + j, 0.0, n, 1) for j in range(n_rep)]
+        steps, ttfts, prompts = [], [], []
+        for rep in range(5):
+            before = _engine_stats(urls)
+            recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(probe, seed + rep), [0.0] * n_rep))
+            after = _engine_stats(urls)
+            if rep == 0:                                    # the first warms this prompt length up
+                continue
+            for a, b in zip(before, after):
+                if b["num_steps"] > a["num_steps"]:
+                    steps.append((b["busy_seconds"] - a["busy_seconds"]) / (b["num_steps"] - a["num_steps"]))
+            ttfts += [r.ttft for r in recs if r.ok and r.ttft is not None]
+            prompts += [r.prompt_tokens - r.cached_tokens for r in recs if r.ok]
+        if steps and ttfts:
+            step = percentile(steps, 50)
+            samples.append(StepSample(0, 0, round(sum(prompts) / len(prompts)), step))
+            overheads.append(percentile(ttfts, 50) - step)
+    for prompt in (48, 176):
+        for b in (1, 2, 4, 8, 16):
+            batch = [Request(base_id + 1000 + prompt * 100 + b * 10 + j, 0.0, prompt, 48) for j in range(b * n_rep)]
+            recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(batch, seed), [0.0] * len(batch)))
+            ok = [r for r in recs if r.ok and r.ttft is not None]
+            if not ok:
+                continue
+            # The decode gaps once every prompt is in (the longest TTFT).
+            start = max(r.ttft for r in ok if r.ttft is not None)
+            gaps = []
+            for r in ok:
+                t = r.ttft or 0.0
+                for g in r.itls:
+                    t += g
+                    if t > start:
+                        gaps.append(g)
+            ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in ok) / len(ok)
+            if gaps:
+                samples.append(StepSample(b, round(b * ctx), 0, percentile(gaps, 50)))
+    curve = fit(samples, REPLICA_MAX_NUM_SEQS, 512,
+                f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the replicas' "
+                "stats for prefill, client chunk gaps for decode)")
+    return curve, samples, max(0.0, percentile(overheads, 50)) if overheads else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             # Warm-up, one at a time, outside the measurement: each replica's first requests pay lazy costs.
             warm, _ = asyncio.run(replay(ep.base_url, ep.api_key, reqs[:2 * args.replicas], [0.0] * 2 * args.replicas))
             records, wall = asyncio.run(replay(ep.base_url, ep.api_key, reqs, [r.arrival_s for r in trace.requests]))
-            served_curve, served_samples = calibrate(ep.base_url, ep.api_key, args.replicas, args.seed)
+            served_curve, served_samples, overhead_s = calibrate(ep.base_url, ep.api_key, [u for _, u in replicas],
+                                                                 args.seed)
     finally:
         stop_processes(*(p for p, _ in replicas))
     deadline_s = load_deployment(config).admission.default_deadline_ms / 1000
@@ -214,19 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     end_s = max(r.arrival_s for r in sim_reqs)
     m99 = percentile(measured, 99)
 
-    def predict(c: ServiceCurve) -> dict[str, Any]:
-        cfg = SimConfig(curve=c, slo=slo, shedding=Shedding(enabled=True, deadline_s=deadline_s), end_s=end_s)
+    def predict(c: ServiceCurve, overhead: float) -> dict[str, Any]:
+        cfg = SimConfig(curve=c, slo=slo, shedding=Shedding(enabled=True, deadline_s=deadline_s), end_s=end_s,
+                        overhead_s=overhead)
         res = simulate(cfg, StaticPolicy("real-size", args.replicas), sim_reqs)
         ttft = [o.ttft_s for o in res.outcomes if o.ttft_s is not None]
         itl = [o.itl_s for o in res.outcomes if o.itl_s is not None]
         p99 = percentile(ttft, 99)
         return {"p99_ttft_s": p99, "p50_ttft_s": percentile(ttft, 50), "mean_tpot_ms": 1e3 * sum(itl) / max(1, len(itl)),
                 "shed": sum(1 for o in res.outcomes if o.status != "served"),
-                "p99_ttft_relative_error": (p99 - m99) / m99, "curve": c.to_dict()}
+                "p99_ttft_relative_error": (p99 - m99) / m99, "curve": c.to_dict(), "overhead_s": overhead}
 
     # The verdict is on the curve of the replicas as they run here (sharing 2 cores with each other,
     # the gateway and the client); the engine's own curve (one replica alone) is reported beside it.
-    served, engine = predict(served_curve), predict(curve)
+    served, engine = predict(served_curve, overhead_s), predict(curve, 0.0)
     error = served["p99_ttft_relative_error"]
     figures = {
         "replicas": args.replicas, "requests": len(records), "failed": summary.failed,
