@@ -82,28 +82,34 @@ def plot(rows: list[PolicyFigures], results: list[SimResult], rate: list[tuple[f
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=80)
+    names = list(dict.fromkeys(f.policy for f in rows))
+    color = {n: f"C{i}" for i, n in enumerate(names)}
     hours = [t / 3600 for t, _ in rate]
     ax1r = ax1.twinx()
-    ax1r.fill_between(hours, [r for _, r in rate], color="0.85", step="post", label="arrival rate")
-    ax1r.set_ylabel("arrivals / s")
+    ax1r.fill_between(hours, [r for _, r in rate], color="0.85", step="post")
+    ax1r.set_ylabel("arrival rate (requests / s, grey)")
     ax1.set_zorder(ax1r.get_zorder() + 1)
     ax1.patch.set_visible(False)
     for f, res in zip(rows, results):
-        if not f.shedding:
-            continue
-        ax1.step([row["t"] / 3600 for row in res.timeline], [row["ready"] for row in res.timeline], where="post",
-                 label=f.policy, lw=1.2)
+        if f.shedding:
+            ax1.step([row["t"] / 3600 for row in res.timeline], [row["ready"] for row in res.timeline], where="post",
+                     label=f.policy, lw=1.0, color=color[f.policy])
     ax1.set_xlabel("hour of the trace")
     ax1.set_ylabel("ready replicas")
     ax1.legend(fontsize=7, loc="upper left")
     ax1.set_title("replicas over the trace (shedding on)", fontsize=9)
+    floor = 80.0                                  # goodput below this is drawn on the floor, its value written
     for f in rows:
-        ax2.scatter(f.cost_replica_h, f.goodput_share * 100, marker="o" if f.shedding else "x", s=40)
-        ax2.annotate(f"{f.policy}{'' if f.shedding else ' (no shed)'}", (f.cost_replica_h, f.goodput_share * 100),
-                     fontsize=7, xytext=(4, 2), textcoords="offset points")
+        share = f.goodput_share * 100
+        ax2.scatter(f.cost_replica_h, max(share, floor), marker="o" if f.shedding else "x", s=45,
+                    color=color[f.policy], label=f"{f.policy}, shedding {'on' if f.shedding else 'off'}")
+        if share < floor:
+            ax2.annotate(f"{share:.0f}%", (f.cost_replica_h, floor), fontsize=7, xytext=(5, 3), textcoords="offset points")
+    ax2.set_ylim(floor - 1, 100.5)
     ax2.set_xlabel("cost (replica-hours)")
-    ax2.set_ylabel("goodput (% of requests within SLO)")
+    ax2.set_ylabel("goodput (% of requests within the SLO)")
     ax2.set_title("cost against goodput (o: shedding on, x: off)", fontsize=9)
+    ax2.legend(fontsize=6, loc="lower right", ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
