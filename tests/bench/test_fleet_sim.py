@@ -194,3 +194,15 @@ def test_fit_recovers_a_known_curve() -> None:
     assert got.fit_error["max_rel"] < 1e-6
     with pytest.raises(ValueError, match="per_seq_s"):
         ServiceCurve(base_s=0.1, per_seq_s=-1.0, per_ctx_token_s=0.0, per_prefill_token_s=0.0)
+
+
+def test_validation_labels_decode_gaps_with_the_batch_that_ran() -> None:
+    from tokenyard.bench.fleet.validation import decode_samples
+    from tokenyard.bench.serving_metrics import RequestRecord
+
+    def rec(gaps: list[float], prompt: int = 10) -> RequestRecord:
+        return RequestRecord(ok=True, start=0.0, ttft=0.1, itls=gaps, e2e=0.1 + sum(gaps), prompt_tokens=prompt)
+    # Two sequences on one replica: 8 gaps of 20 ms together, then the long one alone at 10 ms.
+    samples = decode_samples([rec([0.02] * 8), rec([0.02] * 8 + [0.01] * 8)], n_rep=1)
+    by_rows = {s.decode_rows: s.seconds for s in samples}
+    assert by_rows[2] == pytest.approx(0.02) and by_rows[1] == pytest.approx(0.01)

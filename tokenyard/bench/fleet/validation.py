@@ -127,6 +127,35 @@ def _engine_stats(urls: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def decode_samples(recs: list[Any], n_rep: int) -> list[Any]:
+    """Decode step samples from chunk gaps of requests started together: only gaps after every
+    prompt is in (no prefill step among them), each labelled with the sequences decoding on a
+    replica during it (those between their first and last chunk, shared evenly by the replicas:
+    outputs end early at EOS, so the batch thins as the test goes on). Median gap per batch size."""
+    from tokenyard.bench.fleet.service_curve import StepSample
+    from tokenyard.bench.serving_metrics import percentile
+    spans = [(r.start + r.ttft, r.start + r.e2e) for r in recs if r.ttft is not None and r.e2e is not None]
+    if not spans:
+        return []
+    begin = max(first for first, _ in spans)
+    by_rows: dict[int, list[float]] = {}
+    ctx: dict[int, list[float]] = {}
+    for r in recs:
+        if r.ttft is None:
+            continue
+        t = r.start + r.ttft
+        for i, gap in enumerate(r.itls):
+            lo, t = t, t + gap
+            if lo < begin:
+                continue
+            active = sum(1 for first, end in spans if first <= lo and end >= t)
+            rows = max(1, round(active / n_rep))
+            by_rows.setdefault(rows, []).append(gap)
+            ctx.setdefault(rows, []).append(r.prompt_tokens + i + 1)
+    return [StepSample(rows, round(rows * sum(ctx[rows]) / len(ctx[rows])), 0, percentile(gaps, 50))
+            for rows, gaps in sorted(by_rows.items()) if len(gaps) >= 8]
+
+
 def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) -> tuple[Any, list[Any], float]:
     """The service curve of these replicas as they run here, every replica busy at once (so the
     cores are shared as in the trace), on requests apart from the trace's (after it). Prefill: one
@@ -166,18 +195,7 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
             ok = [r for r in recs if r.ok and r.ttft is not None]
             if not ok:
                 continue
-            # The decode gaps once every prompt is in (the longest TTFT).
-            start = max(r.ttft for r in ok if r.ttft is not None)
-            gaps = []
-            for r in ok:
-                t = r.ttft or 0.0
-                for g in r.itls:
-                    t += g
-                    if t > start:
-                        gaps.append(g)
-            ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in ok) / len(ok)
-            if gaps:
-                samples.append(StepSample(b, round(b * ctx), 0, percentile(gaps, 50)))
+            samples += decode_samples(ok, n_rep)
     curve = fit(samples, REPLICA_MAX_NUM_SEQS, 512,
                 f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the replicas' "
                 "stats for prefill, client chunk gaps for decode)")
