@@ -206,3 +206,13 @@ def test_validation_labels_decode_gaps_with_the_batch_that_ran() -> None:
     samples = decode_samples([rec([0.02] * 8), rec([0.02] * 8 + [0.01] * 8)], n_rep=1)
     by_rows = {s.decode_rows: s.seconds for s in samples}
     assert by_rows[2] == pytest.approx(0.02) and by_rows[1] == pytest.approx(0.01)
+
+
+def test_cli_bench_fleet_runs_and_refuses_a_missing_curve(tmp_path, capsys) -> None:
+    from tokenyard.bench import serve_cli
+    assert serve_cli.main(["fleet", "--period-s", "600", "--spike-s", "30", "--peak-rps", "3", "--no-results"]) == 0
+    out = capsys.readouterr().out
+    for policy in ("static_peak", "static_average", "reactive_util", "desired_replicas", "desired_replicas+pool"):
+        assert f"| {policy} | on |" in out and f"| {policy} | off |" in out
+    assert serve_cli.main(["fleet", "--curve", str(tmp_path / "none.json"), "--no-results"]) == 2
+    assert "service curve" in capsys.readouterr().err
