@@ -216,3 +216,5 @@ def test_cli_bench_fleet_runs_and_refuses_a_missing_curve(tmp_path, capsys) -> N
         assert f"| {policy} | on |" in out and f"| {policy} | off |" in out
     assert serve_cli.main(["fleet", "--curve", str(tmp_path / "none.json"), "--no-results"]) == 2
     assert "service curve" in capsys.readouterr().err
+    assert serve_cli.main(["fleet", "--tick-s", "0", "--no-results"]) == 2
+    assert "tick_s" in capsys.readouterr().err

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                 spikes=args.spikes, spike_factor=args.spike_factor, spike_s=args.spike_s, seed=args.seed)
         base = SimConfig(curve=curve, times=times, slo=SLO(args.slo_ttft_s, args.slo_itl_s), tick_s=args.tick_s,
                          sleep_cost_share=args.sleep_cost_share, end_s=args.period_s)
+        if args.warm_pool < 0 or args.slo_ttft_s <= 0 or args.slo_itl_s <= 0:
+            raise ValueError("--warm-pool must be >= 0 and the SLO's --slo-ttft-s and --slo-itl-s > 0")
     except ValueError as e:
         print(f"tokenyard bench fleet: {e}", file=sys.stderr)
         return 2

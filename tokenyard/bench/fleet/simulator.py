@@ -84,6 +84,12 @@ class SimConfig:
     overhead_s: float = 0.0              # added to every TTFT: gateway and network
     end_s: float | None = None           # cost accounting and ticks stop here (None: the last arrival)
 
+    def __post_init__(self) -> None:
+        if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
+            raise ValueError(f"tick_s must be a positive number, got {self.tick_s}")
+        if self.sleep_cost_share < 0 or self.overhead_s < 0:
+            raise ValueError("sleep_cost_share and overhead_s must be >= 0")
+
 
 @dataclass(slots=True)
 class SimResult:
@@ -380,6 +386,4 @@ class FleetSim:
 
 def simulate(cfg: SimConfig, policy: Policy, requests: list[Request]) -> SimResult:
     """Replay `requests` against a fleet scaled by `policy`."""
-    if cfg.tick_s <= 0 or not math.isfinite(cfg.tick_s):
-        raise ValueError(f"tick_s must be a positive number, got {cfg.tick_s}")
     return FleetSim(cfg, policy, requests).run()
