@@ -188,7 +188,7 @@ async def _train_from_traffic(args: argparse.Namespace, client: Any, dep: Any) -
               f"{agreement(lambda t, n: old.goes_large(old.score(t, n)), rows):.3f}")
     test = folder / "test.jsonl"
     if test.is_file():
-        report, _ = evaluate(art, load_labels(test))
+        report, _ = evaluate(art, load_labels(test), resamples=0)   # `tokenyard router eval` for the CIs
         print(training_cli.format_summary(report))
     if not args.no_publish:
         ref = await ArtifactStore(client, dep.redis_prefix).publish(Path(args.out).read_text(encoding="utf-8"))
