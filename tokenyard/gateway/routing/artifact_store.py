@@ -35,12 +35,14 @@ def parse_artifact(text: str, ref: str | None = None) -> Artifact:
     where = f"router artifact {ref}" if ref else "router artifact"
     try:
         body = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{where}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:       # not JSON, nested too deep, an absurd number
+        raise ArtifactError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from e
     try:
         art = from_json(body)
     except ArtifactError as e:
         raise ArtifactError(f"{where}: {e}") from e
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:    # a body of the wrong shape
+        raise ArtifactError(f"{where}: malformed ({type(e).__name__})") from e
     if ref is not None and body.get("checksum") != ref:
         raise ArtifactError(f"{where}: the stored artifact's checksum is {body.get('checksum')!r}, not the "
                             "checksum the policy names: it was replaced after it was published; publish it again")
