@@ -226,3 +226,33 @@ def test_shadow_report_equals_a_recomputation(gw, tmp_path):
     assert f'tokenyard_router_shadow_decisions_total{{outcome="agree"}} {float(total["agree"])}' in metrics
     one = json.loads(srv.request("GET", "/admin/router/shadow?tenant=beta", headers=bearer(admin))[2])
     assert one["total"]["requests"] == expected["beta"]["requests"]
+
+
+def test_the_large_engine_judges_kept_small_answers(tmp_path, capsys):
+    import yaml
+
+    from tokenyard.cli.main import main
+    from tokenyard.cli.router_judge import verdict
+    assert [verdict(t) for t in ("Yes.", " no, because", "maybe", "", "NO")] == [1, 0, None, None, 0]
+    prefix = unique_prefix("judge")
+    keys = make_keys(prefix, "acme")
+    doc = two_engine_deployment(prefix, small={"reply": "four", "output_len": 0},
+                                large={"reply": "no", "output_len": 0}, router_learning={"enabled": True})
+    config = tmp_path / "deploy.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    try:
+        with running_gateway(doc) as srv:
+            ids = [chat(srv, keys["acme"], f"Add {i} and 2.")[2]["id"] for i in range(3)]
+            chat(srv, keys["acme"], "Add 9 and 2.", model="large")              # a large answer: not judged
+            assert feedback(srv, keys["acme"], {"response_id": ids[0], "score": 1})[1]["label"] == 1
+            code = main(["router", "judge", "--tenant", "acme", "--sample", "5", "--gateway", srv.base_url,
+                         "--key", keys["admin"], "--config", str(config)])
+            out = capsys.readouterr().out
+            assert code == 0 and "judged 2 of 2 unlabelled small-engine prompts" in out and "2 labelled" in out
+            counts = json.loads(srv.request("GET", "/admin/router/labels", headers=bearer(keys["admin"]))[2])
+            assert counts["tenants"]["acme"] == {"labels": 3, "small_enough": 1, "large_needed": 2, "no_signal": 0}
+            # The judge's own 6 calls (3 per prompt, the admin key's tenant enrolled too) were never kept.
+            metrics = srv.request("GET", "/metrics")[2].decode()
+            assert 'tokenyard_router_samples_total{outcome="skipped"} 6.0' in metrics
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)

@@ -5,6 +5,8 @@ train, eval) and the ones that read the deployment's Redis (learning from traffi
         the labels clients' feedback and judges left in Redis (every tenant's, or those named),
         with the demo labels (weighted) or alone -> a new artifact, its evaluation, published to Redis
     tokenyard router import-labels FILE --tenant T    a judge's verdicts (JSONL) as labels
+    tokenyard router judge --tenant T --sample N --key K    the large engine grades small-engine answers
+                                                      (tokenyard/cli/router_judge.py)
     tokenyard router publish FILE                     an artifact to Redis; prints its ref (sha256:...)
     tokenyard router shadow-report [--candidate REF] [--tenant T] [--json]
     tokenyard router labels [--tenant T]              label counts per tenant
@@ -68,6 +70,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     lab.add_argument("--tenant")
     _redis_args(lab)
     lab.set_defaults(func=run_labels)
+    from tokenyard.cli.router_judge import add_judge
+    add_judge(sub, _redis_args)
 
 
 def _redis_args(p: argparse.ArgumentParser) -> None:
