@@ -80,18 +80,19 @@ class Plan:
     fallback: Any = None                        # policies.Fallback: where a failed upstream call may go next
     tried: tuple[str, ...] = ()                 # engines a fallback already left
     router_text: str | None = None              # what the two-engine router scored (traffic learning)
+    router_view: tuple[Any, ...] = ()           # (router, policy, router threshold, shadow) it was scored under
 
 
 def observe_route(gw: "Gateway", request_id: str, key: KeyRecord, req: Any, plan: Plan) -> None:
     """Hand a request the two-engine router scored to traffic learning (a feedback sample, the
     shadow candidate's counts; tokenyard/gateway/routing/traffic_learning.py). Never changes the route."""
-    state = gw.policy
-    router = state.router
-    if plan.router_text is None or plan.score is None or not isinstance(router, LearnedRouter):
+    if plan.router_text is None or plan.score is None or not plan.router_view:
         return
-    policy = state.policy
-    threshold = router.threshold if policy is None else effective_threshold(policy, state.router_threshold)
-    shadow = state.shadow
+    # The version the request was routed under, even if another was installed since.
+    router, policy, router_threshold, shadow = plan.router_view
+    if not isinstance(router, LearnedRouter):
+        return
+    threshold = router.threshold if policy is None else effective_threshold(policy, router_threshold)
     gw.learning.observe(Observation(
         request_id=request_id, tenant=key.tenant, metadata=req.metadata, text=plan.router_text,
         prompt_tokens=plan.routed_prompt_tokens or len(plan.prompt_ids), engine=plan.engine, score=plan.score,
@@ -165,9 +166,10 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
         text = _router_text(req, tok, ids)
         score = learned.scorer.score(text, len(ids))
         gw.metrics.router_score.observe(score)
+    view = (learned, state.policy, state.router_threshold, state.shadow)   # what _decide reads, before any await
     plan = await _decide(gw, req, key, deadline, prompt, pinned, tok, ids, score, chosen)
     if text is not None:
-        plan.router_text = text
+        plan.router_text, plan.router_view = text, view
     return plan
 
 
