@@ -24,13 +24,15 @@ counted with --tokenizer when absent), a label for a prompt of the judge's own s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from tokenyard.cli.router_redis import redis_args as _redis_args
+from tokenyard.cli.router_redis import store_of as _store
+from tokenyard.cli.router_redis import with_redis as _with_redis
 from tokenyard.router_models.training import cli as training_cli
 
 
@@ -72,40 +74,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     lab.set_defaults(func=run_labels)
     from tokenyard.cli.router_judge import add_judge
     add_judge(sub, _redis_args)
-
-
-def _redis_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="deployment YAML file (default: the packaged tokenyard/deploy/default.yaml)")
-    p.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
-
-
-def _with_redis(args: argparse.Namespace, work: Any) -> int:
-    """Run `work(client, deployment)` (a coroutine function) against the deployment's Redis."""
-    import redis
-    import redis.asyncio as aioredis
-
-    from tokenyard.cli.deployment_arg import load_or_exit
-    from tokenyard.gateway.store.embedded_redis import command_redis_url
-    dep = load_or_exit(args.config)
-
-    async def main(url: str) -> int:
-        client = aioredis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
-        try:
-            return await work(client, dep)
-        finally:
-            await client.aclose()
-    try:
-        with command_redis_url(args.redis_url, dep.redis_url, dep.redis_dir) as url:
-            return asyncio.run(main(url))
-    except (redis.RedisError, OSError) as e:
-        print(f"tokenyard router: {e}", file=sys.stderr)
-        return 1
-
-
-def _store(client: Any, dep: Any) -> Any:
-    from tokenyard.gateway.routing.feedback_store import FeedbackStore
-    s = dep.router_learning
-    return FeedbackStore(client, dep.redis_prefix, s.retention_s, s.max_labels_per_tenant)
 
 
 # -- train --from-traffic ------------------------------------------------------------------------

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from tokenyard.cli.router_redis import store_of, with_redis
+
 GRADING = ("You grade answers.\n\nQuestion:\n{prompt}\n\nAnswer A:\n{small}\n\nAnswer B:\n{large}\n\n"
            "Is answer A as good as answer B? Reply with one word: yes or no.")
 _WORD = re.compile(r"[a-z]+")
@@ -63,7 +65,6 @@ def _chat(base: str, key: str, model: str, content: str, max_tokens: int) -> str
 
 
 def run_judge(args: argparse.Namespace) -> int:
-    from tokenyard.cli.router import _with_redis
     key = args.key or os.environ.get("TOKENYARD_API_KEY")
     if not key:
         print("tokenyard router judge: give --key or set TOKENYARD_API_KEY", file=sys.stderr)
@@ -71,7 +72,7 @@ def run_judge(args: argparse.Namespace) -> int:
     if args.sample < 1:
         print("tokenyard router judge: --sample must be >= 1", file=sys.stderr)
         return 2
-    return _with_redis(args, lambda client, dep: _judge(args, key, client, dep))
+    return with_redis(args, lambda client, dep: _judge(args, key, client, dep))
 
 
 async def _candidates(client: Any, store: Any, tenant: str, prefix: str) -> list[tuple[str, dict[str, Any]]]:
@@ -91,8 +92,7 @@ async def _candidates(client: Any, store: Any, tenant: str, prefix: str) -> list
 
 
 async def _judge(args: argparse.Namespace, key: str, client: Any, dep: Any) -> int:
-    from tokenyard.cli.router import _store
-    store = _store(client, dep)
+    store = store_of(client, dep)
     found = await _candidates(client, store, args.tenant, dep.redis_prefix)
     chosen = random.Random(args.seed).sample(found, min(args.sample, len(found)))
     counts = {"labelled": 0, "unparsed": 0, "failed": 0}
