@@ -189,3 +189,35 @@ def test_router_commands_publish_import_and_report(tmp_path, capsys):
     finally:
         delete_prefix(SHARED_REDIS, prefix)
 
+
+
+def test_a_gateway_refuses_to_start_on_a_policy_naming_a_tampered_artifact():
+    from tokenyard.gateway.observability.metrics import GatewayMetrics
+    from tokenyard.gateway.policy.state import PolicyStartError, PolicyState
+    from tokenyard.gateway.policy.store import PolicyStore
+    from tokenyard.gateway.routing.artifact_store import ArtifactStore, artifacts_key
+    prefix = unique_prefix("tamperstart")
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(SHARED_REDIS)
+        try:
+            ref = await ArtifactStore(client, prefix).publish(open(ARTIFACT).read())
+            named = BASE_POLICY.replace("router:\n", f"router:\n  artifact: {ref}\n")
+            await PolicyStore(client, prefix).apply(named, "test", ["small", "large"])
+            state = PolicyState(parse_deployment(two_engine_deployment(prefix)), GatewayMetrics(lambda: {}), None)
+            await state.start_redis(client, client)
+            assert state.router.scorer.artifact.threshold == pytest.approx(json.loads(open(ARTIFACT).read())
+                                                                           ["threshold"]["value"])
+            await state.stop()
+            body = json.loads(open(ARTIFACT).read())
+            body["model"]["values"][0] += 1.0
+            await client.hset(artifacts_key(prefix), ref, json.dumps(body))
+            state = PolicyState(parse_deployment(two_engine_deployment(prefix)), GatewayMetrics(lambda: {}), None)
+            with pytest.raises(PolicyStartError, match="checksum mismatch"):
+                await state.start_redis(client, client)
+        finally:
+            await client.aclose()
+    try:
+        asyncio.run(run())
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)
