@@ -218,3 +218,50 @@ def test_cli_bench_fleet_runs_and_refuses_a_missing_curve(tmp_path, capsys) -> N
     assert "service curve" in capsys.readouterr().err
     assert serve_cli.main(["fleet", "--tick-s", "0", "--no-results"]) == 2
     assert "tick_s" in capsys.readouterr().err
+
+
+@dataclass
+class DownTo:
+    """4 replicas, then 1 from `at`, with a warm pool of 1."""
+
+    at: float
+    warm_pool: int = 1
+    name: str = "down_to"
+
+    def initial(self) -> int:
+        return 4
+
+    def target(self, view: FleetView) -> int:
+        return 1 if view.now_s >= self.at else 4
+
+
+def test_scale_down_keeps_the_warm_pool_at_its_size() -> None:
+    _, res, _ = run(flat(), [Request(0, 50.0, 10, 5)], policy=DownTo(15.0), end_s=60.0)
+    rows = {row["t"]: row for row in res.timeline}
+    assert rows[15.0]["ready"] == 4 and rows[30.0]["ready"] == 1 and rows[30.0]["asleep"] == 1
+    # 4 ready for 15 s, then 1 for 45 s; one sleeper for the whole minute (the initial, then a drained one).
+    assert res.replica_seconds["ready"] == pytest.approx(4 * 15.0 + 45.0)
+    assert res.replica_seconds["asleep"] == pytest.approx(60.0)
+
+
+@dataclass
+class Blip:
+    """1 replica, 2 during [15, 30), then 1 again; a warm pool of 1."""
+
+    warm_pool: int = 1
+    name: str = "blip"
+
+    def initial(self) -> int:
+        return 1
+
+    def target(self, view: FleetView) -> int:
+        return 2 if 15.0 <= view.now_s < 30.0 else 1
+
+
+def test_a_refill_that_lands_on_a_full_pool_goes() -> None:
+    # At 15 the sleeper wakes (ready at 20) and a refill cold starts (ready at 45); at 30 a replica
+    # drains into the empty pool; the refill then finds the pool full and is let go at the next tick.
+    _, res, _ = run(flat(), [Request(0, 90.0, 10, 5)], policy=Blip(), end_s=100.0,
+                    times=FleetTimes(cold_start_s=30.0, wake_s=5.0))
+    assert res.replica_seconds["asleep"] == pytest.approx(15.0 + (100.0 - 30.0))
+    assert {row["t"]: row["asleep"] for row in res.timeline}[45.0] == 1

@@ -348,10 +348,13 @@ class FleetSim:
                     self._move(r, "draining")
                     if not r.seqs:
                         self._drained(r)
-        # Keep the warm pool full: replicas starting for it count.
+        # Keep the warm pool at its size: replicas starting for it count; beyond it, sleepers go.
         pool = sum(1 for r in self.replicas if r.state == "asleep" or (r.state == "starting" and r.to_pool))
         for _ in range(self.policy.warm_pool - pool):
             self._new_replica("starting", to_pool=True)
+        extra = [r for r in self.replicas if r.state == "asleep"][self.policy.warm_pool:]
+        for r in extra:
+            self._move(r, "gone")
         self.timeline.append({"t": self.now, "ready": view.ready, "active": view.active, "target": target,
                               "asleep": sum(1 for r in self.replicas if r.state == "asleep"),
                               "queue": view.queue_depth, "running": view.running,
