@@ -33,8 +33,8 @@ class FleetView:
     queue_depth: int                     # requests queued in the gateway
     kv_usage: float                      # context tokens held / KV capacity of the ready replicas
     predicted_wait_s: float              # the gateway's predicted wait for a new request
-    arrival_rate: float                  # requests admitted per second (the gateway's 1 s window)
-    service_rate: float | None           # requests finished per second (None: no estimate yet)
+    arrival_rate: float                  # requests admitted per second over SimConfig.rate_window_s (as the gateway)
+    service_rate: float | None           # requests finished per second with every slot busy (None: no estimate)
     utilisation: float                   # mean busy fraction of the ready replicas over the last tick
 
 

@@ -83,6 +83,7 @@ class SimConfig:
     sleep_cost_share: float = 1.0        # a sleeping replica's cost as a share of an active one
     overhead_s: float = 0.0              # added to every TTFT: gateway and network
     end_s: float | None = None           # cost accounting and ticks stop here (None: the last arrival)
+    rate_window_s: float = 30.0          # the arrival rate the autoscaling rule reads is averaged this long
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -364,7 +365,7 @@ class FleetSim:
 
     def view(self) -> FleetView:
         ready = [r for r in self.replicas if r.state == "ready"]
-        while self.arrivals and self.arrivals[0] < self.now - 1.0:
+        while self.arrivals and self.arrivals[0] < self.now - self.cfg.rate_window_s:
             self.arrivals.popleft()
         running = self._running()
         slots = len(ready) * self.cfg.curve.max_num_seqs
@@ -383,8 +384,8 @@ class FleetSim:
         self._busy_at_tick = {r.id: r.busy_s for r in self.replicas}
         return FleetView(now_s=self.now, active=sum(1 for r in self.replicas if r.active), ready=len(ready),
                          slots=slots, running=running, queue_depth=len(self.queue), kv_usage=min(1.0, kv),
-                         predicted_wait_s=wait, arrival_rate=float(len(self.arrivals)),
-                         service_rate=self.rate.per_second(running), utilisation=util)
+                         predicted_wait_s=wait, arrival_rate=len(self.arrivals) / self.cfg.rate_window_s,
+                         service_rate=self.rate.per_second(slots) if slots else None, utilisation=util)
 
 
 def simulate(cfg: SimConfig, policy: Policy, requests: list[Request]) -> SimResult:
