@@ -7,8 +7,9 @@ machine's torch and CPU. Kept on disk, a second start maps the result instead of
 (bench/RESULTS.md, "Cold start, cut").
 
 An entry is one file, `<kind>-<key>.safetensors`, in the safetensors layout (any safetensors reader
-opens it); the header's metadata holds the key, a format version, the caller's JSON `meta` and a
-CRC-32 per 8 MiB of the data. Loading maps the file copy-on-write (`mmap`, no read into fresh
+opens it; every tensor starts 64-byte aligned, padding being small `__pad__.N` tensors); the
+header's metadata holds the key, a format version, the caller's JSON `meta` and a CRC-32 per 8 MiB
+of the data. Loading maps the file copy-on-write (`mmap`, no read into fresh
 memory: pages come from the page cache and are shared with other replicas until written), checks
 size, key, version and every CRC (on two threads: zlib releases the GIL), and gives tensors that
 view the mapping. Anything wrong (truncated, bit flips, another format, unreadable header) is
@@ -50,8 +51,10 @@ from tokenyard import knobs
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CHUNK = 8 << 20                       # bytes per CRC-32 of the data
+ALIGN = 64                            # every tensor's first byte, in the file and so in the mapping
+_PAD = "__pad__."
 _SAMPLE, _EDGE, _PIECES = 64 << 10, 1 << 20, 16
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -150,12 +153,19 @@ def _write(path: Path, kind: str, key: str, tensors: dict[str, torch.Tensor], me
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
             raise TypeError(f"tensor {name} has dtype {t.dtype}, which the cache does not store")
-    # Widest elements first: every offset then stays aligned to its element size with no padding
-    # (safetensors allows no holes), so views of the mapping are aligned.
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    # Every tensor starts 64-byte aligned, as torch's own allocations do (packed CPU ops load
+    # their weights with aligned vector instructions: a misaligned int8 weight crashed
+    # _weight_int8pack_mm). safetensors allows no holes, so padding is a small U8 tensor of its own.
     header: dict[str, Any] = {}
     views, offset = [], 0
-    for name in order:
+    for name in sorted(tensors):
+        if name.startswith(_PAD):
+            raise ValueError(f"tensor name {name!r} is reserved")
+        if offset % ALIGN:
+            gap = ALIGN - offset % ALIGN
+            header[f"{_PAD}{len(header)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            views.append(memoryview(bytes(gap)))
+            offset += gap
         t = tensors[name]
         view = _byte_view(t)
         header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(view)]}
@@ -243,6 +253,8 @@ def _read(path: Path, kind: str, key: str) -> Entry:
         raise CorruptEntry(f"CRC mismatch in {len(bad)} of {len(got)} chunk(s) (first at byte {bad[0] * chunk})")
     tensors: dict[str, torch.Tensor] = {}
     for name, spec in header.items():
+        if name.startswith(_PAD):
+            continue
         dtype = _BY_NAME[spec["dtype"]]
         b, e = spec["data_offsets"]
         shape = [int(d) for d in spec["shape"]]
@@ -251,6 +263,8 @@ def _read(path: Path, kind: str, key: str) -> Entry:
             count *= d
         if not 0 <= b <= e <= len(data) or (e - b) != count * torch.empty(0, dtype=dtype).element_size():
             raise CorruptEntry(f"tensor {name}: offsets {b}..{e} do not fit its shape {shape}")
+        if (start + b) % ALIGN:
+            raise CorruptEntry(f"tensor {name} is not {ALIGN}-byte aligned")
         tensors[name] = (torch.frombuffer(mm, dtype=dtype, count=count, offset=start + b).reshape(shape)
                          if count else torch.empty(shape, dtype=dtype))
     return Entry(tensors, info["meta"], path)
