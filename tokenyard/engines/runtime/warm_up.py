@@ -13,13 +13,17 @@ eager torch path has no first-call cost worth a request, and small test engines 
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
+from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenyard.engines.runtime.engine import Engine
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID = "__tokenyard_warm_up__"
 _ENGINE_COUNTERS = ("_arrivals", "_num_steps", "_last_step_tokens", "_last_step_seconds", "_busy_seconds",
@@ -46,7 +50,12 @@ def warm_up(engine: Engine) -> float:
     block_saved = (blocks.queried_tokens, blocks.hit_tokens, engine.scheduler.num_preemptions)
     try:
         prompt = [int(engine.model_config.bos_token_id or 0), 1]
-        engine.add_request(REQUEST_ID, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, seed=0))
+        try:
+            engine.add_request(REQUEST_ID, prompt,
+                               SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, seed=0))
+        except RequestError as exc:      # e.g. a max_model_len below 4 tokens: nothing to warm with
+            log.info("no warm-up request: %s", exc)
+            return 0.0
         for _ in range(MAX_STEPS):
             if any(o.request_id == REQUEST_ID and o.finished for o in engine.step()):
                 break
