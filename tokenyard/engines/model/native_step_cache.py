@@ -6,7 +6,9 @@ blocks (native_decoder.step_linear, cpu_decode_step.Library.prepare). The result
 function of the model's weights and the library's build, so it is cached beside the weights:
 keyed by the model's own cache key (`weights_cache_key`, set when the weights came through the
 cache: prepared_model.py) and the library's file name (a hash of its sources, flags and the CPU).
-Models without that key (cache off, float checkpoints) are described as before.
+Models without that key (cache off, float checkpoints) are described as before. Code that changes
+a model's weights after loading it (and before the C step is built) must delete that attribute, or
+the step would be described from the cached, unchanged weights.
 
 Each projection's tensors are stored unless they are the model's own (the int8 LM head's codes,
 fp32 biases): those are recorded by name and taken from the model when restored, so they stay
