@@ -8,6 +8,9 @@ every request takes) and then puts back every counter the request moved, so stat
 tests see an engine that has served nothing. It leaves no prefix-cache entry (the sequence never
 fills a block) and draws no request seed (its own is fixed).
 
+A failure that kills the engine there (a broken compiled step under `cpu_compile: on`) is raised
+from the engine's construction: the replica never reports ready.
+
 Only engines with a fast decode path (the C step, the compiled graph, CUDA graphs) are warmed: the
 eager torch path has no first-call cost worth a request, and small test engines stay as they were.
 """
@@ -62,6 +65,8 @@ def warm_up(engine: Engine) -> float:
         else:
             engine.abort(REQUEST_ID)
             engine.step()
+        if engine.dead is not None:   # a broken fast path is a start-up error, not a replica that says ready
+            raise RuntimeError(f"the engine failed its warm-up request: {engine.dead}")
     finally:
         for name, value in saved.items():
             setattr(engine, name, value)
