@@ -107,6 +107,10 @@ class BlockPool:
         """The stable digest of a full block's content (None for a block never registered)."""
         return self._digest_of[block]
 
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """(block, digest) of every block registered in the prefix cache, held or free."""
+        return [(b, d) for b, d in enumerate(self._digest_of) if d is not None and self._hash_of[b] is not None]
+
     def _forget(self, block: int) -> bool:
         """Drop a block's registration; True when it had one (an eviction)."""
         h = self._hash_of[block]

@@ -11,8 +11,8 @@ Two hooks into the engine core, nothing else:
   (connector.install_blocks), and the hit grows by it. The first miss or corrupt block ends it.
 
 Restored blocks come back exactly as they were written (the same bytes, scales included for int8),
-so the tokens after a tier hit equal those after a pool hit. close() drains the host tier to disk
-(when there is one) so a restarted replica finds those blocks too.
+so the tokens after a tier hit equal those after a pool hit. close() writes the pool's cached blocks
+and the host tier to disk (when there is a disk tier), so a restarted replica finds them all.
 """
 from __future__ import annotations
 
@@ -70,13 +70,19 @@ class TieredStore:
             self.num_restored += install_blocks(self.blocks, self.io, seq, hit, datas)
 
     def close(self) -> None:
-        """Detach from the engine; the host tier's blocks go to disk (when there is a disk tier)."""
+        """Detach from the engine; with a disk tier, the pool's cached blocks and the host tier's go to
+        disk first (the host tier's oldest first, the pool's last: the most recently used)."""
+        if self.disk is not None:
+            self.host.drain()
+            cached = self.blocks.pool.cached_blocks()
+            for i in range(0, len(cached), 64):
+                part = cached[i:i + 64]
+                for (_, digest), data in zip(part, self.io.read([b for b, _ in part])):
+                    self.disk.put(BlockRecord.of(digest, data))
         if self.blocks.pool.on_evict == self.on_evict:
             self.blocks.pool.on_evict = None
         if self.blocks.prefix_loader == self.load:
             self.blocks.prefix_loader = None
-        if self.disk is not None:
-            self.host.drain()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
