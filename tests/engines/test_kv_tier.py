@@ -40,7 +40,7 @@ def test_host_tier_is_lru_bounded_and_spills_oldest_first():
     host.put(_rec(5, 400))                               # larger than the whole tier: straight out
     assert spilled[-1] == bytes([5]) * 16
     rec = host.get(bytes([3]) * 16)
-    rec.data = b"x" + rec.data[1:]                       # a flipped byte in RAM: a miss, dropped
+    rec.data = b"x" + rec.data[1:]                       # a checksummed block that changed: a miss, dropped
     assert host.get(bytes([3]) * 16) is None and host.num_corrupt == 1
     dropped = HostTier(100)
     dropped.put(_rec(1))

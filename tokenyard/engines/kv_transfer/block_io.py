@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from tokenyard.kernels.kv_quant import QuantizedCache
@@ -32,37 +33,48 @@ class BlockIO:
         self.part_bytes = [p.shape[0] * block_size * math.prod(p.shape[2:]) * p.element_size() for p in self.parts]
         self.block_nbytes = sum(self.part_bytes)
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        base = torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size
-        return (base + torch.arange(self.block_size)).reshape(-1).to(self.device)
+    def _ids(self, blocks: list[int]) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.long, device=self.device)
 
-    def read(self, blocks: list[int]) -> list[bytes]:
-        """The bytes of each block, in order."""
-        if not blocks:
+    def _by_block(self, p: torch.Tensor) -> torch.Tensor:
+        """A part as [heads, blocks, the block's values of one head] (a view, no copy)."""
+        return p.view(p.shape[0], p.shape[1] // self.block_size, -1)
+
+    def read(self, blocks: list[int]):
+        """The bytes of each block, in order: rows of one uint8 array (numpy), one copy out of the
+        cache and one into the array. The rows share the array's memory; it is freed with the
+        last row (a host tier holding one block of a batch keeps the batch's memory)."""
+        n = len(blocks)
+        if n == 0:
             return []
-        n, slots = len(blocks), self._slots(blocks)
-        cols = []
-        for p in self.parts:
-            t = p.index_select(1, slots)                                   # [H, n*bs, ...]
-            t = t.reshape(p.shape[0], n, -1).transpose(0, 1).contiguous()  # [n, H, bs*...]
-            cols.append(t.reshape(n, -1).view(torch.uint8))
-        flat = torch.cat(cols, dim=1).cpu().numpy()
-        return [flat[i].tobytes() for i in range(n)]
+        out = torch.empty(n, self.block_nbytes, dtype=torch.uint8)
+        ids = self._ids(blocks)
+        off = 0
+        for p, width in zip(self.parts, self.part_bytes):
+            sel = self._by_block(p).index_select(1, ids)                       # [H, n, X]
+            dst = out[:, off:off + width].view(p.dtype).view(n, p.shape[0], -1)
+            dst.copy_(sel.transpose(0, 1))
+            off += width
+        arr = out.numpy()
+        return [arr[i] for i in range(n)]
 
-    def write(self, blocks: list[int], datas: list[bytes]) -> None:
-        """Overwrite each block with its bytes (each exactly block_nbytes long)."""
+    def write(self, blocks: list[int], datas: list) -> None:
+        """Overwrite each block with its bytes (each exactly block_nbytes long, any buffer)."""
         if len(blocks) != len(datas):
             raise ValueError(f"{len(blocks)} blocks but {len(datas)} byte strings")
         if not blocks:
             return
-        for d in datas:
-            if len(d) != self.block_nbytes:
-                raise ValueError(f"a KV block is {self.block_nbytes} bytes here, got {len(d)}")
-        n, slots = len(blocks), self._slots(blocks)
-        flat = torch.frombuffer(bytearray(b"".join(datas)), dtype=torch.uint8).view(n, self.block_nbytes)
+        n = len(blocks)
+        flat = torch.empty(n, self.block_nbytes, dtype=torch.uint8)
+        arr = flat.numpy()
+        for i, d in enumerate(datas):
+            row = np.frombuffer(d, dtype=np.uint8)
+            if row.size != self.block_nbytes:
+                raise ValueError(f"a KV block is {self.block_nbytes} bytes here, got {row.size}")
+            arr[i] = row
+        ids = self._ids(blocks)
         off = 0
         for p, width in zip(self.parts, self.part_bytes):
-            t = flat[:, off:off + width].contiguous().view(p.dtype)           # [n, H*bs*...]
-            t = t.view(n, p.shape[0], self.block_size, *p.shape[2:]).transpose(0, 1)
-            p.index_copy_(1, slots, t.reshape(p.shape[0], n * self.block_size, *p.shape[2:]).to(self.device))
+            src = flat[:, off:off + width].view(p.dtype).view(n, p.shape[0], -1).transpose(0, 1)
+            self._by_block(p).index_copy_(1, ids, src.to(self.device))
             off += width

@@ -15,6 +15,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenyard.engines.kv_transfer.layout import KVLayout
 
@@ -33,16 +34,23 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
 
 @dataclass(slots=True)
 class BlockRecord:
-    digest: bytes   # prefix_digest chain digest of this block
-    data: bytes     # BlockIO's bytes of the block
-    crc: int        # CRC-32 of data when it was read from the cache
+    digest: bytes       # prefix_digest chain digest of this block
+    data: Any           # BlockIO's bytes of the block (bytes or a uint8 numpy row)
+    crc: int | None     # CRC-32 of data; None until it leaves the process (see checksum)
 
     @classmethod
-    def of(cls, digest: bytes, data: bytes) -> "BlockRecord":
+    def of(cls, digest: bytes, data: Any) -> "BlockRecord":
         return cls(digest, data, crc32(data))
 
+    def checksum(self) -> int:
+        """The CRC-32, computed once. Blocks in the host tier get theirs only when written to disk
+        or exported: in RAM they are trusted as the KV pool itself is (saves a pass over them)."""
+        if self.crc is None:
+            self.crc = crc32(self.data)
+        return self.crc
+
     def intact(self) -> bool:
-        return crc32(self.data) == self.crc
+        return self.crc is None or crc32(self.data) == self.crc
 
 
 @dataclass(slots=True)
@@ -59,9 +67,9 @@ class BlockPayload:
     def to_bytes(self) -> bytes:
         header = json.dumps({
             "layout": self.layout.to_dict(), "cache_salt": self.cache_salt, "token_ids": self.token_ids,
-            "blocks": [{"digest": b.digest.hex(), "crc": b.crc, "nbytes": len(b.data)} for b in self.blocks],
+            "blocks": [{"digest": b.digest.hex(), "crc": b.checksum(), "nbytes": len(b.data)} for b in self.blocks],
         }).encode()
-        return b"".join([_HEAD.pack(MAGIC, len(header)), header, *(b.data for b in self.blocks)])
+        return b"".join([_HEAD.pack(MAGIC, len(header)), header, *(memoryview(b.data) for b in self.blocks)])
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview) -> "BlockPayload":

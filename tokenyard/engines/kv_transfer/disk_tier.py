@@ -59,7 +59,7 @@ class DiskTier:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=self.dir)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_HEAD.pack(MAGIC, rec.digest, len(rec.data), rec.crc))
+                f.write(_HEAD.pack(MAGIC, rec.digest, len(rec.data), rec.checksum()))
                 f.write(rec.data)
             os.replace(tmp, path)
         except BaseException:

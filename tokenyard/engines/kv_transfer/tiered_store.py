@@ -46,7 +46,7 @@ class TieredStore:
     def on_evict(self, evicted: list[tuple[int, bytes]]) -> None:
         fresh = [(b, d) for b, d in evicted if d not in self.host]
         for (_, digest), data in zip(fresh, self.io.read([b for b, _ in fresh])):
-            self.host.put(BlockRecord.of(digest, data))
+            self.host.put(BlockRecord(digest, data, None))
         self.num_offloaded += len(fresh)
 
     def load(self, seq: Sequence, hit: PrefixHit) -> None:
