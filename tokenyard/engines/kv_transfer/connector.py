@@ -21,7 +21,7 @@ engine only: under tensor or pipeline parallelism the KV lives in other processe
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tokenyard.engines.core.block_manager import BlockManager, PrefixHit
 from tokenyard.engines.core.prefix_digest import chain_digests
@@ -32,8 +32,8 @@ from tokenyard.engines.kv_transfer.block_payload import BlockPayload, BlockRecor
 from tokenyard.engines.kv_transfer.layout import KVLayout, model_identity
 from tokenyard.engines.model import kv_cache
 
-if TYPE_CHECKING:
-    from tokenyard.engines.runtime.engine import Engine
+# The engine is typed loosely: runtime sits above this package (it builds the tier) and is not imported.
+Engine = Any
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class ImportResult:
         return self.num_imported + self.num_present
 
 
-def engine_layout(engine: "Engine") -> KVLayout:
+def engine_layout(engine: Engine) -> KVLayout:
     cfg, mcfg = engine.config, engine.model_config
     store = kv_cache.kv_cache_dtype_name(cfg.kv_cache_dtype, engine.dtype)
     model = model_identity(engine.model_dir, asdict(mcfg), cfg.quantization, cfg.quant_group_size,
@@ -59,7 +59,7 @@ def engine_layout(engine: "Engine") -> KVLayout:
                     scales=cfg.kv_cache_dtype != "auto")
 
 
-def engine_block_io(engine: "Engine") -> BlockIO:
+def engine_block_io(engine: Engine) -> BlockIO:
     cfg = engine.config
     if cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1 or not hasattr(engine.runner, "kv_caches"):
         raise ValueError("KV transfer and the second cache tier need a single-process engine "
@@ -106,7 +106,7 @@ def install_blocks(blocks: BlockManager, io: BlockIO, seq: Sequence, hit: Prefix
 
 
 class KVConnector:
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.io = engine_block_io(engine)
         self.layout = engine_layout(engine)

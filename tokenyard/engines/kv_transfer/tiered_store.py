@@ -17,7 +17,7 @@ and the host tier to disk (when there is a disk tier), so a restarted replica fi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenyard.engines.core.block_manager import PrefixHit
 from tokenyard.engines.core.prefix_digest import chain_digests
@@ -27,12 +27,12 @@ from tokenyard.engines.kv_transfer.connector import engine_block_io, engine_layo
 from tokenyard.engines.kv_transfer.disk_tier import DiskTier
 from tokenyard.engines.kv_transfer.host_tier import HostTier
 
-if TYPE_CHECKING:
-    from tokenyard.engines.runtime.engine import Engine
+# The engine is typed loosely: runtime sits above this package (it builds the tier) and is not imported.
+Engine = Any
 
 
 class TieredStore:
-    def __init__(self, engine: "Engine", host_bytes: int, disk_path: str | Path | None, disk_bytes: int) -> None:
+    def __init__(self, engine: Engine, host_bytes: int, disk_path: str | Path | None, disk_bytes: int) -> None:
         self.blocks = engine.blocks
         self.io = engine_block_io(engine)
         self.layout = engine_layout(engine)
