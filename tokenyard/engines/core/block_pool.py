@@ -84,10 +84,11 @@ class BlockPool:
 
     def register(self, block: int, block_hash: int, key: Hashable) -> None:
         """Make a full, computed block findable. A hash already taken keeps its first block."""
-        if self._digest_of[block] is None:
-            # key is (parent block, tokens) or (chain root, tokens): the parent's digest is set, as
-            # the parent is held by the same sequence (registered or not: a taken hash still chains).
-            parent, tokens = key  # type: ignore[misc]
+        if self._digest_of[block] is None and isinstance(key, tuple) and len(key) == 2:
+            # The block manager's key is (parent block, tokens) or (chain root, tokens): the parent's
+            # digest is set, as the same sequence holds the parent (registered or not: a taken hash
+            # still chains). Other keys (tests of the pool alone) get no digest.
+            parent, tokens = key
             parent_digest = self._digest_of[parent] if isinstance(parent, int) else root_digest(parent)
             if parent_digest is not None:
                 self._digest_of[block] = block_digest(parent_digest, tokens)
