@@ -15,8 +15,8 @@ this unprivileged run cannot drop).
 Parity: --parity prompts per model on demo-small (fp32 and int8 KV) and SmolLM2 (fp32 and int8 KV):
 one engine generates (greedy, seeded so cold and warm prefill compute the same chunks) vs a
 prefill engine (max_tokens 1) whose exported blocks cross the shared-memory or TCP transport
-(alternating) into a decode engine, which then generates. Reported: prompts whose tokens differ,
-and differing tokens.
+(alternating) into a decode engine, which then generates; one prompt at a time everywhere (see
+parity()). Reported: prompts whose tokens differ, and differing tokens.
 """
 from __future__ import annotations
 
@@ -123,11 +123,15 @@ def parity(model: str, name: str, kv: str, n: int, lo: int, hi: int, vocab: int)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     prompts = [rand_tokens(k, vocab, 500 + i) for i, k in enumerate(lens)]
     opts = dict(kv_cache_memory=256 << 20, kv_cache_dtype=kv, progress=False)
+    # One prompt at a time on every engine: the CPU's int4 decode step rounds activations differently
+    # below 8 sequences a step (docs/engine.md, cpu_decode_step), so batches of other sizes would
+    # differ for that reason alone; this compares the hand-over, not batch composition.
     one = LLM(model, **opts)
-    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    want = [one.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     del one
     prefill, decode = LLM(model, **opts), LLM(model, **opts)
-    prefill.generate(prompts, PREFILL, use_tqdm=False)
+    for p in prompts:
+        prefill.generate([p], PREFILL, use_tqdm=False)
     tx, rx = KVConnector(prefill.engine), KVConnector(decode.engine)
     imported, seconds, nbytes = 0, 0.0, 0
     for i, p in enumerate(prompts):
@@ -136,7 +140,7 @@ def parity(model: str, name: str, kv: str, n: int, lo: int, hi: int, vocab: int)
         nbytes += len(payload.to_bytes())
         imported += rx.import_payload(_transfer(payload, "shm" if i % 2 == 0 else "tcp")).num_imported
         seconds += time.perf_counter() - t0
-    outs = decode.generate(prompts, params, use_tqdm=False)
+    outs = [decode.generate([p], params, use_tqdm=False)[0] for p in prompts]
     got = [o.outputs[0].token_ids for o in outs]
     diff_tokens = sum(sum(a != b for a, b in zip(x, y)) + abs(len(x) - len(y)) for x, y in zip(got, want))
     return {"model": name, "kv_cache_dtype": kv, "prompts": n, "prompt_tokens": lens,
