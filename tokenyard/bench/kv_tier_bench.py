@@ -123,9 +123,10 @@ def parity(model: str, name: str, kv: str, n: int, lo: int, hi: int, vocab: int)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     prompts = [rand_tokens(k, vocab, 500 + i) for i, k in enumerate(lens)]
     opts = dict(kv_cache_memory=256 << 20, kv_cache_dtype=kv, progress=False)
-    # One prompt at a time on every engine: the CPU's int4 decode step rounds activations differently
-    # below 8 sequences a step (docs/engine.md, cpu_decode_step), so batches of other sizes would
-    # differ for that reason alone; this compares the hand-over, not batch composition.
+    # One prompt at a time on every engine: batched, the one engine mixes prefill chunks with decode rows
+    # where the decode engine (its prompts cached) runs pure decode steps, and on a CPU int4 model those
+    # take other numerical paths (the C decode step vs torch's packed ops; docs/engine.md, cpu_decode_step).
+    # This compares the hand-over, not batch composition (bench/RESULTS.md, KV blocks that move).
     one = LLM(model, **opts)
     want = [one.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     del one
