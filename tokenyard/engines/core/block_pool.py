@@ -54,16 +54,17 @@ class BlockPool:
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
         blocks = []
         evicted: list[tuple[int, bytes]] = []
+        on_evict = self.on_evict
         for _ in range(n):
             b, _ = self._free.popitem(last=False)   # least recently released first
             digest = self._digest_of[b]
-            if self._forget(b) and digest is not None and self.on_evict is not None:
+            if self._forget(b) and digest is not None and on_evict is not None:
                 evicted.append((b, digest))
             self._digest_of[b] = None
             self.ref_counts[b] = 1
             blocks.append(b)
-        if evicted:
-            self.on_evict(evicted)   # type: ignore[misc] - set whenever evicted is non-empty
+        if evicted and on_evict is not None:
+            on_evict(evicted)
         return blocks
 
     def touch(self, block: int) -> None:
