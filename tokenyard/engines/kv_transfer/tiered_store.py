@@ -69,10 +69,10 @@ class TieredStore:
         if datas:
             self.num_restored += install_blocks(self.blocks, self.io, seq, hit, datas)
 
-    def close(self) -> None:
-        """Detach from the engine; with a disk tier, the pool's cached blocks and the host tier's go to
-        disk first (the host tier's oldest first, the pool's last: the most recently used)."""
-        if self.disk is not None:
+    def close(self, flush: bool = True) -> None:
+        """Detach from the engine; with a disk tier and flush, the pool's cached blocks and the host
+        tier's go to disk first (the host tier's oldest first, the pool's last: the most recent)."""
+        if self.disk is not None and flush:
             self.host.drain()
             cached = self.blocks.pool.cached_blocks()
             for i in range(0, len(cached), 64):

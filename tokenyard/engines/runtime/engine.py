@@ -297,7 +297,8 @@ class Engine:
         """Release what outlives the object: tensor-parallel workers; the second cache tier's host
         blocks go to its disk tier. Idempotent."""
         if self.kv_tier is not None:
-            self.kv_tier.close()
+            # After a failed step the KV is not trusted (_fail_all): nothing more goes to disk.
+            self.kv_tier.close(flush=self._dead is None)
             self.kv_tier = None
         close = getattr(self.runner, "close", None)
         if close is not None:
