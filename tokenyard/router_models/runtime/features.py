@@ -32,7 +32,11 @@ alone. Version 2 adds what generalises to wording the router never saw:
                 from `spec.vocabulary` (the hashed 1-2-grams of the router's training prompts), a
                 dense feature and, bucketed, crossed with the payload kind and the sizes.
 An instruction in unfamiliar wording has no trained weights on its own words; the kind and
-novelty crosses still place it.
+novelty crosses still place it. Version 3 (`spec.normalise`, issue 51) computes all of the above
+on `view(text)`: the layout-free form of the prompt's end (layout.canonical: "instruction words :
+input" on one line, from the sentence that holds the input), without the instruction words the
+training prompts never used (one typo repaired first), and without the token count in the size
+crosses; the dense token count stays. Version-2 specs (text as written) still load and score.
 
 Hashes: word and character n-grams are polynomial hashes (mod 2^64) of code points, mixed by a
 multiply-shift, modulo the block size; the few instruction words and signatures are crc32 of

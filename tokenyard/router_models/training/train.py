@@ -36,6 +36,11 @@ bench/RESULTS.md, "Learned router"): expected-gain labels measured worse; folds=
 (22.2% large calls on test for a 30% target, against 28.0% with folds=0: the final model, fitted
 on the calibration prompts too, scores differently from the fold models whose scores set it).
 
+Wording (issue 51): the default spec is feature version 3 (layout-free prompt form, features.py)
+and the fit also sees DEFAULT_AUGMENT perturbed copies of each training prompt (augment.py, seeded
+by AUGMENT_SEED); the vocabulary, the dense normalisation and the calibration come from the
+original prompts only.
+
 Reproducible: features are hashed, lbfgs has no random state and runs on one BLAS thread, so on
 one machine the same rows give bit-identical artifacts. Another CPU (same wheels) may pick other
 BLAS kernels, which sum in another order; lbfgs then stops a hair away, so the weights agree to
