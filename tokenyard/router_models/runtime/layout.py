@@ -24,8 +24,9 @@ features.view then drops instruction words the training prompts never used (they
 weight, only dilute the rest), after trying to repair one typo (two letters swapped, one too many).
 
 The stop words and suffixes are generic English written for this file (no task's or benchmark's
-wording). Pure and cheap: a regex split, then per-token classes and forms cached in two dicts
-(~10 us for a demo prompt, ~30 us for a 256-character window on a loaded 2-core machine); the C
+wording). Pure and cheap: one regex pass, a class letter per token (cached in a dict) and regexes
+over that string of letters (~10 us for a demo prompt, ~23 us for a full 256-character window of
+prose on a loaded 2-core machine); the C
 and the numpy feature paths both read its output, so they stay equal.
 """
 from __future__ import annotations
@@ -46,8 +47,9 @@ hi hello hey thanks thank ok okay oh well yes no
 # Longest first; a word keeps at least 3 letters.
 STEM_SUFFIXES = ("ations", "ation", "ings", "ing", "ised", "ized", "ises", "izes", "ise", "ize", "edly",
                  "ness", "ed", "ly", "ies", "es", "s", "e")
-_PIECE = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+|[^\sA-Za-z\d.!?]")
-_SPLIT = re.compile(r"([.!?]+|\n)")
+# words, numbers, sentence ends ('.', '!', '?' runs; each line break), any other visible character
+_PIECE = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+|[.!?]+|\n|[^\sA-Za-z\d.!?]")
+_SENTENCE = re.compile(r"[^en]+")
 _RUN = re.compile(r"p+")
 _OPERATORS = frozenset("+*/=<>^%")      # a dash is prose punctuation as often as a minus
 # per token, cached (the same few hundred words recur): its class in a payload run ("p" plain,
@@ -70,7 +72,11 @@ def _class(piece: str) -> str:
     if c is None:
         if len(_CLASS) > _CACHE_LIMIT:
             _CLASS.clear()
-        if not piece.isalpha():
+        if piece == "\n":
+            c = "n"                     # a line break: ends a sentence, parts chat messages
+        elif piece[0] in ".!?":
+            c = "e"                     # ends a sentence
+        elif not piece.isalpha():
             c = "d" if piece.isdigit() else "x"
         elif len(piece) == 1:
             c = "p"                     # single letters are data ("a b c"), even "a" and "I"
@@ -100,29 +106,10 @@ def _form(piece: str) -> str:
     return f
 
 
-def _sentences(window: str) -> tuple[list[list[str]], list[bool]]:
-    """Pieces (words, numbers, other single characters) per sentence; '.', '!', '?' and line
-    breaks end a sentence. Per sentence also: whether a line break (another message, in a
-    prompt joined from chat messages) separates it from the one before."""
-    parts = _SPLIT.split(window)
-    out: list[list[str]] = []
-    after_break: list[bool] = []
-    brk = False
-    for i in range(0, len(parts), 2):
-        pieces = _PIECE.findall(parts[i])
-        if pieces:
-            out.append(pieces)
-            after_break.append(brk)
-            brk = False
-        if i + 1 < len(parts) and parts[i + 1] == "\n":
-            brk = True
-    return out, after_break
-
-
-def _payload(sentence: list[str]) -> tuple[range | list[int], int]:
-    """Positions of the sentence's payload (its numbers; without numbers, its longest plain run
-    of >= MIN_RUN), and its weight when choosing the sentence (numbers count three times)."""
-    classes = "".join([_class(p) for p in sentence])
+def _payload(classes: str) -> tuple[range | list[int], int]:
+    """Positions in a sentence (given its token classes) of its payload (its numbers; without
+    numbers, its longest plain run of >= MIN_RUN), and its weight when choosing the sentence
+    (numbers count three times)."""
     if "d" in classes:
         at = [i for i, c in enumerate(classes) if c == "d"]
         return at, 3 * len(at)
@@ -137,7 +124,8 @@ def _payload(sentence: list[str]) -> tuple[range | list[int], int]:
 
 def _instruction_words(sentence: list[str], skip: range | list[int]) -> list[str]:
     skipped = set(skip)
-    words = [_form(p) for i, p in enumerate(sentence) if i not in skipped]
+    known = _FORM.get
+    words = [f if (f := known(p)) is not None else _form(p) for i, p in enumerate(sentence) if i not in skipped]
     if sentence and 0 not in skipped and sentence[0][:1].isupper() and words and words[0] == sentence[0]:
         words[0] = stem(sentence[0].lower())    # first in its sentence: a capital, not a name
         if words[0] in STOP_WORDS:
@@ -147,15 +135,22 @@ def _instruction_words(sentence: list[str], skip: range | list[int]) -> list[str
 
 def canonical(window: str) -> str:
     """The layout-free form of a prompt's end: "instruction words : payload" on one line."""
-    sentences, after_break = _sentences(window)
-    if not sentences:
+    pieces = _PIECE.findall(window)
+    known = _CLASS.get                  # a dict hit without a call: this is most of the cost
+    classes = "".join([known(p) or _class(p) for p in pieces])
+    spans = [m.span() for m in _SENTENCE.finditer(classes)]
+    if not spans:
         return ""
-    found = [_payload(s) for s in sentences]
+    found = [_payload(classes[a:b]) for a, b in spans]
     # the sentence with the most payload tokens; the last one among equals (requests end prompts)
-    k = max(range(len(sentences)), key=lambda i: (found[i][1], i))
+    k = max(range(len(spans)), key=lambda i: (found[i][1], i))
+    a, b = spans[k]
     at = found[k][0]
-    words = _instruction_words(sentences[k], at)
-    if len(words) < MIN_INSTRUCTION and k > 0 and (not after_break[k] or not words):
-        words = _instruction_words(sentences[k - 1], found[k - 1][0]) + words
-    payload = [sentences[k][i] for i in at]
+    words = _instruction_words(pieces[a:b], at)
+    # a line break between the two sentences parts chat messages: read the one before only when
+    # this one has no instruction word at all
+    if len(words) < MIN_INSTRUCTION and k > 0 and (not words or "n" not in classes[spans[k - 1][1]:a]):
+        pa, pb = spans[k - 1]
+        words = _instruction_words(pieces[pa:pb], found[k - 1][0]) + words
+    payload = [pieces[a + i] for i in at]
     return " ".join(words) + " : " + " ".join(payload) if payload else " ".join(words)
