@@ -38,7 +38,7 @@ def test_a_tenant_preferring_large_for_lookup_is_learned_within_20_feedback_item
     config.write_text(yaml.safe_dump(doc))
     pool, held, by = family_rows("lookup")
     shipped = Scorer(load(ARTIFACT))
-    assert large_share(shipped, held) == 0.0
+    assert large_share(shipped, held) < 0.1     # the shipped router sends few of them large (0% before v3 features)
     try:
         with running_gateway(doc) as srv:
             for r in pool[:FEEDBACK_ITEMS]:
