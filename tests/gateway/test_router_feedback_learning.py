@@ -1,13 +1,14 @@
 """A simulated tenant whose preferences differ from the demo labels is learned from its feedback
 (issue 51, item 3): the tenant wants the large engine for `lookup` prompts, which the shipped router
-sends to the small one (0% large calls). It sends FEEDBACK_ITEMS lookup prompts through the gateway
+sends to the small one (7.8% large calls with the v3 features). It sends FEEDBACK_ITEMS lookup prompts through the gateway
 (mock engines), answers each with POST /v1/feedback preferring the large engine, the operator runs
 `tokenyard router train --from-traffic`, and the new artifact sends at least half of the lookup
 prompts no feedback named to the large engine; promoted through the policy, the gateway does so.
 
-The stated number, FEEDBACK_ITEMS = 20 at the default traffic weight 8, is measured by
-tokenyard/bench/router_feedback_learning.py (bench/results/router_feedback_learning.json: 20 items
-give 67% large on the unseen half, 10 items 14%); the test checks both sides of it.
+The stated number, FEEDBACK_ITEMS = 40 at the default traffic weight 8, is measured by
+tokenyard/bench/router_feedback_learning.py (bench/results/router_feedback_learning_v3.json, the shipped
+v3 router: 40 items give 69% large on the unseen half, 20 items 53% (at the edge: 9 of the 20 prompts
+below went large), 10 items 25%); the test checks both sides of it.
 """
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ from tokenyard.router_models.runtime.scorer import Scorer
 from tokenyard.router_models.training.traffic_labels import DEFAULT_TRAFFIC_WEIGHT, traffic_training_set
 from tokenyard.router_models.training.train import load_labels, train_router
 
-FEEDBACK_ITEMS = 20
+FEEDBACK_ITEMS = 40
 TOO_FEW = 10
 
 
-def test_a_tenant_preferring_large_for_lookup_is_learned_within_20_feedback_items(tmp_path, capsys):
+def test_a_tenant_preferring_large_for_lookup_is_learned_within_40_feedback_items(tmp_path, capsys):
     assert DEFAULT_TRAFFIC_WEIGHT == 8
     prefix = unique_prefix("fblearn")
     keys = make_keys(prefix, "acme")
@@ -43,7 +44,8 @@ def test_a_tenant_preferring_large_for_lookup_is_learned_within_20_feedback_item
         with running_gateway(doc) as srv:
             for r in pool[:FEEDBACK_ITEMS]:
                 status, headers, body = chat(srv, keys["acme"], r["prompt"])
-                assert status == 200 and headers["x-tokenyard-engine"] == "small"
+                # mostly "small" (a few go large with the v3 features); preferred_engine labels either way
+                assert status == 200 and headers["x-tokenyard-engine"] in ("small", "large")
                 status, _, raw = srv.request("POST", "/v1/feedback", {"response_id": body["id"],
                                                                       "preferred_engine": "large"}, bearer(keys["acme"]))
                 assert status == 200 and json.loads(raw)["label"] == 0
