@@ -41,3 +41,16 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.debug("mallopt refused the allocator settings; continuing with defaults")
     return _done
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS now (glibc malloc_trim), after a large release such as
+    a sleeping engine's KV cache: keep_freed_memory() above turned automatic trimming off. False where
+    not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,190 @@
+"""Sleep and wake of one engine core (tokenyard/engines/core/sleep_level.py says what the levels mean).
+
+    engine.sleep(1)          # the KV cache's memory is released; weights, runner and compiled code stay
+    engine.sleep(2)          # the weights and the runner go too
+    phases = engine.wake()   # {phase: seconds}: kv_allocation, weights_read, compile, ... as at start
+
+Level 1 keeps every KV tensor object and releases its storage (resize to 0 bytes), so the model,
+the runner and the compiled CPU decode graph, which hold those objects, are untouched; waking
+gives the storage back (zeroed). Paths that baked the storage's address in (CUDA graphs, the C
+decode step) are rebuilt at wake, from the same settings. The prefix cache is emptied: its blocks'
+contents are gone. Level 2 drops the runner and the model; waking loads the weights again through
+the engine's own load path (load_engine_model: whatever cache that path has, it uses) and builds a
+fresh runner, so a level-2 wake costs the engine's start-up without the process start.
+
+The engine must have nothing in flight (RequestError otherwise: the caller drains it first).
+Engines that run on several ranks or with speculation cannot sleep (SleepUnsupported).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenyard.engines.core.block_manager import BlockManager
+from tokenyard.engines.core.errors import RequestError
+from tokenyard.engines.core.sleep_level import SleepUnsupported, check_sleep_level
+from tokenyard.engines.core.startup_phases import StartupPhases
+from tokenyard.engines.model.cpu_allocator import release_freed_memory
+from tokenyard.engines.model.cuda_graph_runner import CudaGraphDecoder
+from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.model.native_decoder import NativeDecoder
+from tokenyard.engines.pp.pipeline_runner import uses_pipeline
+from tokenyard.engines.quant.engine_model import load_engine_model
+from tokenyard.kernels.kv_quant import QuantizedCache
+
+if TYPE_CHECKING:
+    from tokenyard.engines.runtime.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def kv_tensors(caches: list) -> list[tuple[torch.Tensor, float]]:
+    """Every tensor of a KV cache with the value it is (re)filled with: codes and K/V 0, scales 1."""
+    out: list[tuple[torch.Tensor, float]] = []
+    for layer in caches:
+        for c in layer:
+            if isinstance(c, QuantizedCache):
+                out += [(c.data, 0.0), (c.scale, 1.0)]
+            else:
+                out.append((c, 0.0))
+    return out
+
+
+def kv_storage_bytes(caches: list) -> int:
+    """Bytes the KV tensors hold now (0 once released)."""
+    return sum(t.untyped_storage().nbytes() for t, _ in kv_tensors(caches))
+
+
+class EngineSleep:
+    """The sleep state of one Engine and the two transitions."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.level = 0
+        self._kv_bytes: list[int] = []
+        self._rebuild_graphs: dict[str, Any] | None = None
+        self._rebuild_native: dict[str, Any] | None = None
+        self.last_sleep_s = 0.0
+        self.last_wake_s = 0.0
+        self.last_wake_phases: dict[str, float] = {}
+
+    def unsupported(self) -> str | None:
+        e = self.engine
+        if e.micro is not None or uses_pipeline(e.config) or e.config.tensor_parallel_size > 1:
+            return "sleep is not supported with tensor or pipeline parallelism"
+        if e.spec is not None:
+            return "sleep is not supported with speculative decoding"
+        if e.dead is not None:
+            return f"the engine is dead ({e.dead})"
+        return None
+
+    def sleep(self, level: int) -> float:
+        """Release memory per `level`; deeper than the current level only (a lighter one is a no-op).
+        Returns the seconds it took."""
+        level = check_sleep_level(level)
+        problem = self.unsupported()
+        if problem is not None:
+            raise SleepUnsupported(problem)
+        e = self.engine
+        if e.has_unfinished() or e.scheduler.running or e.scheduler.waiting:
+            raise RequestError("the engine has requests in flight; drain it before it sleeps")
+        if level <= self.level:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.level == 0:
+            self._release_kv()
+        if level == 2:
+            self._release_weights()
+        self.level = level
+        gc.collect()
+        if e.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            release_freed_memory()
+        self.last_sleep_s = time.perf_counter() - t0
+        log.info("engine %s asleep at level %d (%.3f s)", e.model_dir.name, level, self.last_sleep_s)
+        return self.last_sleep_s
+
+    def wake(self) -> dict[str, float]:
+        """Back to serving; {phase: seconds} of what the wake did (empty when it was awake)."""
+        if self.level == 0:
+            return {}
+        e = self.engine
+        t0 = time.perf_counter()
+        phases = StartupPhases()
+        if self.level == 2:
+            mcfg = ModelConfig.from_dir(e.model_dir)
+            cfg = e.config
+            with phases.phase("weights_read"):
+                e.model, e.model_config = load_engine_model(e.model_dir, e.dtype, e.device, e.max_model_len, False,
+                                                            mcfg, cfg.quantization, cfg.quant_group_size, phases)
+            e.runner = e._single_runner(e.blocks.num_blocks, phases)
+        else:
+            self._restore_kv(phases)
+        self.level = 0
+        self.last_wake_s = time.perf_counter() - t0
+        phases.finish(self.last_wake_s)
+        self.last_wake_phases = phases.as_dict()
+        log.info("engine %s awake in %s", e.model_dir.name, phases.describe())
+        return self.last_wake_phases
+
+    # -- level 1 ------------------------------------------------------------------------------
+    def _release_kv(self) -> None:
+        e = self.engine
+        runner = e.runner
+        # Paths holding the storage's address: rebuilt at wake from the same settings.
+        g = runner.graphs
+        if g is not None:
+            self._rebuild_graphs = dict(block_size=g.block_size, max_blocks_per_seq=g.width, max_batch=g.max_batch,
+                                        device=g.device, capture=g.capture)
+            runner.graphs = None
+        n = runner.native
+        if n is not None:
+            self._rebuild_native = dict(block_size=n.block_size, max_model_len=n.max_len, max_batch=n.max_batch,
+                                        threads=n.step.threads)
+            n.close()       # its step's buffers; the arena it holds keeps the weights (the model points into it)
+            runner.native = None
+        tensors = kv_tensors(runner.kv_caches)
+        self._kv_bytes = [t.untyped_storage().nbytes() for t, _ in tensors]
+        for t, _ in tensors:
+            t.untyped_storage().resize_(0)
+        # The prefix cache's blocks held K/V that is gone: start from an empty pool (counters carried on).
+        old = e.blocks
+        fresh = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
+        fresh.queried_tokens, fresh.hit_tokens = old.queried_tokens, old.hit_tokens
+        e.blocks = e.scheduler.blocks = fresh
+
+    def _restore_kv(self, phases: StartupPhases) -> None:
+        runner = self.engine.runner
+        with phases.phase("kv_allocation"):
+            for (t, fill), nbytes in zip(kv_tensors(runner.kv_caches), self._kv_bytes):
+                t.untyped_storage().resize_(nbytes)
+                t.fill_(fill)
+        with phases.phase("compile"):
+            if self._rebuild_graphs is not None:
+                g = self._rebuild_graphs
+                runner.graphs = CudaGraphDecoder(runner.model, runner.kv_caches, g["block_size"],
+                                                 g["max_blocks_per_seq"], g["max_batch"], g["device"],
+                                                 capture=g["capture"])
+            if self._rebuild_native is not None:
+                n = self._rebuild_native
+                runner.native = NativeDecoder(runner.model, runner.kv_caches, n["block_size"], n["max_model_len"],
+                                              n["max_batch"], n["threads"])
+        self._rebuild_graphs = self._rebuild_native = None
+
+    # -- level 2 ------------------------------------------------------------------------------
+    def _release_weights(self) -> None:
+        e = self.engine
+        runner = e.runner
+        if runner is not None and runner.native is not None:
+            runner.native.close()
+        # Nothing else holds the model or the cache: dropping both frees the weights (the C step's
+        # arena with them) and the KV tensors whose storage level 1 already released.
+        e.runner = None
+        e.model = None
+        self._rebuild_graphs = self._rebuild_native = None
+        self._kv_bytes = []
