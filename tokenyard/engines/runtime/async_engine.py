@@ -43,6 +43,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.sleep_level import ASLEEP, AWAKE, WAKING, SleepBusy, SleepUnsupported, check_sleep_level
 from tokenyard.engines.model.pooled_embedding import pack
 from tokenyard.engines.runtime.executor import torch_executor
 from tokenyard.engines.runtime.grammar_gate import GrammarGate
@@ -71,12 +72,15 @@ class EngineCore(Protocol):
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the finished output."""
 
-    __slots__ = ("request_id", "_queue", "finished")
+    __slots__ = ("request_id", "_queue", "finished", "retryable")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self.finished = False
+        # Set with an "error" end when no token was computed for it (a wake that failed): a replica
+        # pool may run it on another replica without the client seeing a thing.
+        self.retryable = False
 
     def put(self, out: StepOutput) -> None:
         self._queue.put_nowait(out)
@@ -113,9 +117,10 @@ def deliver(streams: dict[str, RequestStream], outputs: list[StepOutput]) -> Non
         stream.put(out)
 
 
-def fail_streams(streams: dict[str, RequestStream], message: str) -> None:
+def fail_streams(streams: dict[str, RequestStream], message: str, retryable: bool = False) -> None:
     """End every stream with an "error" output (its reader sees it at once instead of hanging)."""
     for rid, stream in streams.items():
+        stream.retryable = retryable
         stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))
 
 
@@ -169,6 +174,9 @@ class AsyncEngine:
         self.num_restarts = 0             # engines rebuilt after a failure
         self.num_failed_restarts = 0      # attempts to rebuild that raised
         self.grammar_gate = self._grammar_gate(engine)
+        self._waking: asyncio.Future[dict[str, float]] | None = None   # the wake under way
+        self.last_wake_s: float | None = None                          # seconds the latest wake took
+        self.last_wake_phases: dict[str, float] = {}
 
     def _grammar_gate(self, engine: EngineCore) -> GrammarGate | None:
         """Checks and builds grammars for engines that compile them (tokenyard.engines.Engine), else None."""
@@ -277,6 +285,13 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.sleep_level:     # requests came for a sleeping engine: they wait for the wake
+                try:
+                    await self.wake()
+                except Exception:  # noqa: BLE001 - handled in wake(): requests failed, restarted or dead
+                    if self.dead is not None:
+                        return
+                continue
             try:
                 outputs, self._stats = await loop.run_in_executor(self._executor, self._step)
                 failures = 0
@@ -333,15 +348,87 @@ class AsyncEngine:
         log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
         return True
 
+    # -- sleep and wake (tokenyard/engines/core/sleep_level.py) --------------------------------
+    @property
+    def sleep_level(self) -> int:
+        return int(getattr(self.engine, "sleep_level", 0))
+
+    @property
+    def sleep_state(self) -> str:
+        """"awake", "asleep" or "waking"."""
+        if self._waking is not None:
+            return WAKING
+        return ASLEEP if self.sleep_level else AWAKE
+
+    async def sleep(self, level: int, drain_timeout_s: float = 30.0) -> float:
+        """Wait for the requests in flight to finish (new ones keep coming in and are served: the caller
+        stops sending them first), then put the engine to sleep on the step thread. SleepLevelError for
+        a bad level, SleepUnsupported when the engine cannot sleep, SleepBusy when requests were still
+        in flight after drain_timeout_s (the engine stays awake). Returns the seconds the sleep took."""
+        level = check_sleep_level(level)
+        if not hasattr(self.engine, "sleep"):
+            raise SleepUnsupported(f"engine {self.name} cannot sleep")
+        if self.dead is not None:
+            raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while True:
+            while self._streams or self.engine.has_unfinished() or self._waking is not None:
+                if loop.time() >= deadline:
+                    raise SleepBusy(f"engine {self.name} still had {max(1, len(self._streams))} request(s) in "
+                                    f"flight after {drain_timeout_s:g} s; it stays awake")
+                await asyncio.sleep(0.02)
+            try:
+                seconds = await loop.run_in_executor(self._executor, self.engine.sleep, level)
+            except RequestError:     # a request arrived between the check and the step thread: drain again
+                continue
+            self._stats = await loop.run_in_executor(self._executor, self.engine.stats)
+            return seconds
+
+    async def wake(self) -> dict[str, float]:
+        """Wake the engine now ({phase: seconds}; {} when awake). A wake already under way is joined.
+        A wake that raises fails the requests waiting for it (retryable: none got a token) and the
+        engine is restarted (given a factory) or declared dead; the error is raised here too."""
+        if self._waking is not None:
+            return await asyncio.shield(self._waking)
+        if not self.sleep_level:
+            return {}
+        loop = asyncio.get_running_loop()
+        waking = self._waking = loop.create_future()
+        t0 = loop.time()
+        try:
+            phases = await loop.run_in_executor(self._executor, self.engine.wake)
+            self._stats = await loop.run_in_executor(self._executor, self.engine.stats)
+        except Exception as e:  # noqa: BLE001 - the requests waiting for the wake must hear of it
+            self._waking = None
+            waking.set_exception(e)
+            waking.exception()       # retrieved: joiners re-raise it, nobody else must be warned
+            await self._wake_failed(e)
+            raise
+        self._waking = None
+        self.last_wake_s, self.last_wake_phases = loop.time() - t0, phases
+        waking.set_result(phases)
+        return phases
+
+    async def _wake_failed(self, e: Exception) -> None:
+        """The engine's state is unknown after a wake that raised: like a replica that crashed."""
+        log.error("engine %s: waking failed: %s: %s", self.name, type(e).__name__, e)
+        self.num_failed_steps += 1
+        self._fail_all(f"engine {self.name} failed while waking: {type(e).__name__}: {e}", retryable=True)
+        if self._factory is not None:
+            await self._restart(f"wake raised {type(e).__name__}: {e}")
+        else:
+            self.dead = f"waking failed: {type(e).__name__}: {e}"
+
     def _step(self) -> tuple[list[StepOutput], EngineStats]:
         outputs = self.engine.step()
         return outputs, self.engine.stats()
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, retryable: bool = False) -> None:
         streams, self._streams = self._streams, {}
         for rid in streams:
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the engine is already failing; readers come first
                 pass
-        fail_streams(streams, message)
+        fail_streams(streams, message, retryable)
