@@ -224,3 +224,25 @@ def test_remote_replicas_sleep_through_the_gateway_and_a_crash_while_waking_is_r
     finally:
         for r in reps:
             r.stop()
+
+
+def test_cli_sleeps_and_wakes_through_the_gateway_and_a_replica(tmp_path, capsys):
+    from gateway_helpers import KEY
+
+    from tokenyard.cli.main import main
+    with running_gateway(mock_deployment()) as srv:
+        gw = ["--gateway", srv.base_url, "--engine", "mock", "--replica", "0", "--key", KEY]
+        assert main(["engine", "sleep", *gw, "--level", "2"]) == 0
+        assert json.loads(capsys.readouterr().out)["sleep_level"] == 2 and srv.engine().sleep_level == 2
+        assert main(["engine", "wake", *gw]) == 0 and srv.engine().sleep_level == 0
+        assert main(["engine", "sleep", "--gateway", srv.base_url, "--engine", "nope", "--replica", "0",
+                     "--key", KEY]) == 1
+        assert "engine_not_found" in capsys.readouterr().err
+        assert main(["engine", "sleep", "--gateway", srv.base_url, "--key", KEY]) == 2     # no engine/replica
+    rep = start_replicas(tmp_path, 1)[0]
+    try:
+        assert main(["engine", "sleep", "--url", rep.url, "--level", "1"]) == 0
+        assert rep.stats()["sleep_level"] == 1
+        assert main(["engine", "wake", "--url", rep.url]) == 0 and rep.stats()["sleep_state"] == "awake"
+    finally:
+        rep.stop()

@@ -25,8 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenyard.gateway.backends.replica_pool import Replica
-from tokenyard.gateway.backends.replica_sleep import (ReplicaControlError, describe, replicas_of, sleep_replica,
-                                                      wake_replica)
+from tokenyard.gateway.backends.replica_sleep import ReplicaControlError, describe, replicas_of, sleep_replica, wake_replica
 from tokenyard.gateway.edge.edge_params import json_int
 from tokenyard.gateway.edge.errors import APIError, BadRequest, NotFound
 from tokenyard.gateway.routes.policy_api import admin_key

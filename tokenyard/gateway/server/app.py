@@ -104,7 +104,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     routes += service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
-    routes += policy_routes.routes() + replica_routes.routes() + policy_page.routes() + file_routes.routes() + batch_routes.routes()
+    routes += policy_routes.routes() + replica_routes.routes() + policy_page.routes()
+    routes += file_routes.routes() + batch_routes.routes()
     routes += favicon.routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     # AccessLog sits inside Starlette's error middleware but outside the exception handlers, so
