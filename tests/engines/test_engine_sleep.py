@@ -100,15 +100,17 @@ def test_speculative_engines_cannot_sleep():
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C compiler: the C decode step cannot be built")
-def test_the_c_decode_step_is_rebuilt_on_the_new_storage():
+def test_the_c_decode_step_restarts_on_the_new_storage():
     engine = Engine(DEMO, cpu_decode_step="on", **OPTIONS)
     assert engine.runner.native is not None
     before = _generate(engine, "a")
     steps = engine.runner.num_native_steps
+    arena = engine.runner.native.arena
     engine.sleep(1)
     assert engine.runner.native is None
     engine.wake()
     assert engine.runner.native is not None
+    assert engine.runner.native.arena is arena                # the weights were not copied again
     assert _generate(engine, "b") == before
     assert engine.runner.num_native_steps > steps             # decode ran in the rebuilt C step
     engine.sleep(2)

@@ -25,6 +25,10 @@ A step that raises fails every in-flight request with an "error" output (the rea
 once instead of hanging), and aborts them in the engine. After `max_consecutive_failures`
 failing steps in a row the engine is declared dead: new requests raise EngineDeadError.
 
+Sleep (tokenyard/engines/runtime/async_sleep.py): `await engine.sleep(level)` drains and releases
+the KV cache (1) or the weights too (2); requests that arrive meanwhile wait for the wake the loop
+starts for them; `await engine.wake()` wakes it at once.
+
 Restart: given a `factory` (a function that builds a fresh engine; the gateway passes one), an
 engine whose step raised, or that reports itself dead (`engine.dead`, e.g. a tensor-parallel
 worker died and tokenyard.engines.Engine failed every request with an error), is rebuilt at once: the old
@@ -43,8 +47,8 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
-from tokenyard.engines.core.sleep_level import ASLEEP, AWAKE, WAKING, SleepBusy, SleepUnsupported, check_sleep_level
 from tokenyard.engines.model.pooled_embedding import pack
+from tokenyard.engines.runtime.async_sleep import SleepControl
 from tokenyard.engines.runtime.executor import torch_executor
 from tokenyard.engines.runtime.grammar_gate import GrammarGate
 from tokenyard.engines.runtime.grammar_worker import GrammarWorker
@@ -148,7 +152,7 @@ async def with_backoff(name: str, attempts: int, backoff_s: float, build: Callab
     return None, attempts
 
 
-class AsyncEngine:
+class AsyncEngine(SleepControl):
     def __init__(self, engine: EngineCore, name: str = "engine", executor: Executor | None = None,
                  max_consecutive_failures: int = 3, factory: Callable[[], EngineCore] | None = None,
                  max_restart_attempts: int = 5, restart_backoff_s: float = 0.5) -> None:
@@ -347,78 +351,6 @@ class AsyncEngine:
         self.dead = None
         log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
         return True
-
-    # -- sleep and wake (tokenyard/engines/core/sleep_level.py) --------------------------------
-    @property
-    def sleep_level(self) -> int:
-        return int(getattr(self.engine, "sleep_level", 0))
-
-    @property
-    def sleep_state(self) -> str:
-        """"awake", "asleep" or "waking"."""
-        if self._waking is not None:
-            return WAKING
-        return ASLEEP if self.sleep_level else AWAKE
-
-    async def sleep(self, level: int, drain_timeout_s: float = 30.0) -> float:
-        """Wait for the requests in flight to finish (new ones keep coming in and are served: the caller
-        stops sending them first), then put the engine to sleep on the step thread. SleepLevelError for
-        a bad level, SleepUnsupported when the engine cannot sleep, SleepBusy when requests were still
-        in flight after drain_timeout_s (the engine stays awake). Returns the seconds the sleep took."""
-        level = check_sleep_level(level)
-        if not hasattr(self.engine, "sleep"):
-            raise SleepUnsupported(f"engine {self.name} cannot sleep")
-        if self.dead is not None:
-            raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + drain_timeout_s
-        while True:
-            while self._streams or self.engine.has_unfinished() or self._waking is not None:
-                if loop.time() >= deadline:
-                    raise SleepBusy(f"engine {self.name} still had {max(1, len(self._streams))} request(s) in "
-                                    f"flight after {drain_timeout_s:g} s; it stays awake")
-                await asyncio.sleep(0.02)
-            try:
-                seconds = await loop.run_in_executor(self._executor, self.engine.sleep, level)
-            except RequestError:     # a request arrived between the check and the step thread: drain again
-                continue
-            self._stats = await loop.run_in_executor(self._executor, self.engine.stats)
-            return seconds
-
-    async def wake(self) -> dict[str, float]:
-        """Wake the engine now ({phase: seconds}; {} when awake). A wake already under way is joined.
-        A wake that raises fails the requests waiting for it (retryable: none got a token) and the
-        engine is restarted (given a factory) or declared dead; the error is raised here too."""
-        if self._waking is not None:
-            return await asyncio.shield(self._waking)
-        if not self.sleep_level:
-            return {}
-        loop = asyncio.get_running_loop()
-        waking = self._waking = loop.create_future()
-        t0 = loop.time()
-        try:
-            phases = await loop.run_in_executor(self._executor, self.engine.wake)
-            self._stats = await loop.run_in_executor(self._executor, self.engine.stats)
-        except Exception as e:  # noqa: BLE001 - the requests waiting for the wake must hear of it
-            self._waking = None
-            waking.set_exception(e)
-            waking.exception()       # retrieved: joiners re-raise it, nobody else must be warned
-            await self._wake_failed(e)
-            raise
-        self._waking = None
-        self.last_wake_s, self.last_wake_phases = loop.time() - t0, phases
-        waking.set_result(phases)
-        return phases
-
-    async def _wake_failed(self, e: Exception) -> None:
-        """The engine's state is unknown after a wake that raised: like a replica that crashed."""
-        log.error("engine %s: waking failed: %s: %s", self.name, type(e).__name__, e)
-        self.num_failed_steps += 1
-        self._fail_all(f"engine {self.name} failed while waking: {type(e).__name__}: {e}", retryable=True)
-        if self._factory is not None:
-            await self._restart(f"wake raised {type(e).__name__}: {e}")
-        else:
-            self.dead = f"waking failed: {type(e).__name__}: {e}"
 
     def _step(self) -> tuple[list[StepOutput], EngineStats]:
         outputs = self.engine.step()

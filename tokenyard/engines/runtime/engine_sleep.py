@@ -6,8 +6,9 @@
 
 Level 1 keeps every KV tensor object and releases its storage (resize to 0 bytes), so the model,
 the runner and the compiled CPU decode graph, which hold those objects, are untouched; waking
-gives the storage back (zeroed). Paths that baked the storage's address in (CUDA graphs, the C
-decode step) are rebuilt at wake, from the same settings. The prefix cache is emptied: its blocks'
+gives the storage back (zeroed). Paths that baked the storage's address in are renewed at wake:
+CUDA graphs captured again from the same settings, the C decode step restarted over the arena
+that holds its weights (only the KV addresses are read again). The prefix cache is emptied: its blocks'
 contents are gone. Level 2 drops the runner and the model; waking loads the weights again through
 the engine's own load path (load_engine_model: whatever cache that path has, it uses) and builds a
 fresh runner, so a level-2 wake costs the engine's start-up without the process start.
@@ -67,7 +68,7 @@ class EngineSleep:
         self.level = 0
         self._kv_bytes: list[int] = []
         self._rebuild_graphs: dict[str, Any] | None = None
-        self._rebuild_native: dict[str, Any] | None = None
+        self._native: NativeDecoder | None = None      # the C decode step while its KV storage is released
         self.last_sleep_s = 0.0
         self.last_wake_s = 0.0
         self.last_wake_phases: dict[str, float] = {}
@@ -144,9 +145,9 @@ class EngineSleep:
             runner.graphs = None
         n = runner.native
         if n is not None:
-            self._rebuild_native = dict(block_size=n.block_size, max_model_len=n.max_len, max_batch=n.max_batch,
-                                        threads=n.step.threads)
-            n.close()       # its step's buffers; the arena it holds keeps the weights (the model points into it)
+            # Its step (threads, buffers) ends; the decoder and its arena stay (the weights live there).
+            n.close()
+            self._native = n
             runner.native = None
         tensors = kv_tensors(runner.kv_caches)
         self._kv_bytes = [t.untyped_storage().nbytes() for t, _ in tensors]
@@ -170,11 +171,10 @@ class EngineSleep:
                 runner.graphs = CudaGraphDecoder(runner.model, runner.kv_caches, g["block_size"],
                                                  g["max_blocks_per_seq"], g["max_batch"], g["device"],
                                                  capture=g["capture"])
-            if self._rebuild_native is not None:
-                n = self._rebuild_native
-                runner.native = NativeDecoder(runner.model, runner.kv_caches, n["block_size"], n["max_model_len"],
-                                              n["max_batch"], n["threads"])
-        self._rebuild_graphs = self._rebuild_native = None
+            if self._native is not None:     # the same KV tensor objects: only their addresses changed
+                self._native.reopen()
+                runner.native = self._native
+        self._rebuild_graphs, self._native = None, None
 
     # -- level 2 ------------------------------------------------------------------------------
     def _release_weights(self) -> None:
@@ -182,9 +182,10 @@ class EngineSleep:
         runner = e.runner
         if runner is not None and runner.native is not None:
             runner.native.close()
+        self._native = None
         # Nothing else holds the model or the cache: dropping both frees the weights (the C step's
         # arena with them) and the KV tensors whose storage level 1 already released.
         e.runner = None
         e.model = None
-        self._rebuild_graphs = self._rebuild_native = None
+        self._rebuild_graphs = None
         self._kv_bytes = []
