@@ -78,6 +78,27 @@ def test_a_sleeping_replica_is_skipped_and_not_counted_while_another_is_awake():
     asyncio.run(main())
 
 
+def test_the_desired_replicas_signal_counts_only_awake_replicas():
+    from tokenyard.gateway.admission.engine_queues import EngineQueue
+    from tokenyard.gateway.config.deployment import AdmissionConfig
+
+    async def main():
+        pool = _pool(MockEngine(DEMO, max_num_seqs=8), MockEngine(DEMO, max_num_seqs=8))
+        await pool.start()
+        try:
+            q = EngineQueue("mock", pool, AdmissionConfig(), metrics=None)
+            assert q.replicas_up() == 2 and q.slots == 16
+            await sleep_replica(pool.replicas[0], 2, 5.0)
+            signals = q.scaling_signals()
+            assert q.replicas_up() == 1 and signals.replicas == 1 and signals.slots == 8
+            await sleep_replica(pool.replicas[1], 1, 5.0)
+            assert q.replicas_up() == 0                              # asleep is no capacity
+            assert q.slots == 16                                     # but admission still feeds the pool: a request wakes one
+        finally:
+            await pool.stop()
+    asyncio.run(main())
+
+
 def test_a_request_to_an_all_asleep_engine_wakes_the_lightest_sleeper_and_completes():
     async def main():
         pool = _pool(MockEngine(DEMO, wake_ms=200), MockEngine(DEMO, wake_ms=200))
