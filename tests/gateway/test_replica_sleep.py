@@ -181,6 +181,20 @@ def test_sleep_waits_for_requests_in_flight_and_refuses_when_they_outlast_the_ti
     asyncio.run(main())
 
 
+def test_an_engine_that_cannot_sleep_is_a_409_and_stays_as_it_was():
+    class NoSleep:                     # an engine process or an upstream: no sleep()/wake()
+        dead = None
+
+    async def main():
+        r = Replica("local", NoSleep(), PoolConfig(), remote=False)
+        for call in (sleep_replica(r, 1, 1.0), wake_replica(r)):
+            with pytest.raises(ReplicaControlError) as e:
+                await call
+            assert e.value.status == 409 and e.value.code == "sleep_not_supported"
+        assert r.sleep_pending is False and r.state == "up"
+    asyncio.run(main())
+
+
 def _err(status_body):
     status, _, body = status_body
     return status, json.loads(body)["error"]
