@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -36,9 +36,6 @@ from tokenyard.engines.model.native_decoder import NativeDecoder
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model
 from tokenyard.kernels.kv_quant import QuantizedCache
-
-if TYPE_CHECKING:
-    from tokenyard.engines.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +60,8 @@ def kv_storage_bytes(caches: list) -> int:
 class EngineSleep:
     """The sleep state of one Engine and the two transitions."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine      # tokenyard.engines.runtime.engine.Engine (not imported: it imports this)
         self.level = 0
         self._kv_bytes: list[int] = []
         self._rebuild_graphs: dict[str, Any] | None = None
