@@ -14,6 +14,7 @@ from gateway_helpers import ROOT, mock_deployment, running_gateway
 from replica_helpers import pool_deployment, start_replicas
 
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.sleep_level import SleepLevelError
 from tokenyard.engines.runtime.async_engine import AsyncEngine
 from tokenyard.engines.serving.mock_engine import MockEngine
 from tokenyard.gateway.backends.replica_metrics import ReplicaCollector
@@ -281,3 +282,55 @@ def test_cli_sleeps_and_wakes_through_the_gateway_and_a_replica(tmp_path, capsys
         assert main(["engine", "wake", "--url", rep.url]) == 0 and rep.stats()["sleep_state"] == "awake"
     finally:
         rep.stop()
+
+
+def test_an_engine_process_sleeps_wakes_for_a_request_and_by_call():
+    from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
+
+    async def main():
+        ep = EngineProcess(EngineRecipe("mock", DEMO, {"wake_ms": 100, "output_len": 3}), "m")
+        await ep.start()
+        try:
+            with pytest.raises(SleepLevelError):
+                await ep.sleep(3)
+            assert await ep.sleep(2) == 0.0 and ep.sleep_level == 2 and ep.sleep_state == "asleep"
+            stream = ep.add_request("r", [5, 6, 7], PARAMS)
+            assert ep.sleep_state == "waking"
+            outs = [await asyncio.wait_for(stream.get(), TIMEOUT_S)]
+            while not outs[-1].finished:
+                outs.append(await asyncio.wait_for(stream.get(), TIMEOUT_S))
+            assert outs[-1].finish_reason in ("stop", "length") and ep.sleep_state == "awake"
+            assert ep.last_wake_s >= 0.1 * 0.9
+            await ep.sleep(1)
+            assert ep.sleep_level == 1
+            assert "other" in await ep.wake() and ep.sleep_level == 0
+            assert await ep.wake() == {}
+        finally:
+            await ep.stop()
+    asyncio.run(main())
+
+
+def test_an_engine_process_killed_while_waking_fails_its_requests_retryably_and_restarts():
+    import os
+    import signal
+
+    from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
+
+    async def main():
+        ep = EngineProcess(EngineRecipe("mock", DEMO, {"wake_ms": 3000}), "m", restart_backoff_s=0.05)
+        await ep.start()
+        try:
+            await ep.sleep(1)
+            stream = ep.add_request("r", [5, 6, 7], PARAMS)
+            await asyncio.sleep(0.3)
+            os.kill(ep.pid, signal.SIGKILL)                           # dies in the middle of its wake
+            out = await asyncio.wait_for(stream.get(), TIMEOUT_S)
+            assert out.finish_reason == "error" and stream.retryable
+            for _ in range(200):                                      # a fresh process, awake
+                if ep.dead is None and ep.num_restarts == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert ep.num_restarts == 1 and ep.sleep_state == "awake"
+        finally:
+            await ep.stop()
+    asyncio.run(main())

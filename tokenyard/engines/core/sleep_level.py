@@ -25,7 +25,7 @@ class SleepLevelError(RequestError):
 
 
 class SleepUnsupported(EngineError, ValueError):
-    """This engine cannot sleep (tensor or pipeline parallel, speculative decoding, an engine process)."""
+    """This engine cannot sleep (tensor or pipeline parallel, speculative decoding)."""
 
 
 class SleepBusy(EngineError, RuntimeError):

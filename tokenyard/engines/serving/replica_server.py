@@ -30,8 +30,8 @@ nor the engine's step ever compiles one.
 Sleep (tokenyard/engines/core/sleep_level.py): a sleeping replica stays ready and keeps taking
 requests; the first one wakes the engine and waits for it (AsyncEngine), so none is refused or lost.
 Its state is in /health, the stats document (sleep_level, sleep_state, last_wake_s) and
-tokenyard_engine_sleep_level; gateways read it from there. An engine process
-(server.engine_process) cannot sleep: 409.
+tokenyard_engine_sleep_level; gateways read it from there. An engine stepped in a process of its
+own (server.engine_process) sleeps in that process (engine_process.py).
 
 Nothing here imports gateway/: starlette and uvicorn are imported when the server is built.
 """
@@ -138,7 +138,7 @@ def build_app(state: ReplicaState):
         except (ValueError, TypeError) as e:
             return JSONResponse({"error": f"bad request body: {e}"}, 400)
         if not hasattr(engine, "sleep"):
-            return JSONResponse({"error": f"engine {engine.name} cannot sleep (it steps in an engine process)",
+            return JSONResponse({"error": f"engine {engine.name} cannot sleep",
                                  "code": "sleep_not_supported"}, 409)
         try:
             seconds = await engine.sleep(body.get("level"), float(timeout))
@@ -155,7 +155,7 @@ def build_app(state: ReplicaState):
 
     async def wake(request: Request) -> Response:
         if not hasattr(engine, "wake"):
-            return JSONResponse({"error": f"engine {engine.name} cannot sleep (it steps in an engine process)",
+            return JSONResponse({"error": f"engine {engine.name} cannot sleep",
                                  "code": "sleep_not_supported"}, 409)
         t0 = time.perf_counter()
         try:

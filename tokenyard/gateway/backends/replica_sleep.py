@@ -94,7 +94,7 @@ async def wake_replica(r: Replica) -> dict[str, Any]:
 
 def _unsupported(r: Replica) -> ReplicaControlError:
     return ReplicaControlError(409, "sleep_not_supported",
-                               f"replica {r.label} cannot sleep (an engine process, an upstream, or an engine "
+                               f"replica {r.label} cannot sleep (an upstream, or an engine "
                                f"without sleep support)")
 
 
