@@ -55,10 +55,6 @@ class NotFound(APIError):
     status, type = 404, "invalid_request_error"
 
 
-class Conflict(APIError):
-    status, type = 409, "invalid_request_error"
-
-
 class PayloadTooLarge(APIError):
     status, type = 413, "invalid_request_error"
 
