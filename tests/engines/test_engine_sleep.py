@@ -11,7 +11,7 @@ from tests.engine_helpers import run_to_completion
 from tokenyard.engines import Engine, SamplingParams
 from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.sleep_level import SleepLevelError, SleepUnsupported, check_sleep_level
-from tokenyard.engines.runtime.engine_sleep import kv_storage_bytes
+from tokenyard.engines.runtime.engine_sleep import kv_resident_bytes
 from tokenyard.nativelib.build import compiler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +35,17 @@ def test_level_1_frees_the_kv_storage_keeps_the_weights_and_tokens_match():
     assert engine.blocks.hit_tokens == 0
     _generate(engine, "warm")                                  # the prefix cache now holds the prompts
     caches = engine.runner.kv_caches
-    full = kv_storage_bytes(caches)
+    full = kv_resident_bytes(caches)
     assert full > 0
     weights = engine.model.lm_head.weight
     engine.sleep(1)
     assert engine.sleep_level == 1
-    assert kv_storage_bytes(caches) == 0                      # every K/V tensor's storage released
+    assert kv_resident_bytes(caches) == 0                      # every K/V tensor's storage released
     assert engine.model.lm_head.weight is weights             # weights stay
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
     hits = engine.blocks.hit_tokens
     phases = engine.wake()
-    assert engine.sleep_level == 0 and kv_storage_bytes(caches) == full
+    assert engine.sleep_level == 0 and kv_resident_bytes(caches) <= full   # a CPU cache's pages come back as written
     assert "kv_allocation" in phases
     assert _generate(engine, "b") == before
     assert engine.blocks.hit_tokens == hits                   # the prefix cache was emptied: no stale hits
@@ -65,7 +65,7 @@ def test_level_1_then_2_and_a_request_wakes_a_sleeping_engine():
     engine = Engine(DEMO, **OPTIONS, kv_cache_dtype="int8")   # a quantised cache: codes and scales
     before = _generate(engine, "a")
     engine.sleep(1)
-    assert kv_storage_bytes(engine.runner.kv_caches) == 0
+    assert kv_resident_bytes(engine.runner.kv_caches) == 0
     assert engine.sleep(1) == 0.0                             # the same level again: nothing to do
     engine.sleep(2)
     assert engine.model is None

@@ -4,7 +4,8 @@
     engine.sleep(2)          # the weights and the runner go too
     phases = engine.wake()   # {phase: seconds}: kv_allocation, weights_read, compile, ... as at start
 
-Level 1 keeps every KV tensor object and releases its storage (resize to 0 bytes), so the model,
+Level 1 keeps every KV tensor object and releases its storage (resize to 0 bytes; a CPU cache on
+anonymous pages has them dropped in place, madvise DONTNEED, and keeps its address), so the model,
 the runner and the compiled CPU decode graph, which hold those objects, are untouched; waking
 gives the storage back (zeroed). Paths that baked the storage's address in are renewed at wake:
 CUDA graphs captured again from the same settings, the C decode step restarted over the arena
@@ -29,7 +30,7 @@ from tokenyard.engines.core.block_manager import BlockManager
 from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.sleep_level import SleepUnsupported, check_sleep_level
 from tokenyard.engines.core.startup_phases import StartupPhases
-from tokenyard.engines.model.cpu_allocator import release_freed_memory
+from tokenyard.engines.model.cpu_allocator import discard_pages, release_freed_memory, resident_bytes
 from tokenyard.engines.model.cuda_graph_runner import CudaGraphDecoder
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.native_decoder import NativeDecoder
@@ -52,9 +53,14 @@ def kv_tensors(caches: list) -> list[tuple[torch.Tensor, float]]:
     return out
 
 
-def kv_storage_bytes(caches: list) -> int:
-    """Bytes the KV tensors hold now (0 once released)."""
-    return sum(t.untyped_storage().nbytes() for t, _ in kv_tensors(caches))
+def kv_resident_bytes(caches: list) -> int:
+    """Bytes of the KV tensors in memory now: a resizable storage's size (0 once released), and of a
+    mapped one (a CPU cache on anonymous pages) its pages resident (mincore)."""
+    total = 0
+    for t, _ in kv_tensors(caches):
+        storage = t.untyped_storage()
+        total += storage.nbytes() if storage.resizable() else resident_bytes(t.data_ptr(), storage.nbytes())
+    return total
 
 
 class EngineSleep:
@@ -146,10 +152,16 @@ class EngineSleep:
             n.close()
             self._native = n
             runner.native = None
-        tensors = kv_tensors(runner.kv_caches)
-        self._kv_bytes = [t.untyped_storage().nbytes() for t, _ in tensors]
-        for t, _ in tensors:
-            t.untyped_storage().resize_(0)
+        self._kv_bytes = []
+        for t, _ in kv_tensors(runner.kv_caches):
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if storage.resizable():
+                storage.resize_(0)
+                self._kv_bytes.append(nbytes)
+            else:   # a CPU cache on anonymous pages (kv_cache.py): dropped in place, zeros when touched again
+                discard_pages(t.data_ptr(), nbytes)
+                self._kv_bytes.append(-1)
         # The prefix cache's blocks held K/V that is gone: start from an empty pool (counters carried on).
         old = e.blocks
         fresh = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
@@ -160,8 +172,9 @@ class EngineSleep:
         runner = self.engine.runner
         with phases.phase("kv_allocation"):
             for (t, fill), nbytes in zip(kv_tensors(runner.kv_caches), self._kv_bytes):
-                t.untyped_storage().resize_(nbytes)
-                t.fill_(fill)
+                if nbytes >= 0:
+                    t.untyped_storage().resize_(nbytes)
+                    t.fill_(fill)
         with phases.phase("compile"):
             if self._rebuild_graphs is not None:
                 g = self._rebuild_graphs
