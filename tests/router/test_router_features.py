@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from tokenyard.router_models.runtime import features as F
-from tokenyard.router_models.runtime.features import DENSE_NAMES, FeatureSpec, extract, row, vocabulary_of, window_of
+from tokenyard.router_models.runtime.features import (
+    DENSE_NAMES,
+    FeatureSpec,
+    extract,
+    row,
+    vocabulary_of,
+    window_of,
+    with_vocabulary,
+)
 
 M = 1 << 64
 
@@ -97,3 +105,32 @@ def test_spec_validation_refuses_what_the_code_cannot_compute():
     assert FeatureSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="version 1 is not supported"):
         FeatureSpec.from_dict({**spec.to_dict(), "version": 1})
+
+
+def test_version_2_specs_still_load_and_normalise_needs_version_3():
+    # the three-engine artifacts carry version-2 specs (text as written): they load and round-trip
+    v2 = _spec(version=2)
+    d = v2.to_dict()
+    assert "normalise" not in d and FeatureSpec.from_dict(d) == v2
+    with pytest.raises(ValueError, match="normalise"):
+        _spec(version=2, normalise=True).validate()
+    v3 = _spec(normalise=True)
+    v3.validate()
+    assert FeatureSpec.from_dict(v3.to_dict()) == v3
+    with pytest.raises(ValueError, match="lacks keys: normalise"):
+        FeatureSpec.from_dict({k: v for k, v in v3.to_dict().items() if k != "normalise"})
+
+
+def test_normalised_features_read_the_request_not_its_layout():
+    spec = with_vocabulary(_spec(normalise=True, window=256), ["Sort these numbers from low to high: 4 1 3"])
+    same = ["Sort these numbers from low to high: 9 2 5",
+            "9 2 5 - sort these numbers from low to high.",
+            "Hello there. Sort these numbers, from low to high: 9 2 5",
+            "srot these numbers from low to high 9 2 5"]        # a typo: one swapped pair of letters
+    rows = [extract(t, 20, spec) for t in same]
+    # the dense counts may differ (token count, characters); the hashed blocks may not
+    hashed = [{c: v for c, v in r.items() if c >= spec.n_dense} for r in rows]
+    assert all(h == hashed[0] for h in hashed[1:])
+    assert F.view("Please sort 9 2 5, thanks a lot", spec) == "sort : 9 2 5"
+    # words the training prompts never used are left out (they have no weights, only noise)
+    assert F.view("Kindly rearrange 9 2 5", spec) == " : 9 2 5"

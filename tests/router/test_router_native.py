@@ -165,3 +165,18 @@ def test_the_engine_set_scorer_gives_the_same_probabilities_on_either_path(monke
     numpy_p = np.array([scorer.probabilities(t, len(t) // 4) for t in texts])
     assert native_p.shape == (200, len(scorer.names))
     np.testing.assert_allclose(native_p, numpy_p, rtol=0, atol=1e-12)
+
+
+_WORDISH = st.sampled_from(["Sort", "these", "numbers", "12", "7", "frog", "dog", "a", "b", "Anna", "the", "words",
+                            "Capital", "letters", ":", ".", "?", "\n", "+", "revrese", "uppercase", "Ä", "日本"])
+
+
+@kernel_required
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_WORDISH, max_size=60).map(" ".join), st.integers(0, 5000))
+def test_normalised_features_give_the_numpy_row(text, tokens):
+    # version 3: both paths read layout.canonical's form, filtered by the vocabulary
+    spec = features.with_vocabulary(_spec(normalise=True, window=256, word_dim=1 << 8, char_dim=1 << 9,
+                                          cross_dim=1 << 10),
+                                    ["Sort these numbers: 1 2", "Write in capital letters: frog dog", "reverse the words"])
+    _same(text, tokens, spec)

@@ -34,7 +34,7 @@ class FleetView:
     kv_usage: float                      # context tokens held / KV capacity of the ready replicas
     predicted_wait_s: float              # the gateway's predicted wait for a new request
     arrival_rate: float                  # requests admitted per second over SimConfig.rate_window_s (as the gateway)
-    service_rate: float | None           # requests finished per second with every slot busy (None: no estimate)
+    service_rate: float | None           # requests finished per second now (None: no estimate yet)
     utilisation: float                   # mean busy fraction of the ready replicas over the last tick
 
 

@@ -385,7 +385,7 @@ class FleetSim:
         return FleetView(now_s=self.now, active=sum(1 for r in self.replicas if r.active), ready=len(ready),
                          slots=slots, running=running, queue_depth=len(self.queue), kv_usage=min(1.0, kv),
                          predicted_wait_s=wait, arrival_rate=len(self.arrivals) / self.cfg.rate_window_s,
-                         service_rate=self.rate.per_second(slots) if slots else None, utilisation=util)
+                         service_rate=self.rate.per_second(running), utilisation=util)
 
 
 def simulate(cfg: SimConfig, policy: Policy, requests: list[Request]) -> SimResult:

@@ -6,9 +6,16 @@ of use (`grow`), dropped from the tail on rollback (`truncate`), and all release
 
 The hash chain: block i of a sequence is keyed by (block i-1's id, its token ids); block 0 by
 (("salt", cache_salt), its token ids). A tenant's salt therefore keeps its cache private.
+chain_root() is the one place that names a chain's root: whatever else must keep prefixes apart
+goes there, and the stable digests of blocks that leave the engine (prefix_digest.py) follow.
+
+prefix_loader, when set (the second cache tier, tokenyard/engines/kv_transfer/tiered_store.py), is
+asked to extend a prefix hit that stops short of the prompt's cacheable blocks: it puts blocks it
+holds back into the pool, registered, and appends them to the hit.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenyard.engines.core.block_pool import BlockPool
@@ -32,6 +39,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.prefix_loader: Callable[[Sequence, PrefixHit], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,9 +84,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return hit
         bs = self.block_size
-        parent_hash = hash(("tokenyard-prefix", seq.cache_salt))
-        parent: Parent = ("salt", seq.cache_salt)
-        for i in range((seq.num_tokens - 1) // bs):
+        parent_hash, parent = self.chain_root(seq)
+        cacheable = (seq.num_tokens - 1) // bs
+        for i in range(cacheable):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash((parent_hash, tokens))
             b = self.pool.lookup(h, (parent, tokens))
@@ -87,7 +95,14 @@ class BlockManager:
             hit.blocks.append(b)
             hit.hashes.append(h)
             parent_hash, parent = h, b
+        if self.prefix_loader is not None and len(hit.blocks) < cacheable:
+            self.prefix_loader(seq, hit)
         return hit
+
+    @staticmethod
+    def chain_root(seq: Sequence) -> tuple[int, Parent]:
+        """(hash, parent) that a sequence's first block chains from."""
+        return hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
 
     def can_admit(self, seq: Sequence, hit: PrefixHit, reserve: int) -> bool:
         """Room for the whole uncached prompt plus `reserve` free blocks to spare."""
@@ -119,7 +134,7 @@ class BlockManager:
             if i:
                 parent_hash, parent = seq.block_hashes[i - 1], seq.block_table[i - 1]
             else:
-                parent_hash, parent = hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
+                parent_hash, parent = self.chain_root(seq)
             h = hash((parent_hash, tokens))
             self.pool.register(seq.block_table[i], h, (parent, tokens))
             seq.block_hashes.append(h)

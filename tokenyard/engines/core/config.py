@@ -102,6 +102,12 @@ class EngineConfig:
       it the step is no longer bound by reading weights, so verifying k extra rows stops paying).
     tp_timeout_s: how long a collective or a worker's start-up may take before the engine is
       declared dead (a killed worker is usually detected at once: its sockets close).
+    kv_offload_host_bytes / kv_offload_disk_path / kv_offload_disk_bytes: the second cache tier
+      (tokenyard/engines/kv_transfer/tiered_store.py): prefix blocks evicted from the KV pool are kept
+      in host memory up to kv_offload_host_bytes, least recently used spilling to content-addressed
+      files under kv_offload_disk_path (bounded by kv_offload_disk_bytes; kept across restarts, shared
+      by replicas of the same model and layout), and come back on a prefix hit. Off by default (host
+      0 and no path); needs enable_prefix_caching and a single-process engine.
     grammar_compile_timeout_s / grammar_compile_memory_mb: what one response_format schema may cost
       to compile (wall seconds; MiB above the compiler process's footprint) before the request is
       refused with a 400 naming response_format (tokenyard/engines/runtime/grammar_worker.py).
@@ -148,6 +154,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 5.0
     grammar_compile_memory_mb: int = 1024
     grammar_close_reserve: int = 64
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_bytes: int = 4 * 1024**3
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -223,8 +232,30 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        self._validate_offload()
         if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
+
+    @property
+    def kv_offload(self) -> bool:
+        """True when the second cache tier is on (host bytes or a disk path)."""
+        return self.kv_offload_host_bytes > 0 or bool(self.kv_offload_disk_path)
+
+    def _validate_offload(self) -> None:
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer number of bytes >= 0, got {value!r}")
+        path = self.kv_offload_disk_path
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"kv_offload_disk_path must be a folder path (a non-empty string), got {path!r}")
+        if path and self.kv_offload_disk_bytes <= 0:
+            raise ValueError("kv_offload_disk_bytes must be > 0 when kv_offload_disk_path is set")
+        if self.kv_offload and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host_bytes / kv_offload_disk_path need enable_prefix_caching")
+        if self.kv_offload and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError("kv_offload_host_bytes / kv_offload_disk_path need tensor_parallel_size and "
+                             "pipeline_parallel_size 1 (the KV of other ranks is not reachable from here)")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -119,6 +119,11 @@ class Engine:
         else:
             self.runner = self._single_runner(num_blocks, phases)
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
+        self.kv_tier = None   # the second cache tier (host memory, then disk): engine option kv_offload_*
+        if cfg.kv_offload:
+            from tokenyard.engines.kv_transfer.tiered_store import TieredStore
+            self.kv_tier = TieredStore(self, cfg.kv_offload_host_bytes, cfg.kv_offload_disk_path,
+                                       cfg.kv_offload_disk_bytes)
         self._seed_rng = random.Random(cfg.seed)
         self._grammars: Grammars | None = None   # built by warm_grammars() or the first response_format request
         # What a schema may cost to compile (AsyncEngine's grammar gate holds requests to it).
@@ -295,7 +300,12 @@ class Engine:
                     spec_mean_accepted_length=st.mean_accepted_length)
 
     def close(self) -> None:
-        """Release what outlives the object: tensor-parallel workers. Idempotent."""
+        """Release what outlives the object: tensor-parallel workers; the second cache tier's host
+        blocks go to its disk tier. Idempotent."""
+        if self.kv_tier is not None:
+            # After a failed step the KV is not trusted (_fail_all): nothing more goes to disk.
+            self.kv_tier.close(flush=self._dead is None)
+            self.kv_tier = None
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tokenyard.engines.core.block_manager import BlockManager
+from tokenyard.engines.core.block_pool import BlockPool
 from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.sleep_level import SleepUnsupported, check_sleep_level
 from tokenyard.engines.core.startup_phases import StartupPhases
@@ -162,11 +162,12 @@ class EngineSleep:
             else:   # a CPU cache on anonymous pages (kv_cache.py): dropped in place, zeros when touched again
                 discard_pages(t.data_ptr(), nbytes)
                 self._kv_bytes.append(-1)
-        # The prefix cache's blocks held K/V that is gone: start from an empty pool (counters carried on).
-        old = e.blocks
-        fresh = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
-        fresh.queried_tokens, fresh.hit_tokens = old.queried_tokens, old.hit_tokens
-        e.blocks = e.scheduler.blocks = fresh
+        # The prefix cache's blocks held K/V that is gone: an empty pool in the same manager (whose hooks a
+        # second cache tier may hold: kv_transfer/tiered_store.py), its eviction hook carried over.
+        blocks = e.blocks
+        hook = blocks.pool.on_evict
+        blocks.pool = BlockPool(blocks.num_blocks)
+        blocks.pool.on_evict = hook
 
     def _restore_kv(self, phases: StartupPhases) -> None:
         runner = self.engine.runner

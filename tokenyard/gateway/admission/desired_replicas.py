@@ -33,8 +33,7 @@ class ScalingSignals:
     kv_usage: float             # used / total KV blocks over the routable replicas
     predicted_wait_s: float     # predicted queue wait of a new request (inf: it would be shed)
     arrival_rate: float = 0.0   # requests admitted per second, averaged over the config's rate_window_s
-    # Requests the replicas finish per second with every slot busy (slots / mean time a request holds
-    # one; None: not measured yet). The backlog grows only when arrivals outrun this.
+    # Requests finished per second now (running / mean time a request holds a slot; None: not measured yet).
     service_rate: float | None = None
 
 

@@ -77,7 +77,7 @@ class EngineQueue:
         return ScalingSignals(
             replicas=self.replicas_up(), slots=self.slots, running=max(self.running, s.num_running + s.num_waiting),
             queue_depth=len(self.queue), kv_usage=s.kv_usage, predicted_wait_s=self.predicted_wait(),
-            arrival_rate=self.admitted.per_second(rate_window_s), service_rate=self.rate.per_second(self.slots))
+            arrival_rate=self.admitted.per_second(rate_window_s), service_rate=self.rate.per_second(self.running))
 
     def _room_for(self, blocks: int) -> bool:
         if self.running >= self.slots:

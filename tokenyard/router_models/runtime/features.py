@@ -32,7 +32,11 @@ alone. Version 2 adds what generalises to wording the router never saw:
                 from `spec.vocabulary` (the hashed 1-2-grams of the router's training prompts), a
                 dense feature and, bucketed, crossed with the payload kind and the sizes.
 An instruction in unfamiliar wording has no trained weights on its own words; the kind and
-novelty crosses still place it.
+novelty crosses still place it. Version 3 (`spec.normalise`, issue 51) computes all of the above
+on `view(text)`: the layout-free form of the prompt's end (layout.canonical: "instruction words :
+input" on one line, from the sentence that holds the input), without the instruction words the
+training prompts never used (one typo repaired first), and without the token count in the size
+crosses; the dense token count stays. Version-2 specs (text as written) still load and score.
 
 Hashes: word and character n-grams are polynomial hashes (mod 2^64) of code points, mixed by a
 multiply-shift, modulo the block size; the few instruction words and signatures are crc32 of
@@ -56,8 +60,10 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from tokenyard.router_models.runtime import native
+from tokenyard.router_models.runtime.layout import canonical, stem
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3
+SUPPORTED_VERSIONS = (2, 3)      # 2: read as written; 3 adds `normalise` (layout.py)
 DENSE_NAMES = ("tokens", "chars", "words", "digits", "numbers", "longest_number", "operators",
                "capitals", "punctuation", "distinct_words", "lines", "question", "novelty", "novel_grams")
 MAX_WINDOW = 1 << 14
@@ -96,6 +102,7 @@ class FeatureSpec:
     dense: tuple[str, ...] = DENSE_NAMES
     dense_mean: tuple[float, ...] = field(default_factory=tuple)   # set by `fit_normalisation`
     dense_scale: tuple[float, ...] = field(default_factory=tuple)
+    normalise: bool = False                             # version 3: score layout.canonical(text)
     version: int = FEATURE_VERSION
 
     @property
@@ -110,14 +117,19 @@ class FeatureSpec:
         d = asdict(self)
         for key in ("word_ngrams", "char_ngrams", "vocabulary", "dense", "dense_mean", "dense_scale"):
             d[key] = list(getattr(self, key))
+        if self.version == 2:
+            del d["normalise"]      # version 2 files are written as they were
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "FeatureSpec":
         known = set(cls.__dataclass_fields__)
-        if int(d.get("version", -1)) != FEATURE_VERSION:
+        if int(d.get("version", -1)) not in SUPPORTED_VERSIONS:
             raise ValueError(f"feature spec version {d.get('version')!r} is not supported (this code: "
-                             f"{FEATURE_VERSION}); retrain the router with `tokenyard router train`")
+                             f"{', '.join(map(str, SUPPORTED_VERSIONS))}); retrain the router with "
+                             "`tokenyard router train`")
+        if int(d["version"]) == 2:      # version 2 specs predate `normalise`: text as written
+            known.discard("normalise")
         extra = set(d) - known
         if extra:
             raise ValueError(f"feature spec has unknown keys: {', '.join(sorted(extra))}")
@@ -131,11 +143,15 @@ class FeatureSpec:
                    vocabulary=tuple(int(x) for x in d["vocabulary"]),
                    dense=tuple(str(x) for x in d["dense"]),
                    dense_mean=tuple(float(x) for x in d["dense_mean"]),
-                   dense_scale=tuple(float(x) for x in d["dense_scale"]), version=int(d["version"]))
+                   dense_scale=tuple(float(x) for x in d["dense_scale"]),
+                   normalise=bool(d.get("normalise", False)), version=int(d["version"]))
 
     def validate(self) -> None:
-        if self.version != FEATURE_VERSION:
-            raise ValueError(f"feature spec version {self.version} is not supported (this code: {FEATURE_VERSION})")
+        if self.version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"feature spec version {self.version} is not supported (this code: "
+                             f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+        if self.version == 2 and self.normalise:
+            raise ValueError("feature spec version 2 has no normalise; it needs version 3")
         if tuple(self.dense) != DENSE_NAMES:
             raise ValueError(f"feature spec dense features {list(self.dense)} differ from this code's "
                              f"{list(DENSE_NAMES)}")
@@ -227,11 +243,42 @@ def instruction(window: str) -> Instruction:
     return Instruction(words, grams, tail, _NUMBER.findall(last), names)
 
 
-def vocabulary_of(texts: Iterable[str], window: int = DEFAULT_WINDOW) -> tuple[int, ...]:
+def view(text: str, spec: "FeatureSpec") -> str:
+    """The text the features read: as written, or (spec.normalise) the layout-free form of its
+    last `spec.window` characters (layout.canonical)."""
+    if not spec.normalise:
+        return text
+    canon = canonical(window_of(text, spec.window))
+    if not spec.vocabulary:
+        return canon
+    known = compiled(spec).vocabulary
+    head, sep, tail = canon.partition(" : ")
+    kept = [w if w[:1].isupper() else _known(w, known) for w in head.split()]
+    return " ".join(w for w in kept if w) + sep + tail
+
+
+def _known(word: str, known: frozenset[int]) -> str | None:
+    """`word` if the training instructions used it; else the first used word one typo away (two
+    letters swapped, or one letter too many), else None."""
+    if _crc32(("u " + word).encode("utf-8", "surrogatepass")) in known:
+        return word
+    if len(word) < 4:
+        return None
+    n = len(word)
+    for cand in [word[:i] + word[i + 1] + word[i] + word[i + 2:] for i in range(n - 1)] + \
+            [word[:i] + word[i + 1:] for i in range(n)]:
+        cand = stem(cand)
+        if _crc32(("u " + cand).encode("utf-8", "surrogatepass")) in known:
+            return cand
+    return None
+
+
+def vocabulary_of(texts: Iterable[str], window: int = DEFAULT_WINDOW, normalise: bool = False) -> tuple[int, ...]:
     """Hashed masked instruction 1-2-grams of these (training) prompts, sorted."""
     seen: set[int] = set()
     for text in texts:
-        seen.update(instruction(window_of(text, window)).grams)
+        w = window_of(text, window)
+        seen.update(instruction(canonical(w) if normalise else w).grams)
     return tuple(sorted(seen))
 
 
@@ -422,11 +469,19 @@ def _cross_parts(ins: Instruction, kind: str, novelty: float, tokens: int) -> tu
     """The cross block's left entries (instruction words, then the kind and the novelty) and its
     size signatures, as crc32 values."""
     sizes = [f"p{len(ins.tail.split())}", f"n{len(ins.numbers)}",
-             f"d{max((len(n) for n in ins.numbers), default=0)}", f"k{tokens // 4}"]
+             f"d{max((len(n) for n in ins.numbers), default=0)}"]
+    if tokens >= 0:
+        sizes.append(f"k{tokens // 4}")
     nov = 0 if novelty <= 0 else 1 if novelty <= 1 / 3 else 2 if novelty <= 2 / 3 else 3
     left = [_crc32(("w " + w).encode("utf-8", "surrogatepass")) for w in ins.words]
     left += [_crc("k " + kind), _crc(f"v {nov} {kind}"), _crc(f"v {nov}")]
     return left, [_crc32(("s " + z).encode()) for z in sizes]
+
+
+def _size_tokens(tokens: int, spec: FeatureSpec) -> int:
+    """The token count the size signatures read; -1 (none) for normalised features, whose sizes
+    come from the input alone (the count moves with every word of wording around it)."""
+    return -1 if spec.normalise else tokens
 
 
 def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> np.ndarray:
@@ -438,6 +493,7 @@ def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> n
 
 def _text_parts(text: str, spec: FeatureSpec):
     c = compiled(spec)
+    text = view(text, spec)
     window = window_of(text, spec.window)
     words = (window.lower() if spec.lowercase else window).split()
     ins = instruction(window)
@@ -459,11 +515,12 @@ def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = Non
     if weights is not None and weights.values.shape[0] != spec.dim:
         raise ValueError(f"weights must have {spec.dim} columns (rows of the matrix), got {weights.values.shape[0]}")
     if c.kernel is None:
-        return _with_sums(_row_numpy(text, tokens, spec, *_text_parts(text, spec)), weights)
+        return _with_sums(_row_numpy(view(text, spec), tokens, spec, *_text_parts(text, spec)), weights)
+    text = view(text, spec)
     window = window_of(text, spec.window)
     ins = instruction(window)
     novelty = _novelty(ins, c.vocabulary)
-    left, sizes = _cross_parts(ins, _payload_kind(ins), novelty[0], tokens)
+    left, sizes = _cross_parts(ins, _payload_kind(ins), novelty[0], _size_tokens(tokens, spec))
     r = c.kernel.row(window.lower() if spec.lowercase else window, window, text, tokens, left, sizes,
                      _CROSS_ALONE, novelty, c.params, c.norm_at, None if weights is None else weights.address,
                      1 if weights is None else weights.models)
@@ -481,7 +538,7 @@ def _with_sums(r: Row, weights: Weights | None) -> Row:
 
 def row_numpy(text: str, tokens: int, spec: FeatureSpec) -> Row:
     """`row` through numpy alone: the reference the C kernel is tested against, and its fallback."""
-    return _row_numpy(text, tokens, spec, *_text_parts(text, spec))
+    return _row_numpy(view(text, spec), tokens, spec, *_text_parts(text, spec))
 
 
 def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: str, words: list[str],
@@ -497,7 +554,7 @@ def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: 
         word_parts.append(h[:-1] * _U(_P) + h[1:] + _SALT_BIGRAM)
     word_h = (np.concatenate(word_parts) if len(word_parts) > 1 else word_parts[0] if word_parts else h[:0]) ^ _SALT_WORD
     char_h = (_char_hashes(cp, *spec.char_ngrams) if words else cp[:0]) ^ _SALT_CHAR
-    cross_h = _cross_hashes(ins, _payload_kind(ins), novelty[0], tokens) ^ _SALT_CROSS
+    cross_h = _cross_hashes(ins, _payload_kind(ins), novelty[0], _size_tokens(tokens, spec)) ^ _SALT_CROSS
     ends = (word_h.size, word_h.size + char_h.size, word_h.size + char_h.size + cross_h.size)
     # one multiply-shift for the three blocks, then each block's size and first column
     mixed = (np.concatenate([word_h, char_h, cross_h]) * _MIX) >> _SHIFT
@@ -515,14 +572,14 @@ def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: 
 def raw_dense(text: str, tokens: int, spec: FeatureSpec) -> list[float]:
     """Dense counts in DENSE_NAMES order, before log1p and standardisation."""
     c, window, words, padded, ins, novelty = _text_parts(text, spec)
-    return _raw_dense(text, window, words, *_token_stats(_tokens(_codepoints(padded))), tokens, novelty)
+    return _raw_dense(view(text, spec), window, words, *_token_stats(_tokens(_codepoints(padded))), tokens, novelty)
 
 
 def with_vocabulary(spec: FeatureSpec, texts: Sequence[str]) -> FeatureSpec:
     """A copy of spec whose novelty is measured against these (training) prompts' instructions."""
     from dataclasses import replace
 
-    return replace(spec, vocabulary=vocabulary_of(texts, spec.window))
+    return replace(spec, vocabulary=vocabulary_of(texts, spec.window, spec.normalise))
 
 
 def fit_normalisation(spec: FeatureSpec, texts: Sequence[str], tokens: Sequence[int]) -> FeatureSpec:

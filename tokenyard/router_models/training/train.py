@@ -36,6 +36,11 @@ bench/RESULTS.md, "Learned router"): expected-gain labels measured worse; folds=
 (22.2% large calls on test for a 30% target, against 28.0% with folds=0: the final model, fitted
 on the calibration prompts too, scores differently from the fold models whose scores set it).
 
+Wording (issue 51): the default spec is feature version 3 (layout-free prompt form, features.py)
+and the fit also sees DEFAULT_AUGMENT perturbed copies of each training prompt (augment.py, seeded
+by AUGMENT_SEED); the vocabulary, the dense normalisation and the calibration come from the
+original prompts only.
+
 Reproducible: features are hashed, lbfgs has no random state and runs on one BLAS thread, so on
 one machine the same rows give bit-identical artifacts. Another CPU (same wheels) may pick other
 BLAS kernels, which sum in another order; lbfgs then stops a hair away, so the weights agree to
@@ -56,7 +61,13 @@ from threadpoolctl import threadpool_limits
 
 from tokenyard.router_models.runtime.artifact import Artifact
 from tokenyard.router_models.runtime.calibration import score_quantiles, threshold_for_large_share
-from tokenyard.router_models.runtime.features import FeatureSpec, fit_normalisation, matrix, with_vocabulary
+from tokenyard.router_models.runtime.features import (
+    DEFAULT_WINDOW,
+    FeatureSpec,
+    fit_normalisation,
+    matrix,
+    with_vocabulary,
+)
 from tokenyard.router_models.training.routing_metrics import threshold_for_quality
 
 # C and the cross weight: chosen on calibration only (python -m tokenyard.bench.router_select;
@@ -66,6 +77,10 @@ DEFAULT_CROSS_WEIGHT = 2.0
 DEFAULT_LABELS = "small_enough"
 DEFAULT_FOLDS = 0
 DEFAULT_TARGET_LARGE_SHARE = 0.3
+DEFAULT_AUGMENT = 2              # perturbed copies per training prompt (augment.py; issue 51)
+DEFAULT_NORMALISE = True        # feature version 3: the layout-free prompt form (layout.py)
+NORMALISED_WINDOW = 256         # characters it reads: a request's last sentences (its cost grows with it)
+AUGMENT_SEED = 0
 LABEL_DESIGNS = ("small_enough", "expected_gain")
 
 
@@ -169,7 +184,9 @@ def fold_of(data: Labelled, folds: int) -> np.ndarray:
 
 def prepare_spec(train: Labelled, spec: FeatureSpec | None = None) -> FeatureSpec:
     """The feature spec with the novelty vocabulary and the dense normalisation of `train`."""
-    spec = with_vocabulary(spec or FeatureSpec(cross_weight=DEFAULT_CROSS_WEIGHT), train.texts)
+    spec = with_vocabulary(spec or FeatureSpec(cross_weight=DEFAULT_CROSS_WEIGHT, normalise=DEFAULT_NORMALISE,
+                                               window=NORMALISED_WINDOW if DEFAULT_NORMALISE else DEFAULT_WINDOW),
+                           train.texts)
     return fit_normalisation(spec, train.texts, train.tokens)
 
 
@@ -264,11 +281,20 @@ def build_artifact(clf: LogisticRegression, spec: FeatureSpec, calibration: Labe
 def train_router(train: Labelled, calibration: Labelled, C: float = DEFAULT_C,
                  target_large_share: float | None = DEFAULT_TARGET_LARGE_SHARE, target_quality: float | None = None,
                  spec: FeatureSpec | None = None, training: dict[str, Any] | None = None,
-                 labels: str = DEFAULT_LABELS, folds: int = DEFAULT_FOLDS) -> tuple[Artifact, LogisticRegression]:
+                 labels: str = DEFAULT_LABELS, folds: int = DEFAULT_FOLDS,
+                 augment_copies: int = DEFAULT_AUGMENT) -> tuple[Artifact, LogisticRegression]:
+    # vocabulary and normalisation from the prompts as labelled; the fit also sees their
+    # perturbed copies (augment.py), never the calibration prompts'
     spec = prepare_spec(train, spec)
-    clf, scores = cross_fit(train, calibration, spec, C, labels, folds)
-    fitted_on = len(train) + (len(calibration) if folds else 0)
+    fit_on = train
+    if augment_copies:
+        from tokenyard.router_models.training.augment import augment
+
+        fit_on = concat(train, augment(train, augment_copies, seed=AUGMENT_SEED))
+    clf, scores = cross_fit(fit_on, calibration, spec, C, labels, folds)
+    fitted_on = len(fit_on) + (len(calibration) if folds else 0)
     meta = {"classifier": f"sklearn LogisticRegression(C={C}, lbfgs)", "C": C, "labels": labels,
             "folds": folds, "train_prompts": len(train), "fitted_prompts": fitted_on,
+            "augment_copies": augment_copies,
             "train_label_1_share": float(train.labels.mean()), **(training or {})}
     return build_artifact(clf, spec, calibration, scores, target_large_share, target_quality, meta), clf
