@@ -1,6 +1,7 @@
 """`tokenyard engine serve`: one engine of a deployment as a replica process.
 
     tokenyard engine serve --engine demo-large --port 9000 [--config deploy.yaml] [--host 0.0.0.0]
+    tokenyard engine sleep|wake ...       a replica to sleep and back (tokenyard/cli/engine_sleep.py)
 
 The engine is built from the deployment's engine spec (type, model and engine keys; its
 `replicas`/`replica_pool`/`prices` keys are the gateway's business and are ignored here) and
@@ -23,6 +24,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     serve.add_argument("--drain-grace-s", type=float, default=None,
                        help="on SIGTERM, how long requests in flight may take (default: server.drain_grace_s)")
     serve.set_defaults(func=run)
+    from tokenyard.cli.engine_sleep import add_parsers
+    add_parsers(sub)      # sleep, wake
 
 
 def run(args: argparse.Namespace) -> int:

@@ -287,6 +287,7 @@ class DecodeStep:
         self.max_batch = max_batch
         self.max_len = max_len
         self.threads = threads
+        self.spin_limit = spin_limit
         self.vocab = spec.vocab
         slots = spec.layers[0].k_cache.shape[1] if spec.layers else 0
         self._layers = (_CLayer * len(spec.layers))(*[
@@ -320,6 +321,11 @@ class DecodeStep:
         if rc:
             raise ValueError("decode step: a token id, position, slot or block outside the model or cache")
         return logits
+
+    def reopen(self) -> "DecodeStep":
+        """A new step over the same spec, reading every tensor's address again: for KV caches whose
+        storage was released and given back (an engine's sleep) at another address."""
+        return DecodeStep(self._lib, self.spec, self.max_batch, self.max_len, self.threads, self.spin_limit)
 
     def close(self) -> None:
         handle, self._handle = self._handle, None

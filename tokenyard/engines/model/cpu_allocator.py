@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_MADV_DONTNEED = 4
+_MADV_REMOVE = 9        # shared anonymous mappings (Python's mmap(-1, n)): frees their backing pages
 _done = False
 
 
@@ -41,3 +44,53 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.debug("mallopt refused the allocator settings; continuing with defaults")
     return _done
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS now (glibc malloc_trim), after a large release such as
+    a sleeping engine's KV cache: keep_freed_memory() above turned automatic trimming off. False where
+    not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def discard_pages(ptr: int, nbytes: int) -> bool:
+    """Give the pages of [ptr, ptr + nbytes) of an anonymous mapping back to the OS now (madvise
+    MADV_REMOVE for a shared one, else MADV_DONTNEED); the mapping stays where it is and reads as zeros until written again. Only
+    whole pages inside the range are dropped. False where that is not possible (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    start = -(-ptr // page) * page
+    end = (ptr + nbytes) // page * page
+    if end <= start:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_REMOVE) == 0:
+            return True
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def resident_bytes(ptr: int, nbytes: int) -> int:
+    """Bytes of the pages of [ptr, ptr + nbytes) resident in memory (mincore; page-aligned ptr); 0
+    where that cannot be asked (not Linux)."""
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return 0
+    page = mmap.PAGESIZE
+    pages = -(-nbytes // page)
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), vec) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return sum(b & 1 for b in vec) * page

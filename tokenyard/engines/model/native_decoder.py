@@ -188,5 +188,11 @@ class NativeDecoder:
             tables: list[list[int]]) -> torch.Tensor:
         return self.step.run(ids, positions, slots, seq_lens, tables)
 
+    def reopen(self) -> None:
+        """Start the step again over the same weights (the arena stays) once the KV caches' storage
+        came back at new addresses (tokenyard/engines/runtime/engine_sleep.py)."""
+        self.step.close()
+        self.step = self.step.reopen()
+
     def close(self) -> None:
         self.step.close()

@@ -25,6 +25,10 @@ A step that raises fails every in-flight request with an "error" output (the rea
 once instead of hanging), and aborts them in the engine. After `max_consecutive_failures`
 failing steps in a row the engine is declared dead: new requests raise EngineDeadError.
 
+Sleep (tokenyard/engines/runtime/async_sleep.py): `await engine.sleep(level)` drains and releases
+the KV cache (1) or the weights too (2); requests that arrive meanwhile wait for the wake the loop
+starts for them; `await engine.wake()` wakes it at once.
+
 Restart: given a `factory` (a function that builds a fresh engine; the gateway passes one), an
 engine whose step raised, or that reports itself dead (`engine.dead`, e.g. a tensor-parallel
 worker died and tokenyard.engines.Engine failed every request with an error), is rebuilt at once: the old
@@ -44,6 +48,7 @@ from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.model.pooled_embedding import pack
+from tokenyard.engines.runtime.async_sleep import SleepControl
 from tokenyard.engines.runtime.executor import torch_executor
 from tokenyard.engines.runtime.grammar_gate import GrammarGate
 from tokenyard.engines.runtime.grammar_worker import GrammarWorker
@@ -71,12 +76,15 @@ class EngineCore(Protocol):
 class RequestStream:
     """The outputs of one request, in order; iteration ends after the finished output."""
 
-    __slots__ = ("request_id", "_queue", "finished")
+    __slots__ = ("request_id", "_queue", "finished", "retryable")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self.finished = False
+        # Set with an "error" end when no token was computed for it (a wake that failed): a replica
+        # pool may run it on another replica without the client seeing a thing.
+        self.retryable = False
 
     def put(self, out: StepOutput) -> None:
         self._queue.put_nowait(out)
@@ -113,9 +121,10 @@ def deliver(streams: dict[str, RequestStream], outputs: list[StepOutput]) -> Non
         stream.put(out)
 
 
-def fail_streams(streams: dict[str, RequestStream], message: str) -> None:
+def fail_streams(streams: dict[str, RequestStream], message: str, retryable: bool = False) -> None:
     """End every stream with an "error" output (its reader sees it at once instead of hanging)."""
     for rid, stream in streams.items():
+        stream.retryable = retryable
         stream.put(StepOutput(rid, [], finished=True, finish_reason="error", error=message))
 
 
@@ -143,7 +152,7 @@ async def with_backoff(name: str, attempts: int, backoff_s: float, build: Callab
     return None, attempts
 
 
-class AsyncEngine:
+class AsyncEngine(SleepControl):
     def __init__(self, engine: EngineCore, name: str = "engine", executor: Executor | None = None,
                  max_consecutive_failures: int = 3, factory: Callable[[], EngineCore] | None = None,
                  max_restart_attempts: int = 5, restart_backoff_s: float = 0.5) -> None:
@@ -169,6 +178,9 @@ class AsyncEngine:
         self.num_restarts = 0             # engines rebuilt after a failure
         self.num_failed_restarts = 0      # attempts to rebuild that raised
         self.grammar_gate = self._grammar_gate(engine)
+        self._waking: asyncio.Future[dict[str, float]] | None = None   # the wake under way
+        self.last_wake_s: float | None = None                          # seconds the latest wake took
+        self.last_wake_phases: dict[str, float] = {}
 
     def _grammar_gate(self, engine: EngineCore) -> GrammarGate | None:
         """Checks and builds grammars for engines that compile them (tokenyard.engines.Engine), else None."""
@@ -277,6 +289,13 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.sleep_level:     # requests came for a sleeping engine: they wait for the wake
+                try:
+                    await self.wake()
+                except Exception:  # noqa: BLE001 - handled in wake(): requests failed, restarted or dead
+                    if self.dead is not None:
+                        return
+                continue
             try:
                 outputs, self._stats = await loop.run_in_executor(self._executor, self._step)
                 failures = 0
@@ -337,11 +356,11 @@ class AsyncEngine:
         outputs = self.engine.step()
         return outputs, self.engine.stats()
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, retryable: bool = False) -> None:
         streams, self._streams = self._streams, {}
         for rid in streams:
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the engine is already failing; readers come first
                 pass
-        fail_streams(streams, message)
+        fail_streams(streams, message, retryable)

@@ -41,6 +41,7 @@ from tokenyard.engines.model.pooled_embedding import check_prompts, embed_prompt
 from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
+from tokenyard.engines.runtime.engine_sleep import EngineSleep
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget
 from tokenyard.engines.runtime.warm_up import warm_up
 from tokenyard.engines.text.tokenizer import Tokenizer
@@ -116,18 +117,7 @@ class Engine:
         elif tp > 1:
             self.runner = self._start_tensor_parallel(model_dir, num_blocks)
         else:
-            with phases.phase("kv_allocation"):
-                kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype,
-                                                self.device, cfg.kv_cache_dtype)
-            # The runner captures CUDA graphs, builds the C decode step, compiles (and warms up) the CPU
-            # decode graph and packs oneDNN weights, as the configuration asks.
-            with phases.phase("compile"):
-                self.runner = ModelRunner(self.model, kv, self.device, RunnerConfig(
-                    block_size=cfg.block_size, attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-                    max_model_len=max_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
-                    cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
-                    cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch,
-                    cpu_onednn_linear=cfg.cpu_onednn_linear))
+            self.runner = self._single_runner(num_blocks, phases)
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self.kv_tier = None   # the second cache tier (host memory, then disk): engine option kv_offload_*
         if cfg.kv_offload:
@@ -152,6 +142,7 @@ class Engine:
         self._prefill_tokens = 0
         self._output_tokens = 0
         self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
+        self._sleep = EngineSleep(self)    # sleep(level) / wake(): engine_sleep.py
         with phases.phase("warm_up"):   # one tiny request, counters put back (warm_up.py)
             warm_up(self)
         phases.finish(time.perf_counter() - t_init)
@@ -197,6 +188,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         if self.micro is not None:   # pipeline parallelism: batches overlap (tokenyard.engines.pp.micro_batches)
             return self.micro.step()
+        if self._sleep.level:        # a request reached a sleeping engine: it wakes for it
+            self._sleep.wake()
         outputs = [self._finish(seq, "abort", []) for seq in self._take_aborts()]
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -270,7 +263,10 @@ class Engine:
     def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         """A unit vector per prompt (tokenyard/engines/model/pooled_embedding.py). It touches no KV block, so it
         runs between any two steps, on the step thread (AsyncEngine.embed). RequestError for bad prompts."""
-        return embed_prompts(self.model, self.check_embed(prompts), self.config.max_num_batched_tokens).tolist()
+        prompts = self.check_embed(prompts)
+        if self._sleep.level:
+            self._sleep.wake()
+        return embed_prompts(self.model, prompts, self.config.max_num_batched_tokens).tolist()
 
     def check_embed(self, prompts: list[list[int]]) -> list[list[int]]:
         """The prompts as lists, or RequestError (any thread)."""
@@ -314,12 +310,42 @@ class Engine:
         if close is not None:
             close()
 
+    # -- sleep and wake (tokenyard/engines/runtime/engine_sleep.py) -----------------------------
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 KV cache released; 2 weights dropped too."""
+        return self._sleep.level
+
+    def sleep(self, level: int) -> float:
+        """Release the KV cache (1) and the weights (2); nothing may be in flight. Seconds taken."""
+        return self._sleep.sleep(level)
+
+    def wake(self) -> dict[str, float]:
+        """Serve again; {phase: seconds} of the wake. A step on a sleeping engine wakes it itself."""
+        return self._sleep.wake()
+
     @property
     def dead(self) -> str | None:
         """Why the engine failed, or None while it is healthy."""
         return self._dead
 
     # -- helpers ------------------------------------------------------------------------------
+    def _single_runner(self, num_blocks: int, phases: StartupPhases) -> ModelRunner:
+        """A fresh KV cache and the runner over it (at start, and when waking from sleep level 2)."""
+        cfg = self.config
+        with phases.phase("kv_allocation"):
+            kv = kv_cache.allocate_kv_cache(self.model_config, num_blocks, cfg.block_size, self.dtype,
+                                            self.device, cfg.kv_cache_dtype)
+        # The runner captures CUDA graphs, builds the C decode step, compiles (and warms up) the CPU
+        # decode graph and packs oneDNN weights, as the configuration asks.
+        with phases.phase("compile"):
+            return ModelRunner(self.model, kv, self.device, RunnerConfig(
+                block_size=cfg.block_size, attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
+                max_model_len=self.max_model_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
+                cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch,
+                cpu_onednn_linear=cfg.cpu_onednn_linear))
+
     def _start_tensor_parallel(self, model_dir: Path, num_blocks: int) -> ModelRunner:
         from tokenyard.engines.model.kv_cache import allocate_kv_cache as alloc
         from tokenyard.engines.tp.tp_runner import TensorParallelRunner, start

@@ -24,6 +24,7 @@ from typing import Any
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import StepOutput
 from tokenyard.engines.core.sampling_params import ParamError
+from tokenyard.engines.core.sleep_level import SleepLevelError, SleepUnsupported
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.serving.process_grammars import ChildCompiler, grammar_info
 
@@ -133,6 +134,30 @@ def _child_main(sock: socket.socket) -> None:
             close()
 
 
+def _sleep_or_wake(link: _Link, engine: Any, msg: tuple) -> bool:
+    """("sleep", level) -> ("slept", seconds, None) or ("slept", None, (kind, message)); ("wake",) ->
+    ("woke", phases). A wake that raises is reported as "failed" (False: the loop ends, the parent
+    starts a fresh process, as after a failed step)."""
+    if msg[0] == "sleep":
+        if not hasattr(engine, "sleep"):
+            link.send(("slept", None, ("unsupported", "this engine cannot sleep")))
+        else:
+            try:
+                link.send(("slept", engine.sleep(msg[1]), None))
+            except (RequestError, ValueError) as e:
+                kind = ("level" if isinstance(e, SleepLevelError) else "unsupported"
+                        if isinstance(e, SleepUnsupported) else "busy" if isinstance(e, RequestError) else "unsupported")
+                link.send(("slept", None, (kind, str(e))))
+        return True
+    try:
+        link.send(("woke", engine.wake() if hasattr(engine, "wake") else {}))
+    except Exception as e:  # noqa: BLE001 - the engine's state is unknown: the parent restarts it
+        log.exception("engine process: wake failed")
+        link.send(("failed", f"engine wake failed: {type(e).__name__}: {e}", None))
+        return False
+    return True
+
+
 def _serve(link: _Link, engine: Any, compiler: ChildCompiler | None) -> None:
     while True:
         refused: list[StepOutput] = []
@@ -144,6 +169,9 @@ def _serve(link: _Link, engine: Any, compiler: ChildCompiler | None) -> None:
                     refused.append(_refusal(msg[1], e))
             elif msg[0] == "abort":
                 engine.abort(msg[1])
+            elif msg[0] in ("sleep", "wake"):   # the parent drained first; a failed wake ends the process
+                if not _sleep_or_wake(link, engine, msg):
+                    return
             elif msg[0] == "grammar":        # compiled on the compiler's thread, which replies
                 if compiler is not None:
                     compiler.submit(msg[1], msg[2])

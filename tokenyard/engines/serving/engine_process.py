@@ -15,10 +15,11 @@ event loop only reads one message per step and sends one per new request or abor
 
 The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; the
 child's end is tokenyard/engines/serving/engine_child.py. Parent to child: ("add", request_id, prompt_ids,
-params, priority, cache_salt), ("abort", request_id) and ("grammar", token, response_format). Child
-to parent: ("ready", max_model_len, stats, grammar_info) once the engine is built, ("out", outputs,
-stats) after each step, ("grammar", token, error or None) when a grammar is compiled, ("failed",
-message, exception) when it gives up. The parent never blocks on the child: its writes are buffered
+params, priority, cache_salt), ("abort", request_id), ("grammar", token, response_format),
+("sleep", level) and ("wake",). Child to parent: ("ready", max_model_len, stats, grammar_info) once
+the engine is built, ("out", outputs, stats) after each step, ("grammar", token, error or None) when
+a grammar is compiled, ("slept", seconds, None or (kind, message)) and ("woke", phases) answering
+sleep and wake, ("failed", message, exception) when it gives up. The parent never blocks on the child: its writes are buffered
 by asyncio, and the child reads them between steps (so a request waits at most one step to be
 admitted, as with the in-process inbox).
 
@@ -35,6 +36,11 @@ child that exits fails every request in flight with an "error" output at once, a
 started again from the same recipe; while that runs new requests raise EngineDeadError (503). A start
 that fails is retried `max_restart_attempts` times with exponential backoff from `restart_backoff_s`
 (capped at 30 s); after that the engine stays dead.
+
+Sleep (tokenyard/engines/core/sleep_level.py): `await backend.sleep(level)` waits for the requests
+in flight, then the child releases the memory; a request sent meanwhile is queued and the child's
+next step wakes the engine; `await backend.wake()` wakes it at once. A wake that fails is a failed
+process: its waiting requests end retryable (none got a token) and a fresh process starts.
 
 Two engines in process mode step at the same time (in-process engines take turns on one thread,
 tokenyard/engines/runtime/executor.py): give each its share of the cores (OMP_NUM_THREADS, the engine's threads).
@@ -57,6 +63,15 @@ from typing import Any
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.sleep_level import (
+    ASLEEP,
+    AWAKE,
+    WAKING,
+    SleepBusy,
+    SleepLevelError,
+    SleepUnsupported,
+    check_sleep_level,
+)
 from tokenyard.engines.runtime.async_engine import RequestStream, cancel_task, deliver, fail_streams, with_backoff
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget, GrammarWorker
 from tokenyard.engines.serving.engine_child import _HEADER, _child_main, _frame, _Link
@@ -101,6 +116,11 @@ class EngineProcess:
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._sleep_level = 0
+        self._waking_since: float | None = None      # loop time a wake began (by call or by a request)
+        self._control_reply: asyncio.Future | None = None   # the answer to the sleep or wake under way
+        self._control_lock: asyncio.Lock | None = None
+        self.last_wake_s: float | None = None
         self._proc, self._sock, self._max_model_len, self._stats, grammar = self._spawn()
         # The grammar worker is the parent's: it outlives the child's restarts, and so do its verdicts.
         self._grammars = None if grammar is None else ProcessGrammars(
@@ -170,6 +190,8 @@ class EngineProcess:
             raise RequestError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
+        if self._sleep_level and self._waking_since is None:   # the child's next step wakes the engine
+            self._waking_since = asyncio.get_running_loop().time()
         self._writer.write(_frame(("add", request_id, list(prompt_token_ids), params, priority, cache_salt)))
         return stream
 
@@ -180,6 +202,69 @@ class EngineProcess:
             stream.put(StepOutput(request_id, [], finished=True, finish_reason="abort"))
             if self._writer is not None:
                 self._writer.write(_frame(("abort", request_id)))
+
+    # -- sleep and wake -------------------------------------------------------------------------
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    @property
+    def sleep_state(self) -> str:
+        if self._waking_since is not None:
+            return WAKING
+        return ASLEEP if self._sleep_level else AWAKE
+
+    async def sleep(self, level: int, drain_timeout_s: float = 30.0) -> float:
+        """As AsyncEngine.sleep: drain (SleepBusy past drain_timeout_s), then the child sleeps."""
+        level = check_sleep_level(level)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout_s
+        while True:
+            while self._streams or self._waking_since is not None:
+                if loop.time() >= deadline:
+                    raise SleepBusy(f"engine {self.name} still had {max(1, len(self._streams))} request(s) in "
+                                    f"flight after {drain_timeout_s:g} s; it stays awake")
+                await asyncio.sleep(0.02)
+            seconds, err = await self._control(("sleep", level))
+            if err is None:
+                self._sleep_level = max(self._sleep_level, level)
+                return seconds
+            kind, message = err
+            if kind == "level":
+                raise SleepLevelError(message)
+            if kind != "busy":
+                raise SleepUnsupported(message)
+            await asyncio.sleep(0.02)       # a request slipped in before the child took the message
+
+    async def wake(self) -> dict[str, float]:
+        """Wake the child's engine now; {phase: seconds}. EngineDeadError when the process failed."""
+        if not self._sleep_level:
+            return {}
+        if self._waking_since is None:
+            self._waking_since = asyncio.get_running_loop().time()
+        (phases,) = await self._control(("wake",))
+        if self._sleep_level:
+            self._awake()
+        return phases
+
+    async def _control(self, msg: tuple) -> tuple:
+        """Send a sleep or wake message and wait for its answer (one at a time)."""
+        if self._control_lock is None:
+            self._control_lock = asyncio.Lock()
+        async with self._control_lock:
+            if self.dead is not None or self._writer is None:
+                raise EngineDeadError(f"engine {self.name} is down: {self.dead or 'not started'}")
+            self._control_reply = asyncio.get_running_loop().create_future()
+            self._writer.write(_frame(msg))
+            try:
+                return await self._control_reply
+            finally:
+                self._control_reply = None
+
+    def _awake(self) -> None:
+        if self._waking_since is not None:
+            self.last_wake_s = asyncio.get_running_loop().time() - self._waking_since
+        self._sleep_level, self._waking_since = 0, None
 
     # -- the process ----------------------------------------------------------------------------
     def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int, EngineStats, Any]:
@@ -238,7 +323,11 @@ class EngineProcess:
             if self._grammars is not None:
                 self._grammars.child_gone()
             streams, self._streams = self._streams, {}
-            fail_streams(streams, why)
+            # Requests waiting for a wake got no token: a replica pool may run them elsewhere.
+            fail_streams(streams, why, retryable=self._waking_since is not None)
+            if self._control_reply is not None and not self._control_reply.done():
+                self._control_reply.set_exception(EngineDeadError(f"engine {self.name}: {why}"))
+            self._sleep_level, self._waking_since = 0, None      # a fresh process starts awake
             if not await self._restart(why):
                 return
 
@@ -250,8 +339,13 @@ class EngineProcess:
                 msg = pickle.loads(await reader.readexactly(n))
                 if msg[0] == "out":
                     deliver(self._streams, msg[1])
-                    if msg[2] is not None:
+                    if msg[2] is not None:     # a step ran: a sleeping engine woke for it
                         self._stats = msg[2]
+                        if self._sleep_level:
+                            self._awake()
+                elif msg[0] in ("slept", "woke"):
+                    if self._control_reply is not None and not self._control_reply.done():
+                        self._control_reply.set_result(msg[1:])
                 elif msg[0] == "grammar":
                     if self._grammars is not None:
                         self._grammars.resolve(msg[1], msg[2])

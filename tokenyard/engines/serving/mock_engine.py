@@ -13,6 +13,10 @@ Timing: the first token of a request is due `ttft_ms` after it arrives, then one
 are seen quickly), the way a real step spends time in the forward pass; every request that is
 due gets one token per step, as in continuous batching.
 
+Sleep and wake (tokenyard/engines/core/sleep_level.py) are simulated too: sleep(level) needs nothing
+in flight and records the level; a wake (by call, or by the first step after a request arrived)
+sleeps `wake_ms` as a real one loads.
+
 KV accounting is simulated (blocks of `block_size` tokens out of `num_blocks`), so stats()
 looks like the real engine's and "back to idle" can be checked the same way.
 """
@@ -28,6 +32,7 @@ from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from tokenyard.engines.core.request_inbox import RequestInbox
 from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
+from tokenyard.engines.core.sleep_level import check_sleep_level
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.text.tokenizer import Tokenizer
 
@@ -48,6 +53,7 @@ class MockConfig:
     max_num_seqs: int = 256
     max_sleep_ms: float = 20.0    # longest sleep inside one step (bounds abort latency)
     cached_tokens: int = 0        # prompt tokens reported as prefix-cache hits (at most the prompt): billing tests
+    wake_ms: float = 0.0          # how long waking from sleep takes (either level)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "MockConfig":
@@ -60,7 +66,7 @@ class MockConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("ttft_ms", "token_ms", "max_sleep_ms"):
+        for name in ("ttft_ms", "token_ms", "max_sleep_ms", "wake_ms"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
@@ -117,6 +123,21 @@ class MockEngine:
         self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
         self._last_step_tokens = 0
         self._last_step_seconds = 0.0
+        self.sleep_level = 0
+
+    def sleep(self, level: int) -> float:
+        level = check_sleep_level(level)
+        if self._inbox.has_live or self._running:
+            raise RequestError("the engine has requests in flight; drain it before it sleeps")
+        self.sleep_level = max(self.sleep_level, level)
+        return 0.0
+
+    def wake(self) -> dict[str, float]:
+        if not self.sleep_level:
+            return {}
+        time.sleep(self.config.wake_ms / 1000)
+        self.sleep_level = 0
+        return {"other": self.config.wake_ms / 1000}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:
@@ -155,6 +176,8 @@ class MockEngine:
         return self._inbox.has_live
 
     def step(self) -> list[StepOutput]:
+        if self.sleep_level:
+            self.wake()
         outputs: list[StepOutput] = []
         new, aborts = self._inbox.take()
         for seq in new:

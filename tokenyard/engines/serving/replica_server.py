@@ -5,6 +5,12 @@
                                   one finished; 400 {"error"} bad input (a response_format over its
                                   compile budget: kind "grammar"); 503 {"error"} draining or down
     POST /v1/engine/abort      {"request_id"} -> 200 {"aborted": bool}
+    POST /v1/engine/sleep      {"level": 1|2, "drain_timeout_s"?} -> 200 {"sleep_level", "sleep_state",
+                               "seconds"} once the requests in flight finished and the memory is
+                               released; 400 {"error", "param": "level"} a bad level; 409 requests
+                               still in flight after the drain timeout, or an engine that cannot sleep
+    POST /v1/engine/wake       -> 200 {"sleep_level": 0, "sleep_state", "seconds", "phases"}; 503 the
+                               wake failed (the replica is down or restarting)
     GET  /v1/engine/stats      EngineStats fields + name, max_model_len, in_flight, draining, dead,
                                failed_steps, model_fingerprint
     GET  /health               liveness: {"status": "ok"|"down", "ready", "draining"} (503 when down)
@@ -21,6 +27,12 @@ A request with a response_format has its grammar made ready first (`engine.prepa
 grammar worker under its time and memory budget, compiled on a thread), so neither this event loop
 nor the engine's step ever compiles one.
 
+Sleep (tokenyard/engines/core/sleep_level.py): a sleeping replica stays ready and keeps taking
+requests; the first one wakes the engine and waits for it (AsyncEngine), so none is refused or lost.
+Its state is in /health, the stats document (sleep_level, sleep_state, last_wake_s) and
+tokenyard_engine_sleep_level; gateways read it from there. An engine stepped in a process of its
+own (server.engine_process) sleeps in that process (engine_process.py).
+
 Nothing here imports gateway/: starlette and uvicorn are imported when the server is built.
 """
 from __future__ import annotations
@@ -35,6 +47,7 @@ from typing import Any
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
+from tokenyard.engines.core.sleep_level import AWAKE, SleepBusy, SleepLevelError, SleepUnsupported
 from tokenyard.engines.core.startup_phases import StartupPhases, process_age_s
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.runtime.async_engine import AsyncEngine
@@ -113,10 +126,50 @@ def build_app(state: ReplicaState):
     async def stats(request: Request) -> Response:
         return JSONResponse(stats_document(state))
 
+    async def sleep(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body() or b"{}")
+            if not isinstance(body, dict):
+                raise TypeError("the body must be a JSON object")
+            timeout = body.get("drain_timeout_s", 30.0)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
+                return JSONResponse({"error": f"drain_timeout_s must be a number of seconds in [0, 3600], got "
+                                              f"{timeout!r}", "param": "drain_timeout_s"}, 400)
+        except (ValueError, TypeError) as e:
+            return JSONResponse({"error": f"bad request body: {e}"}, 400)
+        if not hasattr(engine, "sleep"):
+            return JSONResponse({"error": f"engine {engine.name} cannot sleep",
+                                 "code": "sleep_not_supported"}, 409)
+        try:
+            seconds = await engine.sleep(body.get("level"), float(timeout))
+        except SleepLevelError as e:
+            return JSONResponse({"error": str(e), "param": "level", "code": "invalid_sleep_level"}, 400)
+        except SleepUnsupported as e:
+            return JSONResponse({"error": str(e), "code": "sleep_not_supported"}, 409)
+        except SleepBusy as e:
+            return JSONResponse({"error": str(e), "code": "replica_busy"}, 409)
+        except EngineDeadError as e:
+            return JSONResponse({"error": str(e), "code": "replica_down"}, 503)
+        return JSONResponse({"sleep_level": engine.sleep_level, "sleep_state": engine.sleep_state,
+                             "seconds": seconds})
+
+    async def wake(request: Request) -> Response:
+        if not hasattr(engine, "wake"):
+            return JSONResponse({"error": f"engine {engine.name} cannot sleep",
+                                 "code": "sleep_not_supported"}, 409)
+        t0 = time.perf_counter()
+        try:
+            phases = await engine.wake()
+        except Exception as e:  # noqa: BLE001 - the engine failed its waiting requests and restarts or is dead
+            return JSONResponse({"error": f"waking failed: {type(e).__name__}: {e}", "code": "replica_down",
+                                 "retryable": True}, 503)
+        return JSONResponse({"sleep_level": engine.sleep_level, "sleep_state": engine.sleep_state,
+                             "seconds": time.perf_counter() - t0, "phases": phases})
+
     async def health(request: Request) -> Response:
         down = engine.dead is not None
         body = {"status": "down" if down else "ok", "ready": state.ready and not state.draining and not down,
-                "draining": state.draining}
+                "draining": state.draining, "sleep_state": getattr(engine, "sleep_state", AWAKE)}
         return JSONResponse(body, 503 if down else 200)
 
     async def ready(request: Request) -> Response:
@@ -130,6 +183,8 @@ def build_app(state: ReplicaState):
         Route(f"{API}/generate", generate, methods=["POST"]),
         Route(f"{API}/abort", abort, methods=["POST"]),
         Route(f"{API}/stats", stats, methods=["GET"]),
+        Route(f"{API}/sleep", sleep, methods=["POST"]),
+        Route(f"{API}/wake", wake, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -141,7 +196,8 @@ def stats_document(state: ReplicaState) -> dict[str, Any]:
     doc = asdict(eng.stats())
     doc.update(name=eng.name, max_model_len=eng.max_model_len, in_flight=eng.num_in_flight,
                draining=state.draining, dead=eng.dead, failed_steps=eng.num_failed_steps,
-               model_fingerprint=state.model_fingerprint)
+               model_fingerprint=state.model_fingerprint, sleep_level=getattr(eng, "sleep_level", 0),
+               sleep_state=getattr(eng, "sleep_state", AWAKE), last_wake_s=getattr(eng, "last_wake_s", None))
     return doc
 
 
@@ -158,7 +214,9 @@ def metrics_text(state: ReplicaState) -> str:
              s.prefix_cache_hit_rate),
             ("tokenyard_engine_in_flight_requests", "Requests streaming from this replica", eng.num_in_flight),
             ("tokenyard_engine_max_num_seqs", "Most sequences in one step", s.max_num_seqs),
-            ("tokenyard_engine_draining", "1 while the replica drains after SIGTERM", int(state.draining))]
+            ("tokenyard_engine_draining", "1 while the replica drains after SIGTERM", int(state.draining)),
+            ("tokenyard_engine_sleep_level", "0 awake, 1 KV cache released, 2 weights dropped too",
+             getattr(eng, "sleep_level", 0))]
     out = []
     for metric, help_, value in rows:
         out += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge", f'{metric}{{engine="{name}"}} {value}']

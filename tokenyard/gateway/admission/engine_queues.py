@@ -64,11 +64,12 @@ class EngineQueue:
         return predicted_wait(self.queue.ahead(tenant, priority), self.rate.per_second(self.running), overtaking)
 
     def replicas_up(self) -> int:
-        """Replicas taking requests: a pool's routable ones, else 1 unless the engine is dead."""
+        """Replicas taking requests: a pool's routable awake ones (a sleeping replica is no capacity
+        until it wakes), else 1 unless the engine is dead."""
         replicas = getattr(self.engine, "replicas", None)
         if replicas is None:
             return 0 if self.engine.dead else 1
-        return sum(1 for r in replicas if r.routable)
+        return sum(1 for r in replicas if r.awake)
 
     def scaling_signals(self, rate_window_s: float = 30.0) -> ScalingSignals:
         # Running: the engine's own count (all gateways' requests, for shared replicas) if larger than ours.

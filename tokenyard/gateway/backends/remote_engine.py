@@ -43,13 +43,12 @@ def empty_stats(max_num_seqs: int = 1, block_size: int = 16) -> EngineStats:
 
 
 class RemoteStream(RequestStream):
-    """A RequestStream that also says whether its failure may be retried on another replica."""
+    """A RequestStream that also knows whether a token came (after one, a failure is never retried)."""
 
-    __slots__ = ("retryable", "got_tokens")
+    __slots__ = ("got_tokens",)
 
     def __init__(self, request_id: str) -> None:
         super().__init__(request_id)
-        self.retryable = False
         self.got_tokens = False
 
 
@@ -162,6 +161,35 @@ class RemoteEngine:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             await self.refresh_stats()
+
+    # -- sleep and wake (tokenyard/engines/serving/replica_server.py) ---------------------------
+    @property
+    def sleep_state(self) -> str:
+        """As the replica last reported it: "awake", "asleep" or "waking"."""
+        return str(self.info.get("sleep_state") or "awake")
+
+    @property
+    def sleep_level(self) -> int:
+        return int(self.info.get("sleep_level") or 0)
+
+    async def control(self, action: str, body: dict[str, Any], timeout_s: float) -> tuple[int, dict[str, Any]]:
+        """POST /v1/engine/{action} (sleep, wake): (status, its JSON document); status 0 when the
+        replica could not be reached or did not answer in timeout_s. The cached state follows a
+        good answer at once, without waiting for the next stats poll."""
+        if self._session is None:
+            return 0, {"error": f"replica {self.url} is not started"}
+        try:
+            async with self._session.post(f"{self.url}/v1/engine/{action}", json=body,
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                doc = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+            return 0, {"error": f"replica {self.url} failed: {type(e).__name__}: {e}"}
+        if not isinstance(doc, dict):
+            doc = {"error": str(doc)[:200]}
+        if status == 200:
+            self.info.update({k: doc[k] for k in ("sleep_level", "sleep_state") if k in doc})
+        return status, doc
 
     # -- one request --------------------------------------------------------------------------
     async def _run(self, rid: str, body: dict[str, Any], stream: RemoteStream) -> None:

@@ -25,6 +25,14 @@ eject the replica (no new requests, its affinity index forgotten: its cache may 
 ejected replica returns after readmit_after_successes good checks in a row. A replica that is
 alive but not ready (draining, starting) gets no new requests and is not counted as failing.
 
+Sleep (tokenyard/gateway/backends/replica_sleep.py, the admin API): a replica asleep (KV cache
+released, level 1; weights dropped too, level 2) stays in the pool but is chosen only when no
+replica is awake; then the request goes to one already waking, else to the lightest sleeper,
+which wakes for it (the request waits for the wake within its deadline; a replica wakes itself when
+a request reaches it). Sleeping replicas are not summed into `stats()` while one is awake, so
+admission and the autoscaling signals do not count them as capacity. A replica that fails while
+waking fails its requests before their first token: they are retried like any other.
+
 Retry: a request whose replica failed before sending its first token (refused, reset, 503
 draining) is run on another replica, up to max_attempts replicas in all; once a token was
 streamed it is never retried, and the client gets the error.
@@ -40,6 +48,7 @@ from typing import Any, AsyncIterator, Callable
 from tokenyard.engines.core.errors import EngineDeadError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.sleep_level import AWAKE, WAKING
 from tokenyard.engines.runtime.async_engine import RequestStream
 from tokenyard.gateway.backends.prefix_affinity import AffinityIndex, prefix_hashes
 from tokenyard.gateway.backends.remote_engine import RemoteEngine, empty_stats
@@ -65,10 +74,39 @@ class Replica:
         self.affinity_hits = 0             # of those, chosen with a known prefix
         self.ejections = 0
         self.retries_from = 0              # requests retried elsewhere after failing here
+        self.sleep_pending = False         # an admin sleep is draining it: others are chosen first
+        self.wake_sent = False             # a request went to it while it slept: it is waking for it
 
     @property
     def routable(self) -> bool:
         return self.healthy and self.ready and self.engine.dead is None
+
+    @property
+    def sleep_state(self) -> str:
+        """"awake", "asleep" or "waking", as the engine reports it (a remote one: its latest stats) or
+        "waking" from the moment a request was sent to it asleep."""
+        reported = getattr(self.engine, "sleep_state", AWAKE)
+        if reported == AWAKE:
+            self.wake_sent = False
+            return AWAKE
+        return WAKING if self.wake_sent else reported
+
+    @property
+    def sleep_level(self) -> int:
+        return int(getattr(self.engine, "sleep_level", 0))
+
+    @property
+    def awake(self) -> bool:
+        """Routable, awake and not being put to sleep: counted as capacity."""
+        return self.routable and not self.sleep_pending and self.sleep_state == AWAKE
+
+    @property
+    def state(self) -> str:
+        """For the metrics: "up" (routable and awake), "asleep", "waking" or "down"."""
+        if not self.routable:
+            return "down"
+        sleep = self.sleep_state
+        return "up" if sleep == AWAKE else sleep
 
     def load(self) -> int:
         s = self.engine.stats()
@@ -160,8 +198,9 @@ class ReplicaPool:
         return 16
 
     def stats(self) -> EngineStats:
-        """The routable replicas' stats summed (all replicas' if none is routable)."""
-        members = [r for r in self.replicas if r.routable] or self.replicas
+        """The awake replicas' stats summed (else the routable ones', else all replicas')."""
+        members = ([r for r in self.replicas if r.awake] or [r for r in self.replicas if r.routable]
+                   or self.replicas)
         known = [r.engine.stats() for r in members if not r.remote or r.engine.info]
         if not known:
             return empty_stats(max_num_seqs=1, block_size=self.block_size)
@@ -227,6 +266,7 @@ class ReplicaPool:
         cands = [r for r in self.replicas if r.routable and r not in exclude]
         if not cands:
             return None
+        cands = self._awake_first(cands)
         turn = next(self._turn)
         order = cands[turn % len(cands):] + cands[:turn % len(cands)]    # ties go in turn
         cfg = self.cfg
@@ -250,6 +290,19 @@ class ReplicaPool:
         if hashes:
             best.index.record(hashes)
         return best
+
+    def _awake_first(self, cands: list[Replica]) -> list[Replica]:
+        """The awake candidates; else those still awake but being put to sleep (serving beats a wake);
+        else one already waking; else the lightest sleeper, which wakes for this request."""
+        for group in ([r for r in cands if r.awake], [r for r in cands if r.sleep_state == AWAKE],
+                      [r for r in cands if r.sleep_state == WAKING]):
+            if group:
+                return group
+        sleeper = min(cands, key=lambda r: r.sleep_level)
+        sleeper.wake_sent = True
+        log.info("engine %s: no replica awake; waking %s (level %d) for a request", self.name, sleeper.label,
+                 sleeper.sleep_level)
+        return [sleeper]
 
     def _retry(self, stream: PoolStream) -> bool:
         """Run a request that failed before its first token on another replica."""

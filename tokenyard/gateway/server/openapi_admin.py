@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenyard.gateway.edge.openapi_parts import errors, json_body, query
+from tokenyard.gateway.edge.openapi_parts import errors, json_body, path_param, query
 
 
 def spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
@@ -158,4 +158,36 @@ def policy_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
         "/admin/static/{name}": {"get": {"summary": "dashboard.css or admin.css", "parameters": [
             {"name": "name", "in": "path", "required": True, "schema": {"enum": ["dashboard.css", "admin.css"]}}],
             "responses": {"200": {"description": "the file"}, "404": {"description": "not found"}}}},
+    }
+
+
+def replica_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's replicas: state, sleep and wake (tokenyard/gateway/routes/replica_api.py)."""
+    params = [path_param("engine"), path_param("replica")]
+    state = {"type": "object", "properties": {
+        "engine": {"type": "string"}, "index": {"type": "integer"}, "replica": {"type": "string"},
+        "sleep_level": {"enum": [0, 1, 2]}, "sleep_state": {"enum": ["awake", "asleep", "waking"]},
+        "seconds": {"type": ["number", "null"]}, "phases": {"type": "object"}}}
+    listing = {"type": "object", "properties": {"engine": {"type": "string"}, "replicas": {
+        "type": "array", "items": {"type": "object", "properties": {
+            "index": {"type": "integer"}, "replica": {"type": "string"},
+            "state": {"enum": ["up", "asleep", "waking", "down"]}, "sleep_level": {"enum": [0, 1, 2]},
+            "sleep_state": {"type": "string"}, "routable": {"type": "boolean"}, "can_sleep": {"type": "boolean"}}}}}}
+    body = {"required": False, "content": {"application/json": {"schema": {"type": "object", "properties": {
+        "level": {"enum": [1, 2], "default": 1,
+                  "description": "1: free the KV cache, keep the weights; 2: drop the weights too"},
+        "drain_timeout_s": {"type": "number", "minimum": 0, "maximum": 3600, "default": 30}}}}}}
+    return {
+        "/admin/engines/{engine}/replicas": {"get": {
+            "summary": "An engine's replicas with their state (up, asleep, waking, down) and sleep level",
+            "security": auth, "parameters": [path_param("engine")],
+            "responses": {"200": json_body(listing, "the replicas"), **errors(401, 403, 404)}}},
+        "/admin/engines/{engine}/replicas/{replica}/sleep": {"post": {
+            "summary": "Drain a replica and put it to sleep (level 1: KV cache freed; 2: weights dropped too)",
+            "security": auth, "parameters": params, "requestBody": body,
+            "responses": {"200": json_body(state, "asleep"), **errors(400, 401, 403, 404, 409, 503)}}},
+        "/admin/engines/{engine}/replicas/{replica}/wake": {"post": {
+            "summary": "Wake a sleeping replica; answers when it serves again", "security": auth,
+            "parameters": params,
+            "responses": {"200": json_body(state, "awake"), **errors(401, 403, 404, 409, 503)}}},
     }
