@@ -126,7 +126,7 @@ class Engine:
                     max_model_len=max_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                     cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
                     cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch,
-                    cpu_onednn_linear=cfg.cpu_onednn_linear))
+                    cpu_onednn_linear=cfg.cpu_onednn_linear, activation_quant=cfg.activation_quant))
         self.spec = self._build_speculation(num_blocks) if cfg.speculative_method != "none" else None
         self._seed_rng = random.Random(cfg.seed)
         self._grammars: Grammars | None = None   # built by warm_grammars() or the first response_format request
