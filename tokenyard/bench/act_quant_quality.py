@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             llm.close()
             del llm
             if "demo" in args.only and not smol:
-                table = evaluate(path, items, use_tqdm=False, activation_quant=act, **COMMON, **kw)
+                table = evaluate(path, items, use_tqdm=False, activation_quant=act,
+                                 **{k: v for k, v in COMMON.items() if k != "progress"}, **kw)
                 row.setdefault("demo_accuracy", {})[act] = table["all"][0]
             print(f"{name} {act}: {time.perf_counter() - t0:.0f} s", {k: v.get(act) for k, v in row.items()
                                                                         if isinstance(v, dict) and act in v}, flush=True)
