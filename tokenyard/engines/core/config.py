@@ -65,7 +65,7 @@ class EngineConfig:
       (auto, on, off) replaces "auto" when set. int4 weights are copied once into the kernel's
       order (0.5 byte a weight plus fp32 scale and minimum per group). Logits match the eager
       forward to fp32 rounding; for int8/int4 models the kernel keeps fp32 activations where torch's
-      packed ops round them to bf16.
+      packed ops round them to bf16, except at batches 1..7 under activation_quant (int8 inputs).
     cpu_decode_step_max_batch: the largest decode batch (1..256) the C step takes; 0 (default): 16
       when cpu_compile's graph serves the larger batches (from about 32 sequences its oneDNN GEMMs
       are faster), else every batch the engine schedules (the C step beats eager torch at every
