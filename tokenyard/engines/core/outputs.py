@@ -77,3 +77,5 @@ class EngineStats:
     # block over all layers, K and V, scales included (0: not reported, e.g. a mock or remote engine).
     kv_cache_dtype: str = ""
     kv_bytes_per_block: int = 0
+    # Constrained replies the grammar_close_reserve ended (a closing mask narrowed a choice), since start.
+    num_grammar_closed: int = 0

@@ -42,6 +42,7 @@ from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget
+from tokenyard.engines.runtime.warm_up import warm_up
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.engines.tp.tensor_parallel import check_divisible, shard_model_
 
@@ -137,6 +138,7 @@ class Engine:
         self._inbox: RequestInbox[Sequence] = RequestInbox()
         self._arrivals = 0
         self._num_steps = 0
+        self._num_grammar_closed = 0       # constrained replies the grammar_close_reserve ended
         self._last_step_tokens = 0
         self._last_step_seconds = 0.0
         # Load counters for utilisation: seconds spent in steps (busy fraction = its rate), tokens
@@ -145,6 +147,8 @@ class Engine:
         self._prefill_tokens = 0
         self._output_tokens = 0
         self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
+        with phases.phase("warm_up"):   # one tiny request, counters put back (warm_up.py)
+            warm_up(self)
         phases.finish(time.perf_counter() - t_init)
         log.info("%s: engine built in %s", model_dir.name, phases.describe())
 
@@ -163,7 +167,10 @@ class Engine:
             raise RequestError("request_id must be a non-empty string")
         # A cache hit when the request was prepared (AsyncEngine.prepare: compiled off the event loop);
         # otherwise compiled here, in the caller's thread (offline use): a rejected schema fails now.
-        constraint = self._grammar_set().constraint(params.response_format) if params.response_format else None
+        # The closing reserve counts back from whichever limit comes first: max_tokens or the context.
+        budget = min(params.max_tokens, self.max_model_len - len(prompt))
+        constraint = self._grammar_set().constraint(params.response_format, budget, self.config.grammar_close_reserve) \
+            if params.response_format else None
 
         def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -231,6 +238,8 @@ class Engine:
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     break
+            if reason == "stop" and seq.constraint is not None and seq.constraint.closed_early:
+                self._num_grammar_closed += 1
             # K/V is valid for every token but the last emitted one.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.blocks.cache_full_blocks(seq)
@@ -278,7 +287,8 @@ class Engine:
             batch_size_counts=list(self._batch_counts),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             kv_cache_dtype=kv_cache.kv_cache_dtype_name(self.config.kv_cache_dtype, self.dtype),
-            kv_bytes_per_block=self.kv_bytes_per_block, **self._spec_stats())
+            kv_bytes_per_block=self.kv_bytes_per_block, num_grammar_closed=self._num_grammar_closed,
+            **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         if self.spec is None:
