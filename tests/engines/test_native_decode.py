@@ -280,7 +280,7 @@ def test_models_the_step_cannot_run_fall_back_under_auto_and_raise_under_on(chec
     with pytest.raises(ValueError, match="KV cache"):
         Engine(path, cpu_decode_step="on", **int8_kv)
     # no compiler (or a failed build): a warning under auto, an error under on; the engine still serves
-    monkeypatch.setattr(native_decoder.cpu_decode_step, "load", lambda: None)
+    monkeypatch.setattr(native_decoder.cpu_decode_step, "load", lambda int8_inputs=True: None)
     with caplog.at_level(logging.WARNING, logger="tokenyard.engines.model.model_runner"):
         engine = Engine(path, cpu_decode_step="auto", **OPTIONS)
     assert engine.runner.native is None and "unavailable" in caplog.text

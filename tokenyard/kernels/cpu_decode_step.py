@@ -46,10 +46,12 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, "Library | None"] = {}
 
 
-def flags() -> tuple[str, ...]:
+def flags(int8_inputs: bool = True) -> tuple[str, ...]:
+    """The compiler flags; int8_inputs False builds the variant whose int4 and int8 products keep fp32
+    inputs at every batch (-DTY_Q8_INPUTS=0, cpu_matvec_q8.c; no 16-row int4 blocks either)."""
     march = knobs.native_march()
     return ("-O3", f"-march={march}", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-            "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
+            "-fno-trapping-math", "-pthread", "-shared", "-fPIC") + (() if int8_inputs else ("-DTY_Q8_INPUTS=0",))
 
 
 def default_spin_limit() -> int:
@@ -339,18 +341,20 @@ class DecodeStep:
             pass
 
 
-def compile_library(out_dir: Path | None = None) -> Path:
-    return cached_library(SOURCE, flags(), "decode_step", out_dir, includes=INCLUDES)
+def compile_library(out_dir: Path | None = None, int8_inputs: bool = True) -> Path:
+    return cached_library(SOURCE, flags(int8_inputs), "decode_step", out_dir, includes=INCLUDES)
 
 
-def load() -> Library | None:
+def load(int8_inputs: bool = True) -> Library | None:
     """The library, built on first use; None when it cannot be built (a warning, once: the torch
-    decode paths serve)."""
-    key = flags()[1]
+    decode paths serve). int8_inputs: the build that rounds small batches' int4 and int8 product
+    inputs to int8 where the machine has AVX2 (`Library.int8_inputs` says whether it does); False:
+    the build that keeps them fp32 everywhere (the engine's activation_quant "off")."""
+    key = f"{flags()[1]} int8_inputs={int8_inputs}"
     with _LOCK:
         if key not in _LOADED:
             try:
-                _LOADED[key] = Library(compile_library())
+                _LOADED[key] = Library(compile_library(int8_inputs=int8_inputs))
             except (OSError, RuntimeError) as exc:
                 log.warning("CPU decode step: the C kernel is unavailable (%s); torch decodes", exc)
                 _LOADED[key] = None

@@ -65,12 +65,24 @@ class EngineConfig:
       (auto, on, off) replaces "auto" when set. int4 weights are copied once into the kernel's
       order (0.5 byte a weight plus fp32 scale and minimum per group). Logits match the eager
       forward to fp32 rounding; for int8/int4 models the kernel keeps fp32 activations where torch's
-      packed ops round them to bf16.
+      packed ops round them to bf16, except at batches 1..7 under activation_quant (int8 inputs).
     cpu_decode_step_max_batch: the largest decode batch (1..256) the C step takes; 0 (default): 16
       when cpu_compile's graph serves the larger batches (from about 32 sequences its oneDNN GEMMs
       are faster), else every batch the engine schedules (the C step beats eager torch at every
       batch measured, up to 96; bench/RESULTS.md). Nothing is compiled when the C step takes every
       batch (max_num_seqs <= 16 under auto, or a max_batch >= max_num_seqs).
+    activation_quant: "auto" (default), "on" or "off": whether the C decode step rounds the inputs of
+      int8 and int4 products to int8 (per 32 inputs, one fp32 scale: llama.cpp's Q8 activations) for
+      decode batches of 1..7 sequences, so that an int8 "weight-only" model runs W8A8 there and an
+      int4 one W4A8 (integer dot products: about 2x the fp32-input decode speed on SmolLM2's int4).
+      "auto" does where the C step runs a quantised model on an AVX2 or AVX-512 build, as before this
+      knob; "off" keeps fp32 inputs (a second build of the C step); "on" makes it an error at
+      start-up when it cannot happen (no C step: see cpu_decode_step, no quantised projections, or
+      no AVX2). Its measured cost in quality (perplexity, demo-task accuracy, SmolLM2 greedy
+      agreement) and gain in speed are in bench/RESULTS.md ("Activation quantisation").
+      Other paths are unaffected: prefill, larger decode batches and tensor-parallel ranks run
+      torch's packed ops, which round the inputs to bf16. The start-up log line of the C step says
+      which it is; ModelRunner.activation_quant holds it ("int8", "fp32" or "n/a").
     cpu_onednn_linear: "auto" (default), "on" or "off": the steps torch runs eagerly on a CPU
       (prefill, mixed prefill + decode, decode batches the C step does not take) multiply fp32
       linear layers by a copy of their weights packed for oneDNN instead of calling F.linear
@@ -141,6 +153,7 @@ class EngineConfig:
     cpu_compile: str = "off"
     cpu_decode_step: str = "auto"
     cpu_decode_step_max_batch: int = 0
+    activation_quant: str = "auto"
     cpu_onednn_linear: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -201,6 +214,12 @@ class EngineConfig:
             raise ValueError(f"cpu_onednn_linear must be auto, on or off, got {self.cpu_onednn_linear!r}")
         if self.cpu_decode_step not in ("auto", "on", "off"):
             raise ValueError(f"cpu_decode_step must be auto, on or off, got {self.cpu_decode_step!r}")
+        if self.activation_quant not in ("auto", "on", "off"):
+            raise ValueError(f"activation_quant must be auto, on or off, got {self.activation_quant!r}")
+        if self.activation_quant == "on" and (self.cpu_decode_step == "off" or self.tensor_parallel_size > 1
+                                              or self.pipeline_parallel_size > 1):
+            raise ValueError("activation_quant on needs the C decode step, which cpu_decode_step off, tensor "
+                             "parallelism and pipeline parallelism leave out")
         if not isinstance(self.cpu_decode_step_max_batch, int) or isinstance(self.cpu_decode_step_max_batch, bool) \
                 or not 0 <= self.cpu_decode_step_max_batch <= 256:
             raise ValueError(f"cpu_decode_step_max_batch must be an integer in 0..256 (0: auto), "

@@ -68,13 +68,17 @@ class DecoderLayer(nn.Module):
 
     def finish(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The residual stream after this layer, given the attention output o [T, heads, head_dim]."""
-        h = h + self._reduce(self.o_proj(o.reshape(-1, self.cfg.q_size)))
+        h = h + self._reduce(self.o_proj(o.reshape(-1, self.cfg.q_size)), self.o_proj)
         x = self.post_attention_layernorm(h)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self._reduce(self.down_proj(nn.functional.silu(gate) * up))
+        return h + self._reduce(self.down_proj(nn.functional.silu(gate) * up), self.down_proj)
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
         if self.tp_enabled:
+            # a projection that gives fp32 partials finishes its own sum (tokenyard/engines/tp/fp32_partials.py)
+            reduce = getattr(proj, "tp_reduce", None)
+            if reduce is not None:
+                return reduce(x, self.tp_group)
             torch.distributed.all_reduce(x, group=self.tp_group)
         return x
 

@@ -93,9 +93,19 @@ class ModelRunner:
         self.native: NativeDecoder | None = None
         self.cpu_compile_mode = "off"
         self.cpu_decode_step_mode = "off"
+        # what the quantised products' inputs are in decode steps the C step runs: "int8" (batches of
+        # 1..7 rounded per 32-block, W8A8 / W4A8), "fp32", or "n/a" (no C step, or no quantised weights)
+        self.activation_quant = "n/a"
         if self.graphs is None:
             wanted = cpu_decode_step_max_batch or NATIVE_MAX_BATCH_ALONE
-            self.native = self._native_decoder(config.cpu_decode_step, max_model_len, min(wanted, max_num_seqs or wanted))
+            self.native = self._native_decoder(config.cpu_decode_step, max_model_len, min(wanted, max_num_seqs or wanted),
+                                               config.activation_quant)
+        if config.activation_quant == "on" and self.activation_quant != "int8":
+            raise ValueError("activation_quant is on but " + (
+                "the C decode step does not run here (see cpu_decode_step)" if self.native is None else
+                "the model has no int8 or int4 projections" if not self.native.quantised else
+                "this machine's build has no int8-input products (they need AVX2)"))
+        if self.graphs is None:
             # The compiled graph serves the batches the C step leaves: none when the C step takes every
             # batch the engine can schedule and is the faster path for all of them (a set max_batch, or
             # under auto at most NATIVE_MAX_BATCH_WITH_GRAPH sequences), so nothing is compiled then.
@@ -115,7 +125,8 @@ class ModelRunner:
         self.num_compiled_steps = 0
         self.num_native_steps = 0
 
-    def _native_decoder(self, mode: str, max_model_len: int, max_batch: int) -> NativeDecoder | None:
+    def _native_decoder(self, mode: str, max_model_len: int, max_batch: int,
+                        activation_quant: str = "auto") -> NativeDecoder | None:
         """The C decode step per the cpu_decode_step knob (EngineConfig); None for the torch paths.
         "auto" uses it where it applies (see auto_compiles: the same size rule) and says why not, once,
         when it cannot be built; "on" makes every obstacle an error."""
@@ -134,15 +145,18 @@ class ModelRunner:
             return None
         try:
             native = NativeDecoder(self.model, self.kv_caches, self.block_size, max_model_len, max_batch,
-                                   torch.get_num_threads())
+                                   torch.get_num_threads(), int8_inputs=activation_quant != "off")
         except (RuntimeError, ValueError):
             if mode == "on":
                 raise
             log.warning("the C decode step is unavailable; decode steps run in torch", exc_info=True)
             return None
+        if native.quantised:
+            self.activation_quant = "int8" if native.int8_inputs else "fp32"
         log.info("decode steps of 1..%d sequences run in the C decode step (%d threads; ready in %.1f s, "
-                 "weights in %s pages)", native.max_batch, native.step.threads, native.ready_seconds,
-                 "2 MiB" if native.arena.huge else "ordinary")
+                 "weights in %s pages; quantised products' inputs: %s)", native.max_batch, native.step.threads,
+                 native.ready_seconds, "2 MiB" if native.arena.huge else "ordinary",
+                 {"int8": "int8 at batches 1..7 (activation_quant)", "fp32": "fp32"}.get(self.activation_quant, "n/a"))
         return native
 
     def _compiled_decoder(self, mode: str, max_model_len: int, max_num_seqs: int) -> CompiledDecoder | None:

@@ -155,12 +155,14 @@ class NativeDecoder:
     whether a step qualifies."""
 
     def __init__(self, model: CausalLM, kv_caches: list, block_size: int, max_model_len: int, max_batch: int,
-                 threads: int) -> None:
+                 threads: int, int8_inputs: bool = True) -> None:
         t0 = time.perf_counter()
         problem = unsupported(model, kv_caches)
         if problem is not None:
             raise ValueError(f"the C decode step cannot run this model: {problem}")
-        lib = cpu_decode_step.load()
+        # int8_inputs False: the build that keeps the inputs of int8 and int4 products in fp32
+        # (the engine's activation_quant "off"; cpu_decode_step.load says more)
+        lib = cpu_decode_step.load(int8_inputs)
         if lib is None:
             raise RuntimeError("the C decode step is unavailable (no C compiler, or its build failed: "
                                "see the warning above)")
@@ -176,6 +178,9 @@ class NativeDecoder:
         else:
             spec = lib.prepare_model(describe(model, kv_caches, block_size))
             native_step_cache.save_linears(lib, model, spec)
+        self.quantised = any(getattr(obj, name).kind != cpu_decode_step.F32 for obj, name in linear_slots(spec))
+        # whether decode batches of 1..7 round the quantised products' inputs to int8 (W8A8 / W4A8)
+        self.int8_inputs = lib.int8_inputs and self.quantised
         self.arena = rehome(spec, model)
         self.step = lib.create(spec, max_batch, self.max_len, threads)
         # building the library (first use on a machine: a few seconds of gcc, then cached) + the repack

@@ -19,4 +19,5 @@ class RunnerConfig:
     max_num_seqs: int = 0               # largest batch the scheduler forms (0: unknown)
     cpu_decode_step: str = "off"        # auto | on | off; TOKENYARD_CPU_DECODE_STEP replaces auto
     cpu_decode_step_max_batch: int = 0  # 0: auto (see model_runner.NATIVE_MAX_BATCH_*)
+    activation_quant: str = "auto"      # auto | on | off: the C step's int8 inputs (EngineConfig.activation_quant)
     cpu_onednn_linear: str = "off"      # auto | on | off; TOKENYARD_CPU_ONEDNN_LINEAR replaces auto

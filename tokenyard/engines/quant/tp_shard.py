@@ -25,6 +25,7 @@ from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.quant.quantization import checkpoint_quantization, load_quantized_model, quantize_model
+from tokenyard.engines.tp.fp32_partials import wrap_row_parallel_
 from tokenyard.engines.tp.tensor_parallel import ParallelLMHead, VocabParallelEmbedding, local_config, shard_model_
 from tokenyard.engines.weights.checkpoint import load_model
 from tokenyard.kernels.quant_layout import Int4Weight, Int8Weight
@@ -135,6 +136,7 @@ def shard_quantized_model_(model: CausalLM, rank: int, world: int, group: dist.P
         layer.o_proj = take_cols(layer.o_proj, rank * lq, lq, keep_bias=rank == 0)
         layer.gate_up_proj = take_rows(layer.gate_up_proj, [(rank * lf, lf), (f + rank * lf, lf)])
         layer.down_proj = take_cols(layer.down_proj, rank * lf, lf, keep_bias=rank == 0)
+        wrap_row_parallel_(layer)   # packed CPU ops' partials summed in fp32 (tp/fp32_partials.py says why)
         layer.cfg = loc
         layer.tp_group = group
         layer.tp_enabled = True

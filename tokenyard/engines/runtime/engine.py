@@ -344,7 +344,7 @@ class Engine:
                 max_model_len=self.max_model_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                 cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
                 cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch,
-                cpu_onednn_linear=cfg.cpu_onednn_linear))
+                cpu_onednn_linear=cfg.cpu_onednn_linear, activation_quant=cfg.activation_quant))
 
     def _start_tensor_parallel(self, model_dir: Path, num_blocks: int) -> ModelRunner:
         from tokenyard.engines.model.kv_cache import allocate_kv_cache as alloc

@@ -23,6 +23,7 @@ from torch import nn
 from tokenyard.engines.core.errors import CheckpointError
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.engines.tp.fp32_partials import wrap_row_parallel_
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:
@@ -109,6 +110,7 @@ def shard_model_(model: CausalLM, rank: int, world: int, group: dist.ProcessGrou
         for row_parallel in (layer.o_proj, layer.down_proj):
             if row_parallel.bias is not None and rank != 0:
                 row_parallel.bias = None
+        wrap_row_parallel_(layer)   # bf16 partials summed in fp32 (fp32_partials.py says why)
         layer.cfg = loc
         layer.tp_group = group
         layer.tp_enabled = True
