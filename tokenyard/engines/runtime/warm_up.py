@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tokenyard.engines.core.errors import RequestError
 from tokenyard.engines.core.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from tokenyard.engines.runtime.engine import Engine
+# The engine (tokenyard/engines/runtime/engine.py) calls this while it builds itself; it is typed Any
+# here so this module does not import engine.py back.
+Engine = Any
 
 log = logging.getLogger(__name__)
 

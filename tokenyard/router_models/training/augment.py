@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from tokenyard.router_models.training.train import Labelled
+from tokenyard.router_models.training.labelled import Labelled
 
 FILLERS = (
     "The weather is nice today.", "I keep notes in a paper diary.", "Our office moved last spring.",
