@@ -5,7 +5,9 @@ of use (`grow`), dropped from the tail on rollback (`truncate`), and all release
 (`free`, tail first, so the deepest blocks of a chain are evicted before the shared roots).
 
 The hash chain: block i of a sequence is keyed by (block i-1's id, its token ids); block 0 by
-(("salt", cache_salt), its token ids). A tenant's salt therefore keeps its cache private.
+(("salt", cache_salt), its token ids). A tenant's salt therefore keeps its cache private. A sequence
+run with a LoRA adapter (lora_id > 0) roots its chain at ("salt", cache_salt, lora_id) instead: its
+KV depends on the adapter's weights, so no block is ever shared across adapters or with the base.
 """
 from __future__ import annotations
 
@@ -15,8 +17,16 @@ from tokenyard.engines.core.block_pool import BlockPool
 from tokenyard.engines.core.sequence import Sequence
 
 # What a block's cache key names as its parent: the previous block's id, or for a first block the
-# ("salt", cache_salt) marker that keeps one tenant's prefixes apart from another's.
-Parent = int | tuple[str, str | None]
+# ("salt", cache_salt) marker that keeps one tenant's prefixes apart from another's (with the LoRA
+# adapter's id appended for an adapter's sequences).
+Parent = int | tuple[str, str | None] | tuple[str, str | None, int]
+
+
+def chain_root(seq: Sequence) -> tuple[int, Parent]:
+    """The (parent hash, parent key) a sequence's first block is cached under."""
+    if seq.lora_id:
+        return hash(("tokenyard-prefix", seq.cache_salt, seq.lora_id)), ("salt", seq.cache_salt, seq.lora_id)
+    return hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
 
 
 @dataclass(slots=True)
@@ -76,8 +86,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return hit
         bs = self.block_size
-        parent_hash = hash(("tokenyard-prefix", seq.cache_salt))
-        parent: Parent = ("salt", seq.cache_salt)
+        parent_hash, parent = chain_root(seq)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash((parent_hash, tokens))
@@ -119,7 +128,7 @@ class BlockManager:
             if i:
                 parent_hash, parent = seq.block_hashes[i - 1], seq.block_table[i - 1]
             else:
-                parent_hash, parent = hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
+                parent_hash, parent = chain_root(seq)
             h = hash((parent_hash, tokens))
             self.pool.register(seq.block_table[i], h, (parent, tokens))
             seq.block_hashes.append(h)
