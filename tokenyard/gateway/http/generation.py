@@ -272,7 +272,7 @@ class Generation:
             key_name=ctx.key_name, requested_max_tokens=ctx.requested_max_tokens, engine_state=ctx.engine_state,
             policy_version=ctx.policy_version, context_dropped_tokens=ctx.context_dropped_tokens,
             routed_prompt_tokens=ctx.routed_prompt_tokens, batch=ctx.batch, price_percent=self.price_percent,
-            api=ctx.api)
+            api=ctx.api, lora=ctx.lora)
         self._sink(self.record)
         self._end(p + c)
         return self.record
