@@ -77,10 +77,11 @@ def adapter_logits(llm, tokens: list[int], name: str | None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["a", "b", "rs"])
-def test_logits_match_the_merged_peft_model(setup, llm, name):
+@pytest.mark.parametrize("length", [40, 100])   # the dense form (<= 64 rows, adapter_pool.DENSE_MAX_ROWS), segments
+def test_logits_match_the_merged_peft_model(setup, llm, name, length):
     base, adapters = setup
     ref = merged_model(base, adapters[name])
-    prompt = random_prompts(1, 40, 40, ref.config.vocab_size, seed=5)[0]
+    prompt = random_prompts(1, length, length, ref.config.vocab_size, seed=5)[0]
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0]
     got = adapter_logits(llm, prompt, name)
@@ -210,7 +211,7 @@ def test_each_quantised_projection_gets_exactly_its_adapter_product(setup, mode)
             got = layer.lora.apply(group, x, proj(x))
         finally:
             pool.end_step()
-        want = [(x @ pool.a[m][1, slot].T) @ pool.b[m][1, slot].T * scale for m in modules]
+        want = [(x @ pool.a_of(m, 1)[slot].T) @ pool.b_of(m, 1)[slot].T * scale for m in modules]
         delta = torch.cat(want, dim=1)
         mask = torch.tensor([r != 0 for r in rows])[:, None]
         expected = plain + delta * mask
@@ -276,3 +277,46 @@ def test_the_triton_kernel_gives_the_torch_paths_tokens(setup, llm):
     finally:
         pool.triton = False
     assert got == want
+
+
+def test_no_wrong_adapter_tokens_in_a_random_mixed_batch_with_preemption(setup):
+    """Random adapters per request, a KV cache small enough to preempt, fewer pool slots than adapters:
+    every request's greedy tokens equal its own run alone on a roomy engine."""
+    base, adapters = setup
+    modules = {k: str(v) for k, v in adapters.items()}
+    g = torch.Generator().manual_seed(29)
+    prompts = random_prompts(14, 8, 30, 512, seed=29)
+    choices = [None, "a", "b", "rs"]
+    names = [choices[i] for i in torch.randint(0, 4, (len(prompts),), generator=g).tolist()]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    roomy = LLM(base, lora_modules=modules, max_loaded_adapters=3, kv_cache_memory=8 << 20)
+    alone = [roomy.generate([p], params, use_tqdm=False, lora=[n])[0].outputs[0].token_ids
+             for p, n in zip(prompts, names)]
+    # 8 KiB a block here (2 layers, 2 KV heads of 16, fp32): 12 blocks hold 192 tokens of the ~450 wanted
+    tight = LLM(base, lora_modules=modules, max_loaded_adapters=2, kv_cache_memory=12 * 8192,
+                enable_prefix_caching=False)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False, lora=names)]
+    stats = tight.engine.stats()
+    assert stats.num_preemptions > 0 and stats.lora_evictions > 0
+    wrong = [i for i, (x, y) in enumerate(zip(got, alone)) if x != y]
+    assert not wrong, f"requests {wrong} ({[names[i] for i in wrong]}) differ from their runs alone"
+
+
+def test_steps_with_an_adapter_leave_the_c_decode_step_for_the_eager_forward(setup):
+    """The C decode step serves base-only decode steps; a decode step holding an adapter request runs the
+    eager forward (counted in lora_eager_steps), and the tokens are those of an engine without the C step."""
+    base, adapters = setup
+    modules = {"a": str(adapters["a"])}
+    prompts = random_prompts(3, 5, 15, 512, seed=31)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = LLM(base, lora_modules=modules, kv_cache_memory=8 << 20, cpu_decode_step="off")
+    try:
+        native = LLM(base, lora_modules=modules, kv_cache_memory=8 << 20, cpu_decode_step="on")
+    except (RuntimeError, ValueError) as e:   # no C compiler here
+        pytest.skip(f"the C decode step is unavailable: {e}")
+    for names in ([None, None, None], ["a", None, "a"]):
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False, lora=names)]
+        got = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False, lora=names)]
+        assert got == want, names
+    runner = native.engine.runner
+    assert runner.num_native_steps > 0 and native.engine.stats().lora_eager_steps > 0

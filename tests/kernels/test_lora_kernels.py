@@ -77,5 +77,28 @@ def test_torch_matches_the_reference(case, dtype, tol):
     assert torch.equal(out[base_rows], y[base_rows])
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_dense_form_matches_the_reference(case):
+    """lora_add_dense on the pool's layout (B as [out, slots, R]): every row against every slot, masked."""
+    x, a, b, scales, y, row_slots, ref = _case(*case, torch.float32)
+    mask = lora_torch.dense_mask(row_slots, scales.tolist(), case[4], torch.float32, torch.device("cpu"))
+    out = y.clone()
+    lora_torch.lora_add_dense(out[:, case[2]:], x, a, b.transpose(0, 1).contiguous(), mask)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    base_rows = [i for i, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(out[base_rows], y[base_rows])
+
+
+def test_triton_reads_the_pools_strided_b():
+    """The pool keeps B as [out, slots, R]; the kernel gets its [slots, out, R] view, strided."""
+    case = CASES[0]
+    x, a, b, scales, y, row_slots, ref = _case(*case, torch.float32)
+    seg = _segments(row_slots, case[5], scales, DEVICE, True)
+    pool_b = b.transpose(0, 1).contiguous().to(DEVICE)          # [N, slots, R]
+    out = y.to(DEVICE)
+    lora_triton.lora_add(out[:, case[2]:], x.to(DEVICE), a.to(DEVICE), pool_b.transpose(0, 1), scales.to(DEVICE), seg)
+    assert ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
 def test_no_adapter_rows_give_no_segments():
     assert lora_torch.build_segments([-1, -1, -1], torch.device("cpu")) is None

@@ -11,6 +11,13 @@ adapter's rank here skips the zeros' work, and a zero-padded product would give 
 
 `y` may be a column slice of a fused projection's output (q, k and v of qkv_proj): the product is
 added in place through index_add_, which writes through the view.
+
+The dense form (`lora_add_dense`, small steps on a CPU) trades work for calls: every row is multiplied by
+the A of every slot in one GEMM ([T, K] x [K, slots * R]), a mask built once per step keeps each row's own
+slot's columns times its scale (zero for base rows and other slots), and one more GEMM against the B of
+every slot side by side ([slots * R, N]) adds the products. Per projection that is three calls whatever
+the number of adapters, against five per segment; at decode sizes the extra multiplications cost less
+than the calls they save. The result is the segment form's up to summation order.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ class LoraSegments:
     starts_t: torch.Tensor | None = None
     slots_t: torch.Tensor | None = None
     max_len: int = 0            # the longest segment's row count
+    mask: torch.Tensor | None = None   # [T, slots * R] for the dense form (dense_mask), else None
 
     @property
     def num_segments(self) -> int:
@@ -70,3 +78,21 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         xs = x.index_select(0, rows)
         t = (xs @ a[slot, :r].T) * seg.scales[i]
         y.index_add_(0, rows, (t @ b[slot, :, :r].T).to(y.dtype))
+
+
+def dense_mask(row_slots: list[int], slot_scales: list[float], rank: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """[T, slots * rank]: row i holds its slot's scale over that slot's rank columns, zeros elsewhere."""
+    slots = len(slot_scales)
+    mask = torch.zeros(len(row_slots), slots, rank, dtype=dtype)
+    for i, s in enumerate(row_slots):
+        if s >= 0:
+            mask[i, s] = slot_scales[s]
+    return mask.view(len(row_slots), slots * rank).to(device)
+
+
+def lora_add_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
+    """y [T, N] += for each row, its slot's scale * B(Ax), in place. a: [slots, R, K] (contiguous);
+    b: [N, slots, R] (contiguous: the pool's layout); mask: dense_mask's [T, slots * R]."""
+    t = (x @ a.reshape(-1, a.shape[-1]).T) * mask
+    y.addmm_(t, b.reshape(b.shape[0], -1).T)

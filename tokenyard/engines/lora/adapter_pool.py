@@ -6,13 +6,15 @@
     ... model forward: every layer's LayerLora reads pool.segments ...
     pool.end_step()
 
-Memory is fixed at start-up: per adapted module, A [layers, slots, R, in] and B [layers, slots,
-out, R] in the model's dtype, R the largest rank among the registered adapters; a slot holds one
-adapter, zero-padded past its own rank (zeros add nothing). Every adapter is read and checked at
-start-up (a bad one fails the engine's start, naming the tensor); the first max_loaded stay in
-their slots, the others are read again from disk when a step needs them, taking the least recently
-used slot that the step does not need. The scheduler never puts more adapters in one step than
-there are slots (SchedulerConfig.max_adapters).
+Memory is fixed at start-up: per adapted module, A [layers, slots, R, in] and B [layers, out, slots,
+R] in the model's dtype, R the largest rank among the registered adapters; a slot holds one
+adapter, zero-padded past its own rank (zeros add nothing). B keeps the slots inside each output row
+so that a layer's B of every slot is one [out, slots * R] matrix without a copy (the dense decode
+form, tokenyard/kernels/lora_torch.py); `b_of(module, layer)` is the [slots, out, R] view the segment
+kernels read. Every adapter is read and checked at start-up (a bad one fails the engine's start,
+naming the tensor); the first max_loaded stay in their slots, the others are read again from disk
+when a step needs them, taking the least recently used slot that the step does not need. The
+scheduler never puts more adapters in one step than there are slots (SchedulerConfig.max_adapters).
 
 Identity: each registered adapter gets an id at registration; the prefix cache keys blocks by it
 (tokenyard/engines/core/block_manager.py), so KV computed under one adapter is never reused by
@@ -31,9 +33,16 @@ from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.lora.adapter_config import TARGET_MODULES, AdapterError
 from tokenyard.engines.lora.adapter_loader import Adapter, load_adapter, module_shapes
 from tokenyard.engines.model.model_config import ModelConfig
-from tokenyard.kernels.lora_torch import LoraSegments, build_segments
+from tokenyard.kernels.lora_torch import LoraSegments, build_segments, dense_mask
 
 log = logging.getLogger(__name__)
+
+# Steps of at most this many token rows (decode batches, short mixed steps) take the dense form of the
+# torch products on a CPU: every row against every slot in two GEMMs per projection, the rows' own
+# slots kept by a mask (tokenyard/kernels/lora_torch.py), instead of a loop over the adapters' segments
+# whose per-segment calls cost more than the products at these sizes. The dense form multiplies
+# slots x the work of the segments, which longer prefill steps would feel.
+DENSE_MAX_ROWS = 64
 
 
 class AdapterPool:
@@ -58,7 +67,7 @@ class AdapterPool:
         shapes = module_shapes(base)
         L, S, R = base.num_layers, max_loaded, self.rank
         self.a = {m: torch.zeros(L, S, R, shapes[m][0], dtype=dtype, device=device) for m in self.modules}
-        self.b = {m: torch.zeros(L, S, shapes[m][1], R, dtype=dtype, device=device) for m in self.modules}
+        self.b = {m: torch.zeros(L, shapes[m][1], S, R, dtype=dtype, device=device) for m in self.modules}
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.slot_rank = [0] * S
         self.slot_scale = [0.0] * S
@@ -76,7 +85,15 @@ class AdapterPool:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(t[:, 0].numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values())) // self.num_slots
+
+    def a_of(self, module: str, layer: int) -> torch.Tensor:
+        """A of every slot for one layer's module: [slots, R, in]."""
+        return self.a[module][layer]
+
+    def b_of(self, module: str, layer: int) -> torch.Tensor:
+        """B of every slot for one layer's module: a [slots, out, R] view (strided)."""
+        return self.b[module][layer].transpose(0, 1)
 
     def id_of(self, name: str | None) -> int:
         """0 for the base (None), else the adapter's id; ParamError for a name not registered."""
@@ -96,10 +113,13 @@ class AdapterPool:
             self.segments = None
             return None
         slot_of = self.acquire(wanted)
-        seg = build_segments([slot_of[i] if i else -1 for i in row_ids], self.device, with_tensors=self.triton)
+        row_slots = [slot_of[i] if i else -1 for i in row_ids]
+        seg = build_segments(row_slots, self.device, with_tensors=self.triton)
         assert seg is not None
         seg.ranks = [self.slot_rank[s] for s in seg.slots]
         seg.scales = [self.slot_scale[s] for s in seg.slots]
+        if not self.triton and len(row_ids) <= DENSE_MAX_ROWS:
+            seg.mask = dense_mask(row_slots, self.slot_scale, self.rank, self.dtype, self.device)
         self.segments = seg
         return seg
 
@@ -136,10 +156,10 @@ class AdapterPool:
         with torch.no_grad():
             for m in self.modules:
                 self.a[m][:, slot].zero_()
-                self.b[m][:, slot].zero_()
+                self.b[m][:, :, slot].zero_()
             for (layer, m), (a, b) in adapter.weights.items():
                 self.a[m][layer, slot, :r].copy_(a)
-                self.b[m][layer, slot, :, :r].copy_(b)
+                self.b[m][layer, :, slot, :r].copy_(b)
             self.scales[slot] = adapter.config.scale
         self.slot_rank[slot] = r
         self.slot_scale[slot] = adapter.config.scale

@@ -48,13 +48,15 @@ class LayerLora:
             return y
         pool, layer = self.pool, self.layer
         for module, off, n in self.slices[group]:
-            a, b = pool.a[module][layer], pool.b[module][layer]
             out = y[:, off:off + n]
             if pool.triton:
                 from tokenyard.kernels import lora_triton  # imported only on CUDA
-                lora_triton.lora_add(out, x.contiguous(), a, b, pool.scales, seg)
+                lora_triton.lora_add(out, x.contiguous(), pool.a_of(module, layer), pool.b_of(module, layer),
+                                     pool.scales, seg)
+            elif seg.mask is not None:
+                lora_torch.lora_add_dense(out, x, pool.a[module][layer], pool.b[module][layer], seg.mask)
             else:
-                lora_torch.lora_add(out, x, a, b, seg)
+                lora_torch.lora_add(out, x, pool.a_of(module, layer), pool.b_of(module, layer), seg)
         return y
 
 
