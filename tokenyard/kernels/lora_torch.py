@@ -39,7 +39,8 @@ class LoraSegments:
     starts_t: torch.Tensor | None = None
     slots_t: torch.Tensor | None = None
     max_len: int = 0            # the longest segment's row count
-    mask: torch.Tensor | None = None   # [T, slots * R] for the dense form (dense_mask), else None
+    # the dense form's masks (dense_mask), by columns per slot; None: the segment form
+    masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_segments(self) -> int:

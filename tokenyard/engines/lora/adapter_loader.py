@@ -35,6 +35,25 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
 
+# The decoder's fused projections (tokenyard/engines/model/model.py), by the group name the model passes
+# to LayerLora.apply, and the PEFT modules whose outputs they concatenate, in order.
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+
+
+def group_layout(cfg: ModelConfig) -> dict[str, tuple[int, int, list[tuple[str, int, int]]]]:
+    """group -> (in_features, fused out_features, [(module, column offset, width), ...])."""
+    shapes = module_shapes(cfg)
+    out = {}
+    for group, modules in GROUPS.items():
+        cuts, off = [], 0
+        for m in modules:
+            cuts.append((m, off, shapes[m][1]))
+            off += shapes[m][1]
+        out[group] = (shapes[modules[0]][0], off, cuts)
+    return out
+
+
 @dataclass(slots=True)
 class Adapter:
     """One adapter's weights: (layer, module) -> (A [r, in], B [out, r]), in the engine's dtype."""

@@ -6,15 +6,19 @@
     ... model forward: every layer's LayerLora reads pool.segments ...
     pool.end_step()
 
-Memory is fixed at start-up: per adapted module, A [layers, slots, R, in] and B [layers, out, slots,
-R] in the model's dtype, R the largest rank among the registered adapters; a slot holds one
-adapter, zero-padded past its own rank (zeros add nothing). B keeps the slots inside each output row
-so that a layer's B of every slot is one [out, slots * R] matrix without a copy (the dense decode
-form, tokenyard/kernels/lora_torch.py); `b_of(module, layer)` is the [slots, out, R] view the segment
-kernels read. Every adapter is read and checked at start-up (a bad one fails the engine's start,
-naming the tensor); the first max_loaded stay in their slots, the others are read again from disk
-when a step needs them, taking the least recently used slot that the step does not need. The
-scheduler never puts more adapters in one step than there are slots (SchedulerConfig.max_adapters).
+Memory is fixed at start-up, per fused projection of the decoder (qkv, o, gate_up, down: the model's
+own groups) that any adapter touches: A [layers, slots, G * R, in] and B [layers, out, slots, G * R] in
+the model's dtype, G the group's modules, R the largest rank among the registered adapters. Module j of
+a group has A rows j*R..(j+1)*R and, in B, its own output rows times those columns (B is block-diagonal
+over the modules: G x the memory of separate B's, for G <= 3). A slot holds one adapter, zero-padded
+past its own rank and in modules it does not adapt (zeros add nothing). So a layer's group is one
+[out, slots * G * R] matrix against one [slots * G * R, in]: the dense form of tokenyard/kernels/lora_torch.py
+is three calls per fused projection for every adapter at once; `a_of` / `b_of` are the per-module
+[slots, R, in] / [slots, out, R] views the segment kernels read. Every adapter is read and checked at
+start-up (a bad one fails the engine's start, naming the tensor); the first max_loaded stay in their
+slots, the others are read again from disk when a step needs them, taking the least recently used slot
+that the step does not need. The scheduler never puts more adapters in one step than there are slots
+(SchedulerConfig.max_adapters).
 
 Identity: each registered adapter gets an id at registration; the prefix cache keys blocks by it
 (tokenyard/engines/core/block_manager.py), so KV computed under one adapter is never reused by
@@ -31,7 +35,7 @@ import torch
 
 from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.lora.adapter_config import TARGET_MODULES, AdapterError
-from tokenyard.engines.lora.adapter_loader import Adapter, load_adapter, module_shapes
+from tokenyard.engines.lora.adapter_loader import GROUPS, Adapter, group_layout, load_adapter
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.kernels.lora_torch import LoraSegments, build_segments, dense_mask
 
@@ -64,10 +68,14 @@ class AdapterPool:
             adapters.append(adapter)
         self.rank = max(a.config.rank for a in adapters)
         self.modules = tuple(m for m in TARGET_MODULES if any(m in a.modules for a in adapters))
-        shapes = module_shapes(base)
         L, S, R = base.num_layers, max_loaded, self.rank
-        self.a = {m: torch.zeros(L, S, R, shapes[m][0], dtype=dtype, device=device) for m in self.modules}
-        self.b = {m: torch.zeros(L, shapes[m][1], S, R, dtype=dtype, device=device) for m in self.modules}
+        layout = group_layout(base)
+        self.groups = tuple(g for g, mods in GROUPS.items() if any(m in self.modules for m in mods))
+        self.width = {g: len(GROUPS[g]) * R for g in self.groups}      # G * R columns per slot
+        # module -> (group, index in the group, output offset, output width)
+        self.place = {m: (g, j, off, n) for g in self.groups for j, (m, off, n) in enumerate(layout[g][2])}
+        self.a = {g: torch.zeros(L, S, self.width[g], layout[g][0], dtype=dtype, device=device) for g in self.groups}
+        self.b = {g: torch.zeros(L, layout[g][1], S, self.width[g], dtype=dtype, device=device) for g in self.groups}
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.slot_rank = [0] * S
         self.slot_scale = [0.0] * S
@@ -88,12 +96,14 @@ class AdapterPool:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values())) // self.num_slots
 
     def a_of(self, module: str, layer: int) -> torch.Tensor:
-        """A of every slot for one layer's module: [slots, R, in]."""
-        return self.a[module][layer]
+        """A of every slot for one layer's module: a [slots, R, in] view."""
+        g, j, _, _ = self.place[module]
+        return self.a[g][layer][:, j * self.rank:(j + 1) * self.rank]
 
     def b_of(self, module: str, layer: int) -> torch.Tensor:
         """B of every slot for one layer's module: a [slots, out, R] view (strided)."""
-        return self.b[module][layer].transpose(0, 1)
+        g, j, off, n = self.place[module]
+        return self.b[g][layer][off:off + n, :, j * self.rank:(j + 1) * self.rank].transpose(0, 1)
 
     def id_of(self, name: str | None) -> int:
         """0 for the base (None), else the adapter's id; ParamError for a name not registered."""
@@ -119,7 +129,8 @@ class AdapterPool:
         seg.ranks = [self.slot_rank[s] for s in seg.slots]
         seg.scales = [self.slot_scale[s] for s in seg.slots]
         if not self.triton and len(row_ids) <= DENSE_MAX_ROWS:
-            seg.mask = dense_mask(row_slots, self.slot_scale, self.rank, self.dtype, self.device)
+            seg.masks = {w: dense_mask(row_slots, self.slot_scale, w, self.dtype, self.device)
+                         for w in set(self.width.values())}
         self.segments = seg
         return seg
 
@@ -154,12 +165,14 @@ class AdapterPool:
             log.debug("LoRA adapter %s evicted from slot %d", self.names[victim], slot)
         r = adapter.config.rank
         with torch.no_grad():
-            for m in self.modules:
-                self.a[m][:, slot].zero_()
-                self.b[m][:, :, slot].zero_()
+            for g in self.groups:
+                self.a[g][:, slot].zero_()
+                self.b[g][:, :, slot].zero_()
             for (layer, m), (a, b) in adapter.weights.items():
-                self.a[m][layer, slot, :r].copy_(a)
-                self.b[m][layer, :, slot, :r].copy_(b)
+                g, j, off, n = self.place[m]
+                col = j * self.rank
+                self.a[g][layer, slot, col:col + r].copy_(a)
+                self.b[g][layer, off:off + n, slot, col:col + r].copy_(b)
             self.scales[slot] = adapter.config.scale
         self.slot_rank[slot] = r
         self.slot_scale[slot] = adapter.config.scale
