@@ -4,6 +4,8 @@ Figures, on one engine of the base with `--adapters` random rank-`--rank` adapte
 projections (PEFT's format, written here; tokenyard/engines/lora):
 - decode step time of `--batch` sequences, all on the base vs spread evenly over the adapters
   (the same engine, rounds interleaved; median over the timed steps): the issue's goal is <= 1.3x;
+  "adapters" is the engine as it runs (the dense form for steps of <= DENSE_MAX_ROWS rows on a CPU),
+  "adapters_segments" the same batch through the segment loop (DENSE_MAX_ROWS set to 0), for comparison;
 - adapter load time: reading and checking one adapter and copying it into a pool slot (the pool has
   one slot, so every acquire of the other adapter is a load; median): the goal is <= 50 ms.
 
@@ -86,6 +88,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from tokenyard.bench.results_io import RunRecorder
     from tokenyard.engines import Engine
+    from tokenyard.engines.lora import adapter_pool
     from tokenyard.engines.lora.adapter_pool import AdapterPool
 
     rec = RunRecorder("lora_adapters")
@@ -99,8 +102,13 @@ def main() -> None:
         spread = [names[i % args.adapters] for i in range(args.batch)]
         runs = []
         for r in range(args.rounds):
-            for mode, batch_names in (("base", [None] * args.batch), ("adapters", spread)):
-                t = decode_step_times(engine, batch_names, args.steps, args.prompt_len, f"{mode}{r}")
+            for mode, batch_names in (("base", [None] * args.batch), ("adapters", spread), ("adapters_segments", spread)):
+                dense_rows = adapter_pool.DENSE_MAX_ROWS
+                adapter_pool.DENSE_MAX_ROWS = 0 if mode == "adapters_segments" else dense_rows
+                try:
+                    t = decode_step_times(engine, batch_names, args.steps, args.prompt_len, f"{mode}{r}")
+                finally:
+                    adapter_pool.DENSE_MAX_ROWS = dense_rows
                 runs.append({"round": r, "mode": mode, "step_s": t})
                 print(mode, r, f"median step {statistics.median(t) * 1e3:.2f} ms", flush=True)
         # load: a one-slot pool of two adapters, acquired in turn: every acquire reads one from disk
@@ -113,10 +121,13 @@ def main() -> None:
             pool.acquire({pool.id_of(names[(i + 1) % 2])})
             loads.append({"acquire_s": time.perf_counter() - t0, "read_check_s": pool.load_seconds - before})
         slot_mib = pool.slot_bytes / 2**20
-    med = {m: statistics.median(s for run in runs if run["mode"] == m for s in run["step_s"]) for m in ("base", "adapters")}
+    med = {m: statistics.median(s for run in runs if run["mode"] == m for s in run["step_s"])
+           for m in ("base", "adapters", "adapters_segments")}
     figures = {"batch": args.batch, "adapters": args.adapters, "rank": args.rank, "threads": args.threads,
                "base_step_ms": med["base"] * 1e3, "adapters_step_ms": med["adapters"] * 1e3,
                "adapters_over_base": med["adapters"] / med["base"], "goal_step_ratio": 1.3,
+               "adapters_segments_step_ms": med["adapters_segments"] * 1e3,
+               "adapters_segments_over_base": med["adapters_segments"] / med["base"],
                "adapter_load_ms": statistics.median(x["acquire_s"] for x in loads) * 1e3, "goal_load_ms": 50,
                "pool_slot_mib": slot_mib, "lora_eager_steps": engine.stats().lora_eager_steps}
     print(json.dumps(figures, indent=1))

@@ -83,13 +83,12 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 def dense_mask(row_slots: list[int], slot_scales: list[float], rank: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
-    """[T, slots * rank]: row i holds its slot's scale over that slot's rank columns, zeros elsewhere."""
-    slots = len(slot_scales)
-    mask = torch.zeros(len(row_slots), slots, rank, dtype=dtype)
-    for i, s in enumerate(row_slots):
-        if s >= 0:
-            mask[i, s] = slot_scales[s]
-    return mask.view(len(row_slots), slots * rank).to(device)
+    """[T, slots * rank]: row i holds its slot's scale over that slot's rank columns, zeros elsewhere
+    (a handful of tensor ops, not a Python loop over the rows: it is built every step)."""
+    rows = torch.tensor(row_slots, dtype=torch.long)
+    scales = torch.tensor([*slot_scales, 0.0], dtype=dtype)          # slot -1 (base rows) reads the 0.0
+    onehot = torch.nn.functional.one_hot(rows.clamp(min=0), len(slot_scales)).to(dtype) * scales[rows][:, None]
+    return onehot[:, :, None].expand(-1, -1, rank).reshape(len(row_slots), -1).to(device)
 
 
 def lora_add_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
