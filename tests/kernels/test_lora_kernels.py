@@ -78,12 +78,13 @@ def test_torch_matches_the_reference(case, dtype, tol):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_the_dense_form_matches_the_reference(case):
-    """lora_add_dense on the pool's layout (B as [out, slots, R]): every row against every slot, masked."""
+def test_the_batched_form_matches_the_reference(case):
+    """lora_add_batched on the pool's layout (B as [out, slots, R]): segments padded, two bmm."""
     x, a, b, scales, y, row_slots, ref = _case(*case, torch.float32)
-    mask = lora_torch.dense_mask(row_slots, scales.tolist(), case[4], torch.float32, torch.device("cpu"))
+    seg = _segments(row_slots, case[5], scales, torch.device("cpu"), False)
+    lora_torch.batched_layout(seg, case[3], torch.float32, torch.device("cpu"))
     out = y.clone()
-    lora_torch.lora_add_dense(out[:, case[2]:], x, a, b.transpose(0, 1).contiguous(), mask)
+    lora_torch.lora_add_batched(out[:, case[2]:], x, a, b.transpose(0, 1).contiguous(), seg)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     base_rows = [i for i, s in enumerate(row_slots) if s < 0]
     assert torch.equal(out[base_rows], y[base_rows])

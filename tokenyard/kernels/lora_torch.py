@@ -12,12 +12,12 @@ adapter's rank here skips the zeros' work, and a zero-padded product would give 
 `y` may be a column slice of a fused projection's output (q, k and v of qkv_proj): the product is
 added in place through index_add_, which writes through the view.
 
-The dense form (`lora_add_dense`, small steps on a CPU) trades work for calls: every row is multiplied by
-the A of every slot in one GEMM ([T, K] x [K, slots * R]), a mask built once per step keeps each row's own
-slot's columns times its scale (zero for base rows and other slots), and one more GEMM against the B of
-every slot side by side ([slots * R, N]) adds the products. Per projection that is three calls whatever
-the number of adapters, against five per segment; at decode sizes the extra multiplications cost less
-than the calls they save. The result is the segment form's up to summation order.
+The batched form (`lora_add_batched`, small steps on a CPU) trades a little work for far fewer calls:
+the rows are laid out as [slots, M, K] (M: the longest segment; shorter segments and slots without rows
+padded with row 0 at scale 0) and each fused projection is two batched GEMMs (torch.bmm) against every
+slot's A and B, a per-row scale (zero for padding) between them, and one index_add_: five calls per
+projection whatever the number of adapters, against five per segment, and no product of a row with
+another adapter's weights. The result is the segment form's up to summation order.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ class LoraSegments:
     starts_t: torch.Tensor | None = None
     slots_t: torch.Tensor | None = None
     max_len: int = 0            # the longest segment's row count
-    # the dense form's masks (dense_mask), by columns per slot; None: the segment form
-    masks: dict[int, torch.Tensor] | None = None
+    # the batched form (batched_layout): row index per (slot, position) and its scale (0: padding)
+    pad_idx: torch.Tensor | None = None        # [slots * M] long
+    pad_scale: torch.Tensor | None = None      # [slots, M, 1]
 
     @property
     def num_segments(self) -> int:
@@ -81,18 +82,25 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         y.index_add_(0, rows, (t @ b[slot, :, :r].T).to(y.dtype))
 
 
-def dense_mask(row_slots: list[int], slot_scales: list[float], rank: int, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    """[T, slots * rank]: row i holds its slot's scale over that slot's rank columns, zeros elsewhere
-    (a handful of tensor ops, not a Python loop over the rows: it is built every step)."""
-    rows = torch.tensor(row_slots, dtype=torch.long)
-    scales = torch.tensor([*slot_scales, 0.0], dtype=dtype)          # slot -1 (base rows) reads the 0.0
-    onehot = torch.nn.functional.one_hot(rows.clamp(min=0), len(slot_scales)).to(dtype) * scales[rows][:, None]
-    return onehot[:, :, None].expand(-1, -1, rank).reshape(len(row_slots), -1).to(device)
+def batched_layout(seg: LoraSegments, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill seg.pad_idx / seg.pad_scale for lora_add_batched (every pool slot, M = the longest segment)."""
+    m = seg.max_len
+    idx = torch.zeros(num_slots, m, dtype=torch.long)
+    scale = torch.zeros(num_slots, m, 1, dtype=dtype)
+    perm = seg.perm.cpu()
+    for i, slot in enumerate(seg.slots):
+        lo, hi = seg.starts[i], seg.starts[i + 1]
+        idx[slot, :hi - lo] = perm[lo:hi]
+        scale[slot, :hi - lo] = seg.scales[i]
+    seg.pad_idx, seg.pad_scale = idx.view(-1).to(device), scale.to(device)
 
 
-def lora_add_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
-    """y [T, N] += for each row, its slot's scale * B(Ax), in place. a: [slots, R, K] (contiguous);
-    b: [N, slots, R] (contiguous: the pool's layout); mask: dense_mask's [T, slots * R]."""
-    t = (x @ a.reshape(-1, a.shape[-1]).T) * mask
-    y.addmm_(t, b.reshape(b.shape[0], -1).T)
+def lora_add_batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: LoraSegments) -> None:
+    """y [T, N] += for each row, its slot's scale * B(Ax), in place. a: [slots, R, K]; b: [N, slots, R]
+    (the pool's layout); seg: with batched_layout's tensors."""
+    assert seg.pad_idx is not None and seg.pad_scale is not None
+    slots, m = seg.pad_scale.shape[0], seg.pad_scale.shape[1]
+    xp = x.index_select(0, seg.pad_idx).view(slots, m, -1)
+    t = torch.bmm(xp, a.transpose(1, 2)) * seg.pad_scale
+    out = torch.bmm(t, b.permute(1, 2, 0))
+    y.index_add_(0, seg.pad_idx, out.view(slots * m, -1))

@@ -12,8 +12,8 @@ the model's dtype, G the group's modules, R the largest rank among the registere
 a group has A rows j*R..(j+1)*R and, in B, its own output rows times those columns (B is block-diagonal
 over the modules: G x the memory of separate B's, for G <= 3). A slot holds one adapter, zero-padded
 past its own rank and in modules it does not adapt (zeros add nothing). So a layer's group is one
-[out, slots * G * R] matrix against one [slots * G * R, in]: the dense form of tokenyard/kernels/lora_torch.py
-is three calls per fused projection for every adapter at once; `a_of` / `b_of` are the per-module
+[slots, G * R, in] and one [out, slots, G * R]: the batched form of tokenyard/kernels/lora_torch.py is a
+few calls per fused projection for every adapter at once; `a_of` / `b_of` are the per-module
 [slots, R, in] / [slots, out, R] views the segment kernels read. Every adapter is read and checked at
 start-up (a bad one fails the engine's start, naming the tensor); the first max_loaded stay in their
 slots, the others are read again from disk when a step needs them, taking the least recently used slot
@@ -37,15 +37,15 @@ from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.lora.adapter_config import TARGET_MODULES, AdapterError
 from tokenyard.engines.lora.adapter_loader import GROUPS, Adapter, group_layout, load_adapter
 from tokenyard.engines.model.model_config import ModelConfig
-from tokenyard.kernels.lora_torch import LoraSegments, build_segments, dense_mask
+from tokenyard.kernels.lora_torch import LoraSegments, batched_layout, build_segments
 
 log = logging.getLogger(__name__)
 
-# Steps of at most this many token rows (decode batches, short mixed steps) take the dense form of the
-# torch products on a CPU: every row against every slot in two GEMMs per projection, the rows' own
-# slots kept by a mask (tokenyard/kernels/lora_torch.py), instead of a loop over the adapters' segments
-# whose per-segment calls cost more than the products at these sizes. The dense form multiplies
-# slots x the work of the segments, which longer prefill steps would feel.
+# Steps of at most this many token rows (decode batches, short mixed steps) take the batched form of the
+# torch products on a CPU: every slot's rows padded to the longest segment and multiplied in two batched
+# GEMMs per fused projection (tokenyard/kernels/lora_torch.py), instead of a loop over the adapters'
+# segments whose per-segment calls cost more than the products at these sizes. Padding costs work in
+# proportion to the longest segment, which long prefill chunks would feel.
 DENSE_MAX_ROWS = 64
 
 
@@ -129,8 +129,7 @@ class AdapterPool:
         seg.ranks = [self.slot_rank[s] for s in seg.slots]
         seg.scales = [self.slot_scale[s] for s in seg.slots]
         if not self.triton and len(row_ids) <= DENSE_MAX_ROWS:
-            seg.masks = {w: dense_mask(row_slots, self.slot_scale, w, self.dtype, self.device)
-                         for w in set(self.width.values())}
+            batched_layout(seg, self.num_slots, self.dtype, self.device)
         self.segments = seg
         return seg
 

@@ -2,7 +2,7 @@
 
 The decoder fuses q/k/v into qkv_proj and gate/up into gate_up_proj (tokenyard/engines/model/model.py);
 PEFT adapts them one by one. So each fused output is cut into its modules' column slices and each
-slice gets its own module's products, in place (the dense form does a whole group at once: the pool
+slice gets its own module's products, in place (the batched form does a whole group at once: the pool
 keeps a group's B block-diagonal over its modules, tokenyard/engines/lora/adapter_pool.py):
 
     y = base_proj(x)                       # any base: float, int8, int4 (QuantLinear), oneDNN-packed
@@ -39,8 +39,8 @@ class LayerLora:
         pool, layer = self.pool, self.layer
         if not self.slices[group]:
             return y
-        if seg.masks is not None:   # small CPU steps: the whole group, every slot, three calls
-            lora_torch.lora_add_dense(y, x, pool.a[group][layer], pool.b[group][layer], seg.masks[pool.width[group]])
+        if seg.pad_idx is not None:   # small CPU steps: the whole group, every slot, batched GEMMs
+            lora_torch.lora_add_batched(y, x, pool.a[group][layer], pool.b[group][layer], seg)
             return y
         for module, off, n in self.slices[group]:
             out = y[:, off:off + n]
