@@ -77,7 +77,7 @@ def adapter_logits(llm, tokens: list[int], name: str | None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["a", "b", "rs"])
-@pytest.mark.parametrize("length", [40, 100])   # the batched form (<= 64 rows, adapter_pool.DENSE_MAX_ROWS), segments
+@pytest.mark.parametrize("length", [40, 100])   # the batched form (<= 64 rows, adapter_pool.BATCHED_MAX_ROWS), segments
 def test_logits_match_the_merged_peft_model(setup, llm, name, length):
     base, adapters = setup
     ref = merged_model(base, adapters[name])

@@ -4,8 +4,8 @@ Figures, on one engine of the base with `--adapters` random rank-`--rank` adapte
 projections (PEFT's format, written here; tokenyard/engines/lora):
 - decode step time of `--batch` sequences, all on the base vs spread evenly over the adapters
   (the same engine, rounds interleaved; median over the timed steps): the issue's goal is <= 1.3x;
-  "adapters" is the engine as it runs (the dense form for steps of <= DENSE_MAX_ROWS rows on a CPU),
-  "adapters_segments" the same batch through the segment loop (DENSE_MAX_ROWS set to 0), for comparison;
+  "adapters" is the engine as it runs (the batched form for steps of <= BATCHED_MAX_ROWS rows on a CPU),
+  "adapters_segments" the same batch through the segment loop (BATCHED_MAX_ROWS set to 0), for comparison;
 - adapter load time: reading and checking one adapter and copying it into a pool slot (the pool has
   one slot, so every acquire of the other adapter is a load; median): the goal is <= 50 ms.
 
@@ -103,12 +103,12 @@ def main() -> None:
         runs = []
         for r in range(args.rounds):
             for mode, batch_names in (("base", [None] * args.batch), ("adapters", spread), ("adapters_segments", spread)):
-                dense_rows = adapter_pool.DENSE_MAX_ROWS
-                adapter_pool.DENSE_MAX_ROWS = 0 if mode == "adapters_segments" else dense_rows
+                batched_rows = adapter_pool.BATCHED_MAX_ROWS
+                adapter_pool.BATCHED_MAX_ROWS = 0 if mode == "adapters_segments" else batched_rows
                 try:
                     t = decode_step_times(engine, batch_names, args.steps, args.prompt_len, f"{mode}{r}")
                 finally:
-                    adapter_pool.DENSE_MAX_ROWS = dense_rows
+                    adapter_pool.BATCHED_MAX_ROWS = batched_rows
                 runs.append({"round": r, "mode": mode, "step_s": t})
                 print(mode, r, f"median step {statistics.median(t) * 1e3:.2f} ms", flush=True)
         # load: a one-slot pool of two adapters, acquired in turn: every acquire reads one from disk

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # GEMMs per fused projection (tokenyard/kernels/lora_torch.py), instead of a loop over the adapters'
 # segments whose per-segment calls cost more than the products at these sizes. Padding costs work in
 # proportion to the longest segment, which long prefill chunks would feel.
-DENSE_MAX_ROWS = 64
+BATCHED_MAX_ROWS = 64
 
 
 class AdapterPool:
@@ -128,7 +128,7 @@ class AdapterPool:
         assert seg is not None
         seg.ranks = [self.slot_rank[s] for s in seg.slots]
         seg.scales = [self.slot_scale[s] for s in seg.slots]
-        if not self.triton and len(row_ids) <= DENSE_MAX_ROWS:
+        if not self.triton and len(row_ids) <= BATCHED_MAX_ROWS:
             batched_layout(seg, self.num_slots, self.dtype, self.device)
         self.segments = seg
         return seg
