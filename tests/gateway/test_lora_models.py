@@ -42,6 +42,11 @@ def test_a_request_for_an_adapter_reaches_the_engine_with_it_and_is_recorded():
         by_model = {r.requested_model: r for r in srv.gateway.usage.records}
         assert by_model["mock:sql"].lora == "sql" and by_model["mock:sql"].engine == "mock"
         assert by_model["mock"].lora == ""
+        status, _, raw = srv.request("GET", "/metrics")
+        text = raw.decode()
+        assert 'tokenyard_lora_requests_total{adapter="sql",engine="mock"} 1.0' in text
+        assert f'tokenyard_lora_completion_tokens_total{{adapter="sql",engine="mock"}} ' \
+               f'{float(by_model["mock:sql"].completion_tokens)}' in text
 
 
 def test_an_unknown_adapter_is_a_404_naming_the_model():

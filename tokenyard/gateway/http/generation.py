@@ -253,6 +253,9 @@ class Generation:
         m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
         m.cached_tokens.labels(name).inc(self.num_cached_tokens)
         m.completion_tokens.labels(name).inc(self.num_completion_tokens)
+        if self.context.lora:
+            m.lora_requests.labels(name, self.context.lora).inc()
+            m.lora_completion_tokens.labels(name, self.context.lora).inc(self.num_completion_tokens)
         if self._counted:
             m.count_request(name, http_status, self.route_reason)
         status = status or ("error" if self.error else self.aborted or "ok")
