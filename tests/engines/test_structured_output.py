@@ -45,6 +45,13 @@ SCHEMAS = {
                   "required": ["x"], "additionalProperties": False}},
         "required": ["inner"], "additionalProperties": False}}, "required": ["outer"], "additionalProperties": False},
 }
+# A list of objects whose strings are unbounded: the shape a looping small model fills to max_tokens.
+TEAM = {"type": "object", "properties": {
+    "name": {"type": "string"},
+    "members": {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "role": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "role", "age"], "additionalProperties": False}}},
+    "required": ["name", "members"], "additionalProperties": False}
 
 
 def _smollm2():
@@ -193,14 +200,20 @@ def test_engine_constrained_generations_validate_batched_and_through_preemption(
               for n in names for t in (0.0, 0.7)]
     params.append(SamplingParams(max_tokens=40, temperature=0.0))                  # a plain row in the batch
     params.append(SamplingParams(max_tokens=6, temperature=0.0, response_format=_fmt(PERSON)))  # cut short
-    convs = [_ask(n) for n in names for _ in (0, 1)] + [_ask("person"), _ask("person")]
+    # Inside the closing reserve (64) from its first token: the team is closed, valid, within 24 tokens.
+    params.append(SamplingParams(max_tokens=24, temperature=0.8, seed=17, response_format=_fmt(TEAM)))
+    convs = [_ask(n) for n in names for _ in (0, 1)] + [_ask("person"), _ask("person"), _ask("team")]
     outs = llm.chat(convs, params)
     for i, name in enumerate(n for n in names for _ in (0, 1)):
         o = outs[i].outputs[0]
         assert o.finish_reason == "stop", (name, o.text, o.finish_reason)
         jsonschema.validate(json.loads(o.text), SCHEMAS[name])
-    assert outs[-2].outputs[0].finish_reason == "length"       # unconstrained: free text
-    cut = outs[-1].outputs[0]
+    assert outs[-3].outputs[0].finish_reason == "length"       # unconstrained: free text
+    team = outs[-1].outputs[0]
+    assert team.finish_reason == "stop" and len(team.token_ids) <= 24, team.text
+    jsonschema.validate(json.loads(team.text), TEAM)
+    assert llm.engine.stats().num_grammar_closed >= 1
+    cut = outs[-2].outputs[0]
     assert cut.finish_reason == "length" and len(cut.token_ids) == 6
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.text)
@@ -281,3 +294,60 @@ def test_a_string_never_allows_a_raw_control_character(vocab):
     # Escapes are fine in a string without maxLength (a maxLength string is a plain character class: no escapes).
     c = grammars.constraint(_fmt({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}))
     _follow(c, tok, tok.vocab_size, b'{"name": "a\\tb\\u0041"}')
+
+
+def _looping_walk(c, tok, vocab_size: int, limit: int) -> tuple[list[int], bool]:
+    """An adversarial 'model': among the allowed tokens it always takes the longest one that is not a
+    quote, bracket, brace, comma or EOS (it never chooses to end anything), else the shortest (a bare
+    quote opens a string rather than writing a whole one). Returns (ids, terminated)."""
+    eos = set(tok.eos_token_ids)
+    ids: list[int] = []
+    for _ in range(limit):
+        allowed = _allowed(c, vocab_size)
+        def rank(t: int) -> tuple:
+            b = tok.id_to_bytes(t)
+            ends = t in eos or any(ch in b for ch in b'"]},')
+            return (ends, len(b) if ends else -len(b), t)
+        pick = min(allowed, key=rank)
+        assert c.accept(pick), f"the mask allowed {pick} but the matcher refused it"
+        if pick in eos:
+            return ids, True
+        ids.append(pick)
+    return ids, False
+
+
+@pytest.mark.parametrize("name", ["team", *sorted(SCHEMAS)])
+def test_closing_reserve_ends_a_looping_document_valid(vocab, name):
+    """A model that never ends a value loops until max_tokens without the reserve; with it, the last
+    `reserve` tokens close the document, and what comes out is valid against the schema."""
+    tok, grammars = vocab
+    schema = TEAM if name == "team" else SCHEMAS[name]
+    max_tokens, reserve = 120, 48
+    ids, ended = _looping_walk(grammars.constraint(_fmt(schema)), tok, tok.vocab_size, max_tokens)
+    if name == "team":
+        assert not ended, "the looping walk should run to max_tokens without the reserve"
+    c = grammars.constraint(_fmt(schema), max_tokens=max_tokens, close_reserve=reserve)
+    ids, ended = _looping_walk(c, tok, tok.vocab_size, max_tokens)
+    assert ended, f"not closed within {reserve} tokens: {b''.join(tok.id_to_bytes(i) for i in ids)[-200:]!r}"
+    doc = json.loads(b"".join(tok.id_to_bytes(i) for i in ids).decode("utf-8"))
+    jsonschema.validate(doc, schema)
+    assert c.closed_early == (len(ids) + 1 > max_tokens - reserve)
+
+
+def test_closing_leaves_the_mask_alone_before_the_reserve(vocab):
+    tok, grammars = vocab
+    walk, _ = _looping_walk(grammars.constraint(_fmt(TEAM)), tok, tok.vocab_size, 8)
+    text = b"".join(tok.id_to_bytes(t) for t in walk)
+    assert text.startswith(b'{"name"') and text.count(b'"') == 3 and not text.endswith(b'"'), text  # in the name
+    plain = grammars.constraint(_fmt(TEAM))
+    closing = grammars.constraint(_fmt(TEAM), max_tokens=100, close_reserve=10)
+    late = grammars.constraint(_fmt(TEAM), max_tokens=5, close_reserve=10)
+    for c in (plain, closing, late):
+        for t in walk:
+            assert c.accept(t)
+    assert _allowed(plain, tok.vocab_size) == _allowed(closing, tok.vocab_size)
+    assert not closing.closed_early
+    # Inside the string once the reserve has started: only tokens that end it ("...), none that continue it.
+    allowed = _allowed(late, tok.vocab_size)
+    assert allowed and all(tok.id_to_bytes(t).startswith(b'"') for t in allowed)
+    assert len(allowed) < len(_allowed(plain, tok.vocab_size))

@@ -118,3 +118,48 @@ def test_deployment_file_sets_the_rule_and_refuses_bad_values():
         with pytest.raises(DeploymentError) as err:
             parse_deployment({**mock_deployment(), "autoscaling": bad})
         assert message in str(err.value), (bad, str(err.value))
+
+
+def test_windowed_rate_counts_per_second_buckets_over_the_window():
+    from tokenyard.gateway.admission.shedding import WindowedRate
+    r = WindowedRate(max_window_s=60)
+    for t in range(100, 130):            # one request a second for 30 s, then a burst of 30 in one second
+        r.add(now=t + 0.5)
+    for _ in range(30):
+        r.add(now=130.2)
+    assert r.per_second(1, now=130.9) == 30.0          # the 1 s view sees only the burst
+    assert r.per_second(30, now=130.9) == pytest.approx(59 / 30)   # 29 + 30 over the last 30 s
+    assert r.per_second(30, now=200.0) == 0.0          # old buckets never count again
+    r.add(now=160.0 + 0.5)                             # the ring wraps: bucket 40 held second 100
+    assert r.per_second(60, now=160.9) == pytest.approx((29 + 30 + 1) / 60)   # seconds 101-129, 130, 160
+
+
+def test_growth_counts_only_arrivals_past_full_capacity():
+    # 32 slots finishing 10 requests/s when full: 10.5/s arriving grows the backlog by 0.5/s x 60 s
+    assert needed_replicas(CFG, sig(running=32, queue_depth=8, arrival_rate=10.5, service_rate=10.0)) == 4
+    # half-empty replicas: arrivals below what they finish when full add nothing
+    assert needed_replicas(CFG, sig(running=4, queue_depth=0, arrival_rate=3.0, service_rate=10.0)) == 1
+
+
+def test_gateway_signals_average_arrivals_over_the_configured_window():
+    """The gateway's signal: admitted requests averaged over rate_window_s, service at full slots."""
+    from tokenyard.gateway.admission.engine_queues import EngineQueue
+    from tokenyard.gateway.config.deployment import AdmissionConfig
+
+    class Engine:
+        dead = None
+
+        def stats(self):
+            from tokenyard.engines.core.outputs import EngineStats
+            return EngineStats(num_running=0, num_waiting=0, num_free_blocks=10, num_total_blocks=10, kv_usage=0.0,
+                               block_size=16, num_preemptions=0, prefix_cache_hit_rate=0.0, prefix_cache_hit_tokens=0,
+                               num_steps=0, last_step_tokens=0, last_step_seconds=0.0, max_num_seqs=16,
+                               max_num_batched_tokens=512)
+
+    q = EngineQueue("e", Engine(), AdmissionConfig(), None)
+    for _ in range(60):
+        q.admitted.add()
+    q.rate.observe(2.0)                  # a request holds a slot 2 s: 16 slots finish 8/s when full
+    s = q.scaling_signals(rate_window_s=30)
+    assert s.arrival_rate == pytest.approx(60 / 30)
+    assert s.service_rate == pytest.approx(16 / 2.0)

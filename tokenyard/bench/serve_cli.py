@@ -23,6 +23,10 @@ A scenario (it starts and stops the servers itself, one at a time; JSON + PNG in
     # 5. speculation (ngram prompt lookup) on vs off
     tokenyard bench serve --scenario speculation --engine demo-large --num-prompts 64
 
+The fleet simulation (scaling policies over a day of traffic, docs/scaling.md "Fleet simulation"):
+
+    tokenyard bench fleet [--peak-rps 8 --spikes 3 --wake-s 2]
+
 Without the `tokenyard bench` registration, `python -m tokenyard.bench.serve_cli serve ...` is the same.
 The key: --api-key, else env TOKENYARD_API_KEY (scenarios make their own keys).
 """
@@ -95,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--concurrency", type=int, default=8, help="router / prefix: requests in flight")
     s.add_argument("--spec-concurrency", type=int, default=1, help="speculation: requests in flight")
     ap.set_defaults(func=run)
+    from tokenyard.bench.fleet import fleet_bench
+    fleet = sub.add_parser("fleet", help="fleet simulation: scaling policies over a day of traffic (issue 52)",
+                           description=fleet_bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fleet_bench.add_arguments(fleet)
+    fleet.set_defaults(func=fleet_bench.run)
 
 
 def _requests(args: argparse.Namespace, dataset: str, tokenizer: Path, max_len: int | None, n: int | None = None):

@@ -134,6 +134,18 @@ def _ask(client: openai.OpenAI, model: type[BaseModel], prompt: str, i: int, max
     return row
 
 
+def _grammar_closed(base_url: str, api_key: str) -> int:
+    """The engine's count of replies its grammar_close_reserve ended, from the gateway's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    req = urllib.request.Request(base_url + "/metrics", headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "tokenyard_engine_grammar_closed_total" and s.labels.get("engine") == ENGINE))
+
+
 def _percentile(values: list[int], q: float) -> float:
     ordered = sorted(values)
     k = (len(ordered) - 1) * q
@@ -153,6 +165,7 @@ def run(requests: int, max_tokens: int, concurrency: int) -> tuple[dict[str, Any
         with ThreadPoolExecutor(concurrency) as pool:
             rows = list(pool.map(lambda job: _ask(client, *job, max_tokens=max_tokens), jobs))
         wall = time.perf_counter() - t0
+        closed = _grammar_closed(ep.base_url, ep.api_key)
     tokens = [r["completion_tokens"] for r in rows if "completion_tokens" in r]
     valid = [r for r in rows if r.get("valid")]
     longest_valid = max((r["completion_tokens"] for r in valid), default=0)
@@ -160,6 +173,8 @@ def run(requests: int, max_tokens: int, concurrency: int) -> tuple[dict[str, Any
     figures = {
         "requests": requests, "max_tokens": max_tokens, "valid": len(valid), "valid_share": len(valid) / requests,
         "finish_length": sum(r.get("finish_reason") == "length" for r in rows),
+        # replies the engine's grammar_close_reserve ended (tokenyard_engine_grammar_closed_total)
+        "closed_by_reserve": closed,
         "errors": sum("error" in r for r in rows),
         "completion_tokens_p50": statistics.median(tokens) if tokens else 0, "completion_tokens_p99": p99,
         "completion_tokens_max": max(tokens, default=0), "longest_valid_tokens": longest_valid,

@@ -4,10 +4,11 @@
     tokenyard keys       create, list and revoke API keys
     tokenyard spend      spend reports from the ledger (`tokenyard spend report --by model --since 7d`)
     tokenyard policy     routing policies in Redis: apply, show, history, rollback, simulate, validate
-    tokenyard router     train / eval the learned router behind model "auto"
+    tokenyard router     train / eval / publish / shadow-report the learned router behind model "auto"
     tokenyard quantize   write an int8/int4 weight-only quantised checkpoint
     tokenyard engine     one engine as a replica process (`tokenyard engine serve --engine NAME --port P`)
-    tokenyard bench      serving benchmarks over HTTP (`tokenyard bench serve --scenario ...`)
+    tokenyard bench      serving benchmarks over HTTP (`tokenyard bench serve --scenario ...`), fleet simulation
+                         (`tokenyard bench fleet`)
     tokenyard generate   stream one completion from a checkpoint to the terminal
     tokenyard demo       train / eval / plot the demo model pair
 
@@ -38,9 +39,10 @@ COMMANDS: dict[str, Command] = {
                         "tokenyard.engines.serving.generate_cli", "run"),
     "quantize": Command("write an int8/int4 weight-only quantised checkpoint", "tokenyard.engines.quant.quantize_cli", "run"),
     "demo": Command("train, evaluate and plot the demo model pair", "tokenyard.demo.cli"),
-    "bench": Command("benchmarks: `tokenyard bench serve` drives servers over HTTP", "tokenyard.bench.serve_cli", "run"),
+    "bench": Command("benchmarks: `tokenyard bench serve` drives servers over HTTP, `bench fleet` simulates a fleet",
+                     "tokenyard.bench.serve_cli", "run"),
     "engine": Command("run one engine as a replica process (`tokenyard engine serve`)", "tokenyard.cli.engine"),
-    "router": Command("train and evaluate the learned router for model auto", "tokenyard.router_models.training.cli"),
+    "router": Command("train, evaluate, publish and shadow the learned router for model auto", "tokenyard.cli.router"),
 }
 
 

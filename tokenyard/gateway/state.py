@@ -32,6 +32,7 @@ from tokenyard.gateway.observability.metrics import GatewayMetrics
 from tokenyard.gateway.policy.state import PolicyState
 from tokenyard.gateway.routing.interim_rule import Router
 from tokenyard.gateway.routing.learned_router import ArtifactError, LearnedRouter, RouterSettings
+from tokenyard.gateway.routing.traffic_learning import TrafficLearning
 from tokenyard.gateway.spend.alert_runner import BudgetAlerts
 from tokenyard.gateway.spend.budget import BudgetReader
 from tokenyard.gateway.spend.ledger import SpendLedger
@@ -98,6 +99,8 @@ class Gateway:
         # The routing policy in force (kept equal to Redis's current version) and tenant budgets.
         self.policy = PolicyState(deployment, self.metrics, self.learned_router)
         self.admission.weight_of = self.policy.weight_of
+        # Routing samples for feedback and the shadow candidate's counts (docs/router.md).
+        self.learning = TrafficLearning(deployment.router_learning, self.redis, prefix, self.metrics)
         self.budgets = BudgetReader(self.redis, prefix, self.guard, self.metrics)
         # Budget alerts (50/80/100 %) from the ledger, and their webhook: tokenyard/gateway/spend/alerts.py.
         self.alerts: BudgetAlerts | None = None
@@ -128,6 +131,7 @@ class Gateway:
         if self.ledger is not None:
             await self.ledger.start()      # replays what an earlier run left in the spool
         await self.policy.start_redis(self.redis, self._pubsub_redis)
+        self.learning.start()
         if self.alerts is not None:
             await self.alerts.start()
         if self.dev_key:
@@ -140,6 +144,7 @@ class Gateway:
 
     async def stop_redis(self) -> None:
         await self.policy.stop()
+        await self.learning.stop()
         if self.alerts is not None:
             await self.alerts.stop()       # POSTs in flight finish and are settled first
         for t in self._tasks:

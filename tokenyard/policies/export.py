@@ -77,7 +77,7 @@ def policy_to_dict(policy: Policy, money: str = "decimal") -> dict[str, Any]:
     # Written only when not the default, so the canonical form (and hash) of older policies stays.
     if policy.engines.tiers:
         out["engines"]["tiers"] = list(policy.engines.tiers)
-    for key in ("quality_target", "cost_cap"):
+    for key in ("quality_target", "cost_cap", "artifact", "shadow"):
         if getattr(policy.router, key) is not None:
             out["router"][key] = getattr(policy.router, key)
     if policy.batch_price_percent != DEFAULT_BATCH_PRICE_PERCENT:

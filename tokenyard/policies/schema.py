@@ -80,6 +80,12 @@ class RouterSettings:
     # At most one of the two; the threshold settings above apply to two-engine routers only.
     quality_target: float | None = None
     cost_cap: float | None = None
+    # A two-engine router artifact published to the deployment's Redis, named by its checksum
+    # ("sha256:<64 hex>"; `tokenyard router publish`): `artifact` replaces the deployment's router
+    # (promotion), `shadow` is scored beside the router in force and only counted (shadow mode,
+    # docs/router.md). Both resolved and verified by the gateway, outside this package.
+    artifact: str | None = None
+    shadow: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,6 +13,7 @@ against the same document, so a policy is valid or not on its own.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping
 from decimal import Decimal
 from pathlib import Path
@@ -44,7 +45,8 @@ from .yaml_nodes import Reader, all_read, all_read_items, check_text, compose
 TOP_KEYS = ("version", "description", "engines", "prices", "router", "default_priority", "rules",
             "rate_classes", "tenants", "overflow", "batch_price_percent")
 PRICE_KEYS = ("input", "cached_input", "output")
-ROUTER_KEYS = ("threshold", "target_large_share", "without_score", "quality_target", "cost_cap")
+ROUTER_KEYS = ("threshold", "target_large_share", "without_score", "quality_target", "cost_cap", "artifact", "shadow")
+ARTIFACT_REF = re.compile(r"^sha256:[0-9a-f]{64}$")     # a published router artifact's checksum
 ENGINE_KEYS = (*ROLES, "tiers")
 RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
 TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context", "fallback")
@@ -221,8 +223,13 @@ def _router(r: Reader, node: Node) -> RouterSettings | None:
     if target is not None and cap is not None:
         r.problem(m["cost_cap"], "router.cost_cap", "set router.quality_target or router.cost_cap, not both")
         return None
+    refs: dict[str, str | None] = {"artifact": None, "shadow": None}
+    for key in refs:
+        if key in m and not r.is_null(m[key]):
+            refs[key] = r.string(m[key], f"router.{key}", pattern=ARTIFACT_REF,
+                                 what="a published router artifact's checksum, sha256:<64 hex digits>")
     return RouterSettings(threshold=threshold, target_large_share=share, without_score=without,
-                          quality_target=target, cost_cap=cap)
+                          quality_target=target, cost_cap=cap, artifact=refs["artifact"], shadow=refs["shadow"])
 
 
 def _rate_classes(r: Reader, node: Node) -> dict[str, RateClass] | None:

@@ -268,15 +268,22 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 # -- llama.cpp --------------------------------------------------------------------------------
 
 def llama_bench(gguf: Path, *, n_prompt: int, n_gen: int, threads: int, reps: int = 1) -> dict[str, Any]:
+    """One llama-bench test. On a VM whose CPU reports AMX, llama.cpp's repacked (AMX) weight buffers
+    crash its prompt processing with SIGSEGV (seen on an AVX-512 Xeon VM, 2026-12-05); such a run is
+    repeated with `--repack 0`, llama.cpp's plain CPU buffers, and the row says so (`repack_off`)."""
     cmd = [str(pm.llama_binary("llama-bench")), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt),
            "-n", str(n_gen), "-r", str(reps), "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    repack_off = False
+    if proc.returncode == -signal.SIGSEGV:
+        repack_off = True
+        proc = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
     rows = parse_llama_bench(proc.stdout)
     if len(rows) != 1:
         raise RuntimeError(f"llama-bench gave {len(rows)} tests, expected 1")
-    return rows[0]
+    return {**rows[0], "repack_off": repack_off}
 
 
 def _free_port() -> int:

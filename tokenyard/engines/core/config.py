@@ -113,6 +113,11 @@ class EngineConfig:
     grammar_compile_timeout_s / grammar_compile_memory_mb: what one response_format schema may cost
       to compile (wall seconds; MiB above the compiler process's footprint) before the request is
       refused with a 400 naming response_format (tokenyard/engines/runtime/grammar_worker.py).
+    grammar_close_reserve: the last this many tokens of a constrained request's max_tokens are spent
+      closing its JSON: the mask keeps only the tokens that end strings, arrays and objects (or a
+      comma towards a required key) wherever the grammar allows one, so a small model that loops
+      inside a value still returns a complete, valid document instead of running out of tokens
+      (tokenyard/engines/core/structured_output.py). 0 turns it off.
     """
 
     dtype: str = "auto"
@@ -150,6 +155,7 @@ class EngineConfig:
     spec_max_batch: int = 2
     grammar_compile_timeout_s: float = 5.0
     grammar_compile_memory_mb: int = 1024
+    grammar_close_reserve: int = 64
     lora_modules: dict[str, str] | None = None
     max_loaded_adapters: int = 4
     max_lora_rank: int = 64
@@ -176,6 +182,9 @@ class EngineConfig:
             raise ValueError(f"prefill_burst_tokens must be an integer >= 0 (0: off), got {self.prefill_burst_tokens!r}")
         if not isinstance(self.grammar_compile_timeout_s, (int, float)) or not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be seconds > 0, got {self.grammar_compile_timeout_s!r}")
+        if not isinstance(self.grammar_close_reserve, int) or isinstance(self.grammar_close_reserve, bool) \
+                or self.grammar_close_reserve < 0:
+            raise ValueError(f"grammar_close_reserve must be an integer >= 0 (tokens), got {self.grammar_close_reserve!r}")
         if not isinstance(self.grammar_compile_memory_mb, int) or self.grammar_compile_memory_mb < 16:
             raise ValueError(f"grammar_compile_memory_mb must be an integer >= 16, got {self.grammar_compile_memory_mb!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -77,6 +77,8 @@ class EngineStats:
     # block over all layers, K and V, scales included (0: not reported, e.g. a mock or remote engine).
     kv_cache_dtype: str = ""
     kv_bytes_per_block: int = 0
+    # Constrained replies the grammar_close_reserve ended (a closing mask narrowed a choice), since start.
+    num_grammar_closed: int = 0
     # LoRA adapters (EngineConfig.lora_modules): registered, held in the pool now, reads into the pool
     # and evictions from it since start, and decode steps that ran the eager torch forward instead of
     # a fast path (CUDA graphs, the C decode step, the compiled graph) because an adapter was in them.

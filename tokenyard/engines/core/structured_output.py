@@ -94,25 +94,94 @@ def _library() -> Any:
 
 
 class Constraint:
-    """One sequence's grammar state: which tokens may come next, advanced token by token."""
+    """One sequence's grammar state: which tokens may come next, advanced token by token.
 
-    __slots__ = ("_matcher",)
+    Closing: once `close_after` tokens were accepted (max_tokens less the engine's
+    grammar_close_reserve), the mask keeps only tokens that lead out of the document wherever the grammar
+    allows one: inside a string, a token that ends it (`"`, `"}`, `"],`...); outside, one made of `]` and
+    `}`; else one towards the next required key (a comma). Where the grammar allows none of these (a
+    minLength not reached, a required key's name, a number's digits) the full grammar mask stands. So a
+    small model looping inside a value still ends with a complete document within its reserve, instead of
+    being cut by max_tokens. Whether a string is open is tracked from the accepted tokens' bytes.
+    """
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("_matcher", "_closing", "_close_after", "_accepted", "_in_string", "_escape", "closed_early")
+
+    def __init__(self, matcher: Any, closing: "ClosingTokens | None" = None, close_after: int | None = None) -> None:
         self._matcher = matcher
+        self._closing = closing if close_after is not None else None
+        self._close_after = close_after if close_after is not None else 0
+        self._accepted = 0
+        self._in_string = False
+        self._escape = False
+        self.closed_early = False          # a closing mask narrowed a choice at least once
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 words, bit t%32 of word t//32)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._closing is not None and self._accepted >= self._close_after:
+            allowed = bitmask[row]
+            for tier in self._closing.tiers(self._in_string):
+                n = min(allowed.numel(), tier.numel())
+                kept = allowed[:n] & tier[:n]
+                if bool(kept.any()):
+                    allowed.zero_()
+                    allowed[:n] = kept
+                    self.closed_early = True
+                    return
 
     def accept(self, token_id: int) -> bool:
         """Advance over an emitted token; False if the grammar does not allow it (state unchanged)."""
-        return bool(self._matcher.accept_token(token_id))
+        if not self._matcher.accept_token(token_id):
+            return False
+        self._accepted += 1
+        if self._closing is not None:
+            self._track(self._closing.token_bytes(token_id))
+        return True
+
+    def _track(self, data: bytes) -> None:
+        for b in data:
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif b == 0x5C:        # backslash
+                    self._escape = True
+                elif b == 0x22:        # the closing quote
+                    self._in_string = False
+            elif b == 0x22:
+                self._in_string = True
 
     @property
     def is_terminated(self) -> bool:
         """The document is complete and a stop token was accepted."""
         return bool(self._matcher.is_terminated())
+
+
+class ClosingTokens:
+    """The vocabulary's closing tokens as bitmask rows, built once per Grammars (see Constraint)."""
+
+    def __init__(self, token_bytes: list[bytes], vocab_size: int) -> None:
+        import torch
+        self._bytes = token_bytes
+        words = (vocab_size + 31) // 32
+
+        def mask(pred: Any) -> torch.Tensor:
+            bits = [0] * words
+            for i, b in enumerate(token_bytes):
+                if b and pred(b):
+                    bits[i // 32] |= 1 << (i % 32)
+            # int32 words, as xgrammar fills them (bit 31 set means a negative word)
+            return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in bits], dtype=torch.int32)
+
+        structural = set(b'"]},')
+        self._in_string = [mask(lambda b: b[:1] == b'"' and set(b) <= structural)]
+        self._outside = [mask(lambda b: set(b) <= set(b"]}")), mask(lambda b: set(b) <= set(b"]},"))]
+
+    def tiers(self, in_string: bool) -> list[torch.Tensor]:
+        return self._in_string if in_string else self._outside
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
 
 
 class Grammars:
@@ -125,6 +194,9 @@ class Grammars:
         # padding) are never allowed.
         info = xgr.TokenizerInfo(token_bytes, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._token_bytes = token_bytes
+        self._vocab_size = vocab_size
+        self._closing: ClosingTokens | None = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -158,8 +230,16 @@ class Grammars:
                 self._cache.popitem(last=False)
         return compiled
 
-    def constraint(self, fmt: dict) -> Constraint:
-        return Constraint(self._xgr.GrammarMatcher(self.compile(fmt)))
+    def constraint(self, fmt: dict, max_tokens: int | None = None, close_reserve: int = 0) -> Constraint:
+        """A fresh matcher for one request. With max_tokens and close_reserve > 0 it closes the document
+        in the last close_reserve tokens (Constraint)."""
+        matcher = self._xgr.GrammarMatcher(self.compile(fmt))
+        if max_tokens is None or close_reserve <= 0:
+            return Constraint(matcher)
+        with self._lock:
+            if self._closing is None:
+                self._closing = ClosingTokens(self._token_bytes, self._vocab_size)
+        return Constraint(matcher, self._closing, max(0, max_tokens - close_reserve))
 
 
 def _clean(exc: Exception) -> str:

@@ -139,6 +139,7 @@ class Engine:
         self._inbox: RequestInbox[Sequence] = RequestInbox()
         self._arrivals = 0
         self._num_steps = 0
+        self._num_grammar_closed = 0       # constrained replies the grammar_close_reserve ended
         self._last_step_tokens = 0
         self._last_step_seconds = 0.0
         # Load counters for utilisation: seconds spent in steps (busy fraction = its rate), tokens
@@ -165,7 +166,10 @@ class Engine:
             raise RequestError("request_id must be a non-empty string")
         # A cache hit when the request was prepared (AsyncEngine.prepare: compiled off the event loop);
         # otherwise compiled here, in the caller's thread (offline use): a rejected schema fails now.
-        constraint = self._grammar_set().constraint(params.response_format) if params.response_format else None
+        # The closing reserve counts back from whichever limit comes first: max_tokens or the context.
+        budget = min(params.max_tokens, self.max_model_len - len(prompt))
+        constraint = self._grammar_set().constraint(params.response_format, budget, self.config.grammar_close_reserve) \
+            if params.response_format else None
         if params.lora is not None and self.lora is None:
             raise ParamError(f"LoRA adapter {params.lora!r} requested, but this engine serves no adapters "
                              f"(lora_modules)", "lora", "lora_not_found")
@@ -237,6 +241,8 @@ class Engine:
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     break
+            if reason == "stop" and seq.constraint is not None and seq.constraint.closed_early:
+                self._num_grammar_closed += 1
             # K/V is valid for every token but the last emitted one.
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.blocks.cache_full_blocks(seq)
@@ -284,7 +290,8 @@ class Engine:
             batch_size_counts=list(self._batch_counts),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             kv_cache_dtype=kv_cache.kv_cache_dtype_name(self.config.kv_cache_dtype, self.dtype),
-            kv_bytes_per_block=self.kv_bytes_per_block, **self._spec_stats(), **self._lora_stats())
+            kv_bytes_per_block=self.kv_bytes_per_block, num_grammar_closed=self._num_grammar_closed,
+            **self._spec_stats(), **self._lora_stats())
 
     def _lora_stats(self) -> dict:
         if self.lora is None:

@@ -32,8 +32,10 @@ class ScalingSignals:
     queue_depth: int            # requests queued in this gateway for the engine
     kv_usage: float             # used / total KV blocks over the routable replicas
     predicted_wait_s: float     # predicted queue wait of a new request (inf: it would be shed)
-    arrival_rate: float = 0.0   # requests admitted per second
-    service_rate: float | None = None   # requests finished per second (None: not measured yet)
+    arrival_rate: float = 0.0   # requests admitted per second, averaged over the config's rate_window_s
+    # Requests the replicas finish per second with every slot busy (slots / mean time a request holds
+    # one; None: not measured yet). The backlog grows only when arrivals outrun this.
+    service_rate: float | None = None
 
 
 def needed_replicas(cfg: DesiredReplicasConfig, s: ScalingSignals) -> int:

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tokenyard.gateway.admission.desired_replicas import DesiredReplicas, DesiredReplicasConfig, ScalingSignals
 from tokenyard.gateway.admission.fair_queue import FairQueue, Waiter
-from tokenyard.gateway.admission.shedding import ArrivalRate, ServiceRate, predicted_wait, shed
+from tokenyard.gateway.admission.shedding import ArrivalRate, ServiceRate, WindowedRate, predicted_wait, shed
 from tokenyard.gateway.auth.api_keys import PRIORITIES, KeyRecord
+from tokenyard.gateway.config.autoscaling_config import MAX_RATE_WINDOW_S
 from tokenyard.gateway.config.deployment import AdmissionConfig
 from tokenyard.gateway.edge.edge_params import parse_int
 
@@ -46,6 +47,7 @@ class EngineQueue:
         self.running = 0                    # handed to the engine and not yet ended
         self.rate = ServiceRate()
         self.arrivals = [ArrivalRate() for _ in PRIORITIES]   # admitted per class, for overtaking
+        self.admitted = WindowedRate(MAX_RATE_WINDOW_S)      # all classes, for the autoscaling signal
         self._pending_blocks = 0            # KV blocks handed out since the engine's last stats
         self._stats_step = -1
         self._wake: asyncio.Event | None = None
@@ -68,14 +70,13 @@ class EngineQueue:
             return 0 if self.engine.dead else 1
         return sum(1 for r in replicas if r.routable)
 
-    def scaling_signals(self) -> ScalingSignals:
+    def scaling_signals(self, rate_window_s: float = 30.0) -> ScalingSignals:
         # Running: the engine's own count (all gateways' requests, for shared replicas) if larger than ours.
         s = self.engine.stats()
         return ScalingSignals(
             replicas=self.replicas_up(), slots=self.slots, running=max(self.running, s.num_running + s.num_waiting),
             queue_depth=len(self.queue), kv_usage=s.kv_usage, predicted_wait_s=self.predicted_wait(),
-            arrival_rate=sum(a.per_second() for a in self.arrivals),
-            service_rate=self.rate.per_second(self.running))
+            arrival_rate=self.admitted.per_second(rate_window_s), service_rate=self.rate.per_second(self.slots))
 
     def _room_for(self, blocks: int) -> bool:
         if self.running >= self.slots:
@@ -100,6 +101,7 @@ class EngineQueue:
         if not self.queue and self._room_for(blocks):
             self._grant(blocks)
             self.arrivals[priority].add()
+            self.admitted.add()
             return
         if len(self.queue) >= self.cfg.max_queue:
             rate = self.rate.per_second(self.running)
@@ -110,6 +112,7 @@ class EngineQueue:
             raise self._shed("predicted_wait", retry,
                              f" ({wait * 1000:.0f} ms predicted, {(deadline - now) * 1000:.0f} ms left)")
         self.arrivals[priority].add()
+        self.admitted.add()
         w = Waiter(tenant, priority, deadline, blocks, loop.create_future(), now, cost=cost, weight=weight)
         w.timer = loop.call_at(deadline, self._expire, w)
         self.queue.push(w)
@@ -268,7 +271,7 @@ class Admission:
             tracker = self._desired.get(name)
             if tracker is None or tracker.cfg is not self.scaling:
                 tracker = self._desired[name] = DesiredReplicas(self.scaling)
-            out[name] = tracker.update(q.scaling_signals(), now)
+            out[name] = tracker.update(q.scaling_signals(self.scaling.rate_window_s), now)
         return out
 
     async def stop(self) -> None:

@@ -68,6 +68,31 @@ class ArrivalRate:
         return len(self._times) / self.window_s
 
 
+class WindowedRate:
+    """Events per second over a window of up to `max_window_s` seconds, in one-second buckets: O(1)
+    memory and time per event whatever the rate (ArrivalRate keeps a timestamp per event)."""
+
+    __slots__ = ("_counts", "_stamps")
+
+    def __init__(self, max_window_s: int = 600) -> None:
+        self._counts = [0] * max_window_s
+        self._stamps = [-1] * max_window_s       # the second each bucket counts
+
+    def add(self, now: float | None = None) -> None:
+        sec = int(time.monotonic() if now is None else now)
+        i = sec % len(self._counts)
+        if self._stamps[i] != sec:
+            self._stamps[i], self._counts[i] = sec, 0
+        self._counts[i] += 1
+
+    def per_second(self, window_s: float, now: float | None = None) -> float:
+        """Mean rate over the last `window_s` whole seconds (the current, partial one included)."""
+        sec = int(time.monotonic() if now is None else now)
+        n = max(1, min(int(window_s), len(self._counts)))
+        total = sum(c for c, t in zip(self._counts, self._stamps) if sec - n < t <= sec)
+        return total / n
+
+
 def predicted_wait(ahead: int, rate: float | None, overtaking_rate: float = 0.0) -> float:
     """Seconds until a new request starts; inf when more urgent arrivals alone use up the engine."""
     if rate is None:

@@ -173,6 +173,7 @@ class ReplicaPool:
             known[0], num_running=sum(s.num_running for s in known), num_waiting=sum(s.num_waiting for s in known),
             num_free_blocks=free, num_total_blocks=total, kv_usage=(total - free) / total if total else 0.0,
             num_preemptions=sum(s.num_preemptions for s in known),
+            num_grammar_closed=sum(s.num_grammar_closed for s in known),
             prefix_cache_hit_rate=hit_tokens / queried if queried else 0.0, prefix_cache_hit_tokens=hit_tokens,
             num_steps=sum(s.num_steps for s in known), last_step_tokens=sum(s.last_step_tokens for s in known),
             max_num_seqs=sum(s.max_num_seqs for s in known),

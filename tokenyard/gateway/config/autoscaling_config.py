@@ -12,6 +12,8 @@ from typing import Any
 
 from tokenyard.gateway.config import yaml_fields
 
+MAX_RATE_WINDOW_S = 600     # the arrival counters keep this many one-second buckets
+
 
 @dataclass(slots=True)
 class DesiredReplicasConfig:
@@ -20,6 +22,9 @@ class DesiredReplicasConfig:
     slo_ttft_s: float = 2.0              # the deployment's TTFT SLO (metrics.slo_ttft_s, not a key here)
     wait_share: float = 0.5              # part of the SLO the queue wait may use (the rest: prefill, network)
     lead_time_s: float = 120.0           # how long a new replica takes to serve: the queue is projected this far
+    # The arrival rate the projection uses is averaged over this long: over one second its noise, times a
+    # lead time of minutes, reads as hundreds of queued requests (bench/RESULTS.md, "Fleet simulation").
+    rate_window_s: float = 30.0
     scale_down_hold_s: float = 300.0     # a lower count must hold this long before it is reported
     min_replicas: int = 1
     max_replicas: int = 64
@@ -27,6 +32,8 @@ class DesiredReplicasConfig:
     def __post_init__(self) -> None:
         if not 0 < self.target_kv_usage <= 1:
             raise ValueError(f"target_kv_usage must be in (0, 1], got {self.target_kv_usage}")
+        if not 1 <= self.rate_window_s <= MAX_RATE_WINDOW_S:
+            raise ValueError(f"rate_window_s must be in [1, {MAX_RATE_WINDOW_S}] seconds, got {self.rate_window_s}")
         if self.target_queue_per_replica < 0 or self.lead_time_s < 0 or self.scale_down_hold_s < 0:
             raise ValueError("target_queue_per_replica, lead_time_s and scale_down_hold_s must be >= 0")
         if self.slo_ttft_s <= 0 or not 0 < self.wait_share <= 1:

@@ -20,6 +20,7 @@ import yaml
 from tokenyard.gateway.config import yaml_fields
 from tokenyard.gateway.config.autoscaling_config import AUTOSCALING_KEYS, DesiredReplicasConfig, parse_autoscaling
 from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
+from tokenyard.gateway.config.learning_settings import LEARNING_KEYS, LearningSettings, parse_learning_settings
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
 from tokenyard.gateway.config.spend_settings import (
@@ -155,6 +156,7 @@ class Deployment:
     policy_file: Path | None = None        # policy imported when Redis holds none (`policy:`)
     batch: BatchSettings = field(default_factory=BatchSettings)   # `batch:` and `pools:` (the Batch API)
     responses: ResponsesSettings = field(default_factory=ResponsesSettings)   # stored /v1/responses
+    router_learning: LearningSettings = field(default_factory=LearningSettings)   # feedback samples (docs/router.md)
 
     @property
     def baseline_engine(self) -> str:
@@ -179,7 +181,8 @@ def _names(cls: type) -> frozenset[str]:
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset({"server", "redis_url", "redis_dir", "redis_prefix", "redis_timeout_ms", "redis_pool_size",
                    "redis_pool_wait_ms", "auth", "limits", "rate_limits", "admission", "autoscaling", "routing",
-                   "engines", "spend", "dashboard", "metrics", "router", "policy", "batch", "pools", "responses"}),
+                   "engines", "spend", "dashboard", "metrics", "router", "policy", "batch", "pools", "responses",
+                   "router_learning"}),
     "server": frozenset({"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
                          "engine_process"}) | _names(Connections),
     "auth": _names(Auth),
@@ -195,6 +198,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "batch": BATCH_KEYS,
     "pools": POOLS_KEYS,
     "responses": RESPONSES_KEYS,
+    "router_learning": LEARNING_KEYS,
     "spend": _names(SpendConfig),
     "spend.alerts": _names(AlertsConfig),
     "dashboard": _names(DashboardConfig),
@@ -279,6 +283,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     _router_and_policy(top, base, dep)
     dep.batch = parse_batch_settings(top, base, dep.engines, DeploymentError)
     dep.responses = parse_responses_settings(top, DeploymentError)
+    dep.router_learning = parse_learning_settings(top, DeploymentError)
     for key, engine in (("routing.small", dep.routing.small), ("routing.large", dep.routing.large),
                         ("router.small", dep.router.small), ("router.large", dep.router.large)):
         if engine is not None and engine in dep.batch.bulk_engines:

@@ -31,7 +31,7 @@ from tokenyard.gateway.edge.edge_params import json_int, parse_int, read_int
 from tokenyard.gateway.edge.errors import APIError, BadRequest, ClientClosed, PayloadTooLarge, ServerError, Unavailable
 from tokenyard.gateway.http.generation import EngineFailed, Generation, GenerationSetup, RequestRejected
 from tokenyard.gateway.http.generation_group import GenerationGroup
-from tokenyard.gateway.http.route_plan import plan_route
+from tokenyard.gateway.http.route_plan import observe_route, plan_route
 from tokenyard.gateway.http.streaming import wait_disconnect
 from tokenyard.gateway.http.upstream_call import UpstreamCall
 from tokenyard.gateway.http.upstream_flow import start_upstream
@@ -126,7 +126,9 @@ async def generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param:
         # The prompt, rendered and encoded (once per tokenizer), then policy and route: rules, the
         # learned router, budget, overflow; may refuse here.
         route = await plan_route(gw, req, key, entry.deadline, RenderedPrompt(req))
-        return await _generate(gw, req, key, prompt_param, entry, route, lane)
+        started = await _generate(gw, req, key, prompt_param, entry, route, lane)
+        observe_route(gw, entry.request_id, key, req, route)    # once started: a feedback sample, shadow counts
+        return started
     except BadRequest as e:
         if e.code == "context_length_exceeded":   # still one request of the sender's limit
             # Under an engine's name only when it is one: the model is the client's string, and the

@@ -45,10 +45,13 @@ from tokenyard.gateway.prompt.prompt_guard import prompt_work
 from tokenyard.gateway.prompt.rendering import RenderedPrompt, tokenize
 from tokenyard.gateway.routing.context_route import move_to_fit
 from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
+from tokenyard.gateway.routing.learned_router import LearnedRouter
+from tokenyard.gateway.routing.traffic_learning import Observation
 from tokenyard.gateway.spend.budget_hold import BudgetCharge, meters_for
 from tokenyard.policies import EngineState, RequestFeatures, TenantSpend, decide
 from tokenyard.policies.budgets import over_limit
 from tokenyard.policies.budgets import scopes as budget_scopes
+from tokenyard.policies.evaluate import effective_threshold, small_is_enough
 from tokenyard.policies.schema import ContextLimit
 from tokenyard.router_models.runtime.features import prompt_text
 
@@ -78,12 +81,34 @@ class Plan:
     prompt: RenderedPrompt | None = None        # the request's prompt, encoded per tokenizer (rendering.py)
     fallback: Any = None                        # policies.Fallback: where a failed upstream call may go next
     tried: tuple[str, ...] = ()                 # engines a fallback already left
+    router_text: str | None = None              # what the two-engine router scored (traffic learning)
+    router_view: tuple[Any, ...] = ()           # (router, policy, router threshold, shadow) it was scored under
     lora: tuple[str, str] | None = None         # (engine, adapter) the request named as ENGINE:ADAPTER
 
     @property
     def adapter(self) -> str | None:
         """The LoRA adapter to run with: the one named, if the plan still goes to its engine."""
         return self.lora[1] if self.lora is not None and self.lora[0] == self.engine else None
+
+
+def observe_route(gw: "Gateway", request_id: str, key: KeyRecord, req: Any, plan: Plan) -> None:
+    """Hand a request the two-engine router scored to traffic learning (a feedback sample, the
+    shadow candidate's counts; tokenyard/gateway/routing/traffic_learning.py). Never changes the route."""
+    if plan.router_text is None or plan.score is None or not plan.router_view:
+        return
+    # The version the request was routed under, even if another was installed since.
+    router, policy, router_threshold, shadow = plan.router_view
+    if not isinstance(router, LearnedRouter):
+        return
+    threshold = router.threshold if policy is None else effective_threshold(policy, router_threshold)
+    gw.learning.observe(Observation(
+        request_id=request_id, tenant=key.tenant, metadata=req.metadata, text=plan.router_text,
+        prompt_tokens=plan.routed_prompt_tokens or len(plan.prompt_ids), engine=plan.engine, score=plan.score,
+        current_large=not small_is_enough(plan.score, threshold), router=router,
+        current_ref=(policy.router.artifact if policy is not None else None) or "deployment",
+        shadow=shadow, shadow_ref=policy.router.shadow if policy is not None else None,
+        shadow_threshold=(policy.router.threshold if policy is not None and policy.router.threshold is not None
+                          else None)))
 
 
 def _ids(gw: "Gateway", engine: str, prompt: RenderedPrompt) -> tuple[Any, list[int]]:
@@ -139,24 +164,40 @@ async def _route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRe
     # Every request is scored when the router is configured, not only "auto" ones: a rule may send a
     # named-engine request to the router, and the what-if replay of a future policy needs the score
     # in every usage record. Scoring is a hashed dot product (tens of microseconds).
-    if isinstance(gw.learned_router, EngineSetRouter):
+    learned = state.router          # the deployment's router, or the one the policy promoted
+    text = None
+    if isinstance(learned, EngineSetRouter):
         # a policy's cost cap is resolved by the router (its calibration table); its quality target
         # (or a rule's) by tokenyard.policies.decide from the scores
         cap = policy.router.cost_cap if policy is not None else None
-        chosen = gw.learned_router.decide(_router_text(req, tok, ids), len(ids), cost_cap=cap)
+        chosen = learned.decide(_router_text(req, tok, ids), len(ids), cost_cap=cap)
         score = chosen.score
         gw.metrics.router_score.observe(score)
-    elif gw.learned_router is not None:
-        score = gw.learned_router.scorer.score(_router_text(req, tok, ids), len(ids))
+    elif learned is not None:
+        text = _router_text(req, tok, ids)
+        score = learned.scorer.score(text, len(ids))
         gw.metrics.router_score.observe(score)
+    view = (learned, state.policy, state.router_threshold, state.shadow)   # what _decide reads, before any await
+    plan = await _decide(gw, req, key, deadline, prompt, pinned, tok, ids, score, chosen)
+    if text is not None:
+        plan.router_text, plan.router_view = text, view
+    return plan
+
+
+async def _decide(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyRecord, deadline: float,
+                  prompt: RenderedPrompt, pinned: Any, tok: Any, ids: list[int], score: float | None,
+                  chosen: Any) -> Plan:
+    state = gw.policy
+    policy = state.policy
+    learned = state.router
     if policy is None:
         if pinned is not None:
             return Plan(pinned.engine, pinned.reason, ids, score, max_tokens=req.max_tokens,
                         routed_prompt_tokens=len(ids))
         if chosen is not None:
             engine, reason = chosen.engine, chosen.reason
-        elif gw.learned_router is not None:
-            engine = gw.learned_router.engine_for(score)
+        elif learned is not None:
+            engine = learned.engine_for(score)
             reason = "router"
         else:
             route = gw.router.auto(len(ids))

@@ -109,6 +109,23 @@ class GatewayMetrics:
         self.router_score = Histogram("tokenyard_router_score",
                                       "Learned router score P(small is enough) of each chat request",
                                       buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+        # Learning from traffic (docs/router.md): routing samples kept for feedback, feedback labels,
+        # shadow scoring of a candidate artifact, artifacts a policy named but that could not be used.
+        self.router_samples = Counter("tokenyard_router_samples",
+                                      "Routed requests considered for a feedback sample, by outcome: stored, "
+                                      "skipped (not sampled, opted out, too long), dropped (writer queue full), "
+                                      "failed (Redis write failed)", ("outcome",), registry=r)
+        self.router_feedback = Counter("tokenyard_router_feedback",
+                                       "POST /v1/feedback results, by outcome: labelled (a training label), "
+                                       "no_signal (kept, but a score on a large-engine answer teaches nothing), "
+                                       "not_found, invalid", ("outcome",), registry=r)
+        self.router_shadow = Counter("tokenyard_router_shadow_decisions",
+                                     "Requests scored by the shadow candidate, by agreement with the router in "
+                                     "force: agree, to_large (candidate large, router small), to_small",
+                                     ("outcome",), registry=r)
+        self.router_artifact_refusals = Counter("tokenyard_router_artifact_refusals",
+                                                "Policy versions not installed because a router artifact they name "
+                                                "is missing from Redis or fails its checksum", registry=r)
         self.policy_updates = Counter("tokenyard_policy_updates",
                                       "Policy versions installed in this gateway, by source (redis, file)",
                                       ("source",), registry=r)
@@ -206,8 +223,11 @@ class _EngineCollector(Collector):
         startup = GaugeMetricFamily("tokenyard_engine_startup_seconds",
                                     "Seconds building each in-process engine took, per phase (weights_read, "
                                     "quantise_pack, kv_allocation, compile, other)", labels=["engine", "phase"])
+        closed = CounterMetricFamily("tokenyard_engine_grammar_closed",
+                                     "Constrained replies the engine's grammar_close_reserve ended (the JSON closed "
+                                     "before max_tokens)", labels=["engine"])
         families = [running, waiting, kv, hit, pre, fail, restarts, busy, prefill, output, batch, accept, kv_block,
-                    startup]
+                    startup, closed]
         for name, eng in self._engines().items():
             for phase, seconds in (getattr(eng, "startup_phases", None) or {}).items():
                 startup.add_metric([name, phase], seconds)
@@ -217,6 +237,7 @@ class _EngineCollector(Collector):
             kv.add_metric([name], s.kv_usage)
             hit.add_metric([name], s.prefix_cache_hit_rate)
             pre.add_metric([name], s.num_preemptions)
+            closed.add_metric([name], s.num_grammar_closed)
             fail.add_metric([name], eng.num_failed_steps)
             restarts.add_metric([name], getattr(eng, "num_restarts", 0))
             busy.add_metric([name], s.busy_seconds)

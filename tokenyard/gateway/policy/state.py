@@ -12,6 +12,13 @@ also read every POLL_S seconds and on every (re)subscribe.
 
 A version that names engines this deployment lacks is refused at apply time; if one arrives
 anyway (another deployment sharing the prefix), it is logged and the previous one stays.
+
+Router artifacts named by the policy (`router.artifact`: the router in force, replacing the
+deployment's; `router.shadow`: a candidate scored beside it) are read from Redis
+(tokenyard/gateway/routing/artifact_store.py) and verified before the version is swapped in; a missing
+or tampered one keeps the previous version in force (logged, `tokenyard_router_artifact_refusals_total`),
+or fails the start. `router` is the two-engine router requests are scored with, `shadow` the candidate
+(both None when absent); they change with the version, in the same assignment.
 """
 from __future__ import annotations
 
@@ -22,13 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 from tokenyard.gateway.policy.store import PolicyStore, deployment_problems, events_channel
 from tokenyard.gateway.policy.work import off_loop
+from tokenyard.gateway.routing.artifact_store import ArtifactStore
+from tokenyard.gateway.routing.learned_router import LearnedRouter
 from tokenyard.policies import Policy, PolicyError, PolicyVersion, next_version
 from tokenyard.policies.schema import Prices
+from tokenyard.router_models.runtime.artifact import Artifact, ArtifactError
 from tokenyard.router_models.runtime.calibration import threshold_from_quantiles
+from tokenyard.router_models.runtime.scorer import Scorer
 
 if TYPE_CHECKING:
     from tokenyard.gateway.config.deployment import Deployment
-    from tokenyard.gateway.routing.learned_router import LearnedRouter
+    from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
 
 log = logging.getLogger("tokenyard.policy")
 POLL_S = 5.0
@@ -40,10 +51,13 @@ class PolicyStartError(RuntimeError):
 
 
 class PolicyState:
-    def __init__(self, deployment: "Deployment", metrics: Any, learned: "LearnedRouter | None") -> None:
+    def __init__(self, deployment: "Deployment", metrics: Any,
+                 learned: "LearnedRouter | EngineSetRouter | None") -> None:
         self.deployment = deployment
         self.metrics = metrics
-        self.learned = learned
+        self.learned = learned          # the deployment's router (router.artifact in the YAML)
+        self.router: "LearnedRouter | EngineSetRouter | None" = learned   # the router in force
+        self.shadow: LearnedRouter | None = None                          # the policy's candidate
         self.version: PolicyVersion | None = None
         self.policy: Policy | None = None
         self.prices: dict[str, Prices] = {}
@@ -60,28 +74,56 @@ class PolicyState:
     def engines(self) -> list[str]:
         return list(self.deployment.engines)
 
-    def install(self, v: PolicyVersion, source: str) -> None:
-        """Swap in version v (raises PolicyError when it does not fit this deployment)."""
-        self._swap(v, *self._prepare(v), source)
+    def install(self, v: PolicyVersion, source: str, artifacts: dict[str, Artifact] | None = None) -> None:
+        """Swap in version v (raises PolicyError when it does not fit this deployment); artifacts:
+        the router artifacts it names, by ref, already read and verified (`fetch_artifacts`)."""
+        self._swap(v, *self._prepare(v, artifacts or {}), source)
 
-    def _prepare(self, v: PolicyVersion) -> tuple[Policy, dict[str, Prices], float | None]:
-        """The CPU part of installing (parse, check, threshold): runs off the loop on refresh."""
+    async def fetch_artifacts(self, v: PolicyVersion) -> dict[str, Artifact]:
+        """The router artifacts version v names, verified (ArtifactError when one is missing or tampered)."""
+        policy = v.policy()
+        refs = [r for r in (policy.router.artifact, policy.router.shadow) if r is not None]
+        if not refs:
+            return {}
+        if self.store is None:
+            raise ArtifactError(f"policy version {v.version} names router artifact {refs[0]}, which only a "
+                                "gateway with Redis can read")
+        store = ArtifactStore(self.store.redis, self.deployment.redis_prefix)
+        return {ref: await store.load(ref) for ref in refs}
+
+    def _two_engine(self, policy: Policy, art: Artifact) -> LearnedRouter:
+        """A published artifact as a router between the policy's small and large engines, with the
+        threshold the policy gives it (its own calibrated one, a target share resolved on its own
+        quantiles, or the policy's raw threshold, which decide() applies)."""
+        share = policy.router.target_large_share
+        return LearnedRouter(Scorer(art, target_large_share=share), policy.engines.small, policy.engines.large)
+
+    def _prepare(self, v: PolicyVersion, artifacts: dict[str, Artifact]) -> tuple[Any, ...]:
+        """The CPU part of installing (parse, check, threshold, routers): runs off the loop on refresh."""
         policy = v.policy()
         problems = deployment_problems(policy, self.engines)
         if problems:
             raise PolicyError(problems)
-        threshold = self.learned.threshold if self.learned is not None else None
-        if policy.router.target_large_share is not None and self.learned is not None:
-            threshold = threshold_from_quantiles(self.learned.scorer.artifact.quantiles,
+        for ref in (policy.router.artifact, policy.router.shadow):
+            if ref is not None and ref not in artifacts:
+                raise ArtifactError(f"policy version {v.version} names router artifact {ref}, which only a "
+                                    "gateway with Redis can read")
+        router: Any = self.learned
+        if policy.router.artifact is not None:
+            router = self._two_engine(policy, artifacts[policy.router.artifact])
+        shadow = self._two_engine(policy, artifacts[policy.router.shadow]) if policy.router.shadow else None
+        threshold = router.threshold if isinstance(router, LearnedRouter) else None
+        if policy.router.target_large_share is not None and isinstance(router, LearnedRouter):
+            threshold = threshold_from_quantiles(router.scorer.artifact.quantiles,
                                                  policy.router.target_large_share)
         prices = dict(policy.prices)
-        return policy, prices, threshold
+        return policy, prices, threshold, router, shadow
 
     def _swap(self, v: PolicyVersion, policy: Policy, prices: dict[str, Prices], threshold: float | None,
-              source: str) -> None:
+              router: Any, shadow: LearnedRouter | None, source: str) -> None:
         # One tuple of assignments between awaits: a request never sees half of a version.
-        self.version, self.policy, self.prices, self.router_threshold, self.source = \
-            v, policy, prices, threshold, source
+        self.version, self.policy, self.prices, self.router_threshold, self.router, self.shadow, self.source = \
+            v, policy, prices, threshold, router, shadow, source
         self.metrics.policy_version.set(v.version)
         self.metrics.policy_updates.labels(source).inc()
         log.info("policy version %d in force (%s, hash %s, by %s)", v.version, source, v.hash[:12], v.author)
@@ -125,7 +167,7 @@ class PolicyState:
             v = next_version(None, text, f"import:{self.deployment.policy_file.name}", datetime.now(timezone.utc),
                              note=f"imported from {self.deployment.policy_file}")
             self.install(v, "file")
-        except PolicyError as e:
+        except (PolicyError, ArtifactError) as e:
             raise PolicyStartError(f"policy: {self.deployment.policy_file}: {e}") from e
 
     async def start_redis(self, redis: Any, pubsub_client: Any) -> None:
@@ -143,7 +185,9 @@ class PolicyState:
                 current = await self.store.current()   # another gateway may have imported first
             if current is not None:
                 try:
-                    self.install(current, "redis")
+                    self.install(current, "redis", await self.fetch_artifacts(current))
+                except ArtifactError as e:
+                    raise PolicyStartError(f"the current policy in Redis (version {current.version}): {e}") from e
                 except PolicyError as e:
                     raise PolicyStartError(f"the current policy in Redis (version {current.version}) does not "
                                            f"fit this deployment: {e}") from e
@@ -168,7 +212,14 @@ class PolicyState:
             return False
         before = self.number
         try:
-            prepared = await off_loop(self._prepare, v)
+            artifacts = await self.fetch_artifacts(v)
+        except ArtifactError as e:
+            self.metrics.router_artifact_refusals.inc()
+            log.error("policy version %d names a router artifact that cannot be used; keeping version %d: %s",
+                      n, self.number, e)
+            return False
+        try:
+            prepared = await off_loop(self._prepare, v, artifacts)
         except PolicyError as e:
             log.error("policy version %d does not fit this deployment; keeping version %d: %s", n, self.number, e)
             return False

@@ -12,6 +12,10 @@ Redis layout (every name starts with the deployment's redis_prefix):
     {prefix}policy:current    the current version number
     {prefix}policy:events     pub/sub channel: "version N" when N becomes current
 
+A version whose `router.artifact` / `router.shadow` names a router artifact that is not published
+in this Redis, or fails its checksum (tokenyard/gateway/routing/artifact_store.py), is refused like
+an invalid document (PolicyError), on apply and on rollback alike.
+
 A version is made by tokenyard.policies.next_version / rollback_to (validation, canonical hash, diff) and
 installed by one Lua script (tokenyard/gateway/policy/lua/policy_apply.lua) that checks the current version is
 still the one the new version was made against: two admins applying at once cannot both win
@@ -25,7 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
+from tokenyard.gateway.routing.artifact_store import ArtifactStore
 from tokenyard.policies import Policy, PolicyError, PolicyVersion, Problem, next_version, rollback_to
+from tokenyard.router_models.runtime.artifact import ArtifactError
 
 _LUA = Path(__file__).resolve().parent / "lua" / "policy_apply.lua"
 RETRIES = 8
@@ -130,6 +136,7 @@ class PolicyStore:
         for _ in range(RETRIES):
             previous = await self.current()
             version, problems = await self.run(_made, previous, document, author, note, engines)
+            problems += await self.artifact_problems(version.policy())
             if problems:
                 raise PolicyError(problems)
             if previous is not None and previous.hash == version.hash and not allow_unchanged:
@@ -147,12 +154,27 @@ class PolicyStore:
                 raise NoSuchVersion([Problem("version", f"no policy version {version}",
                                              allowed=tuple(str(v.version) for v in reversed(history)))])
             new, problems = await self.run(_rolled_back, history, version, author, engines)
+            problems += await self.artifact_problems(new.policy())
             if problems:
                 raise PolicyError(problems)
             previous = history[0]
             if await self._install(previous, new):
                 return new
         raise PolicyConflict("the current policy version kept changing; try again")
+
+    async def artifact_problems(self, policy: Policy) -> list[Problem]:
+        """The router artifacts the policy names, each published here and intact (a Problem each if not)."""
+        out: list[Problem] = []
+        store = ArtifactStore(self.redis, self.prefix)
+        for key in ("artifact", "shadow"):
+            ref = getattr(policy.router, key)
+            if ref is None:
+                continue
+            try:
+                await store.load(ref)
+            except ArtifactError as e:
+                out.append(Problem(f"router.{key}", str(e)))
+        return out
 
     async def _install(self, previous: PolicyVersion | None, new: PolicyVersion) -> bool:
         expected = str(previous.version) if previous is not None else "0"

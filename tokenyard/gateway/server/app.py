@@ -30,11 +30,13 @@ from tokenyard.gateway.http import (
     chat_endpoint,
     completions_endpoint,
     embeddings_endpoint,
+    feedback_endpoint,
     messages_endpoint,
     responses_endpoint,
 )
 from tokenyard.gateway.observability.access_log import AccessLog
 from tokenyard.gateway.routes import policy_api as policy_routes
+from tokenyard.gateway.routes import router_admin
 from tokenyard.gateway.routes import spend_api as spend_routes
 from tokenyard.gateway.server import service_routes
 from tokenyard.gateway.spend.usage import UsageSink
@@ -99,7 +101,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
 
     routes = chat_endpoint.routes() + completions_endpoint.routes() + embeddings_endpoint.routes()
     routes += messages_endpoint.routes()
-    routes += responses_endpoint.routes()
+    routes += responses_endpoint.routes() + feedback_endpoint.routes() + router_admin.routes()
     routes += service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()

@@ -18,6 +18,7 @@ from tokenyard.gateway.edge.openapi_parts import errors, json_body
 from tokenyard.gateway.edge.tool_request import MAX_TOOLS
 from tokenyard.gateway.server.openapi_admin import dashboard_paths, policy_paths, spend_paths
 from tokenyard.gateway.server.openapi_responses import responses_paths
+from tokenyard.gateway.server.openapi_router import router_paths
 
 
 @lru_cache(maxsize=1)
@@ -311,5 +312,6 @@ def openapi_schema() -> dict[str, Any]:
             **batch_paths(auth),
             **messages_paths(),
             **responses_paths(auth, request),
+            **router_paths(auth),
         },
     }

@@ -25,7 +25,8 @@ DATA = ROOT / "tokenyard" / "router_models" / "data"
 ARTIFACT = ROOT / "tokenyard" / "router_models" / "artifacts" / "demo_router.json"
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
+def add_arguments(ap: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    """The train and eval commands; returns the subparsers (tokenyard/cli/router.py adds the traffic ones)."""
     sub = ap.add_subparsers(dest="router_command", required=True)
     tr = sub.add_parser("train", help="train the router and calibrate its threshold")
     src = tr.add_mutually_exclusive_group()
@@ -66,6 +67,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ev.add_argument("--json", default=str(ROOT / "bench" / "router_eval.json"))
     ev.add_argument("--plot", default=str(ROOT / "bench" / "router_eval.png"))
     ev.set_defaults(func=run_eval)
+    return sub
 
 
 def _counter(tokenizer_dir: str):

@@ -1,0 +1,307 @@
+"""The fleet simulator against a real fleet at small scale (issue 52, item 4): `--replicas` real
+SmolLM2 replicas (`tokenyard engine serve`, one torch thread each, `max_num_seqs` 16 as the
+simulated ones) behind a real gateway (`tokenyard serve`, the replicas as one pool), a short
+diurnal trace with a spike replayed over HTTP by the load generator (streaming chat requests,
+each sent at its arrival time), and the simulator replaying the same trace (the sends as they
+happened, each request's computed prompt tokens and output tokens from its usage) over the same
+number of replicas. Two service curves: the replicas' as they run here (`calibrate`: every replica
+busy at once, timed from the client on requests apart from the trace, after it), which decides
+the verdict, and the engine's own (the committed curve: one replica alone, timed in-process),
+reported beside it. Reported: the measured and predicted p99 TTFT (and p50, mean TPOT), and
+whether the prediction is within `--tolerance` (25%) of the measurement.
+
+    python -m tokenyard.bench.fleet.validation [--replicas 2 --period-s 150 --night-rps 1 --peak-rps 3]
+        -> bench/results/fleet_validation.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tokenyard.bench.fleet.service_curve import CURVE_PATH, REPLICA_MAX_NUM_SEQS, ServiceCurve
+from tokenyard.bench.fleet.trace import Request, TraceConfig, make_trace
+
+ROOT = Path(__file__).resolve().parents[3]
+ENGINE = "smollm2-135m"
+OUT = ROOT / "bench" / "out" / "fleet_validation"
+
+
+def start_replicas(n: int, max_num_seqs: int, workdir: Path) -> list[tuple[subprocess.Popen, str]]:
+    """n `tokenyard engine serve` replicas of SmolLM2 on free ports, one torch thread each, ready."""
+    from tokenyard.bench.serve_launch import free_port, stop_processes, wait_ready
+    from tokenyard.gateway.config.deployment import load_deployment
+    spec = load_deployment(ROOT / "tokenyard" / "deploy" / "default.yaml").engines[ENGINE]
+    cfg = workdir / "replica.yaml"
+    cfg.write_text(yaml.safe_dump({"engines": {ENGINE: {"type": "torch", "model": str(spec.model),
+                                                          **{k: v for k, v in spec.options.items()},
+                                                          "max_num_seqs": max_num_seqs}}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for i in range(n):
+            port = free_port()
+            log = (workdir / f"replica{i}.log").open("wb")
+            proc = subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "engine", "serve", "--engine", ENGINE,
+                                     "--port", str(port), "--config", str(cfg)], cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+            procs.append((proc, f"http://127.0.0.1:{port}"))
+        for proc, url in procs:
+            wait_ready(url, 300, proc)
+    except BaseException:
+        stop_processes(*(p for p, _ in procs))
+        raise
+    return procs
+
+
+def gateway_config(urls: list[str], workdir: Path) -> Path:
+    """The packaged deployment cut to SmolLM2, served by the replicas as one pool (least loaded, as
+    the simulator dispatches), rate limits and the per-tenant cap off (one benchmark tenant)."""
+    from tokenyard.bench.serve_launch import derive_deployment
+    path = derive_deployment(ROOT / "tokenyard" / "deploy" / "default.yaml", workdir / "gateway.yaml",
+                             only_engines=[ENGINE])
+    doc = yaml.safe_load(path.read_text())
+    doc["redis_prefix"] = "bench-fleet-validation:"
+    spec = doc["engines"][ENGINE]
+    doc["engines"][ENGINE] = {"type": "torch", "model": spec["model"], "prices": spec["prices"],
+                              "replicas": [{"url": u} for u in urls], "replica_pool": {"policy": "least_loaded"}}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@functools.cache
+def _sizer() -> Any:
+    from tokenyard.bench.serve_datasets import TokenSizer
+    from tokenyard.gateway.config.deployment import load_deployment
+    model = load_deployment(ROOT / "tokenyard" / "deploy" / "default.yaml").engines[ENGINE].model
+    assert model is not None
+    return TokenSizer(model)
+
+
+def chat_requests(trace: list[Request], seed: int) -> list[Any]:
+    """Chat requests whose user message is each request's prompt length in SmolLM2 tokens."""
+    from tokenyard.bench.load_generator import ChatRequest
+    from tokenyard.bench.serve_datasets import word_pool
+    sizer, words, rng = _sizer(), word_pool(), random.Random(seed)
+    return [ChatRequest([{"role": "user", "content": sizer.text_of(r.prompt_tokens, rng, words)}], r.output_tokens,
+                        tag=str(r.id)) for r in trace]
+
+
+async def replay(base_url: str, api_key: str | None, reqs: list[Any], offsets: list[float]) -> tuple[list[Any], float]:
+    """Send each request at its offset (seconds from the start); return the records and the wall time."""
+    import aiohttp
+
+    from tokenyard.bench.load_generator import LoadConfig, send_chat
+    cfg = LoadConfig(base_url=base_url, api_key=api_key, model=ENGINE, timeout_s=300.0, progress=False)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as session:
+        t0 = time.perf_counter()
+
+        async def one(req: Any, at: float) -> Any:
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await send_chat(session, req, cfg, t0)
+
+        records = await asyncio.gather(*(one(r, at) for r, at in zip(reqs, offsets)))
+        return list(records), time.perf_counter() - t0
+
+
+def _engine_stats(urls: list[str]) -> list[dict[str, Any]]:
+    import json
+    import urllib.request
+    out = []
+    for u in urls:
+        with urllib.request.urlopen(u + "/v1/engine/stats", timeout=10) as r:
+            out.append(json.loads(r.read()))
+    return out
+
+
+def decode_samples(recs: list[Any], n_rep: int) -> list[Any]:
+    """Decode step samples from chunk gaps of requests started together: only gaps after every
+    prompt is in (no prefill step among them), each labelled with the sequences decoding on a
+    replica during it (those between their first and last chunk, shared evenly by the replicas:
+    outputs end early at EOS, so the batch thins as the test goes on). Median gap per batch size."""
+    from tokenyard.bench.fleet.service_curve import StepSample
+    from tokenyard.bench.serving_metrics import percentile
+    spans = [(r.start + r.ttft, r.start + r.e2e) for r in recs if r.ttft is not None and r.e2e is not None]
+    if not spans:
+        return []
+    begin = max(first for first, _ in spans)
+    by_rows: dict[int, list[float]] = {}
+    ctx: dict[int, list[float]] = {}
+    for r in recs:
+        if r.ttft is None:
+            continue
+        t = r.start + r.ttft
+        for i, gap in enumerate(r.itls):
+            lo, t = t, t + gap
+            if lo < begin:
+                continue
+            active = sum(1 for first, end in spans if first <= lo and end >= t)
+            rows = max(1, round(active / n_rep))
+            by_rows.setdefault(rows, []).append(gap)
+            ctx.setdefault(rows, []).append(r.prompt_tokens + i + 1)
+    return [StepSample(rows, round(rows * sum(ctx[rows]) / len(ctx[rows])), 0, percentile(gaps, 50))
+            for rows, gaps in sorted(by_rows.items()) if len(gaps) >= 8]
+
+
+def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) -> tuple[Any, list[Any], float]:
+    """The service curve of these replicas as they run here, every replica busy at once (so the
+    cores are shared as in the trace), on requests apart from the trace's (after it). Prefill: one
+    request of max_tokens 1 per replica at a time, per prompt length; its step time is the replicas'
+    own busy seconds over the steps they took (`/v1/engine/stats`), and what the client waited
+    beyond it is the gateway's and the network's time (`overhead_s`, which delays a first token
+    but occupies no replica). Decode: the median gap between chunks with `b` requests per replica
+    decoding together, at two prompt lengths (so context and batch size are told apart)."""
+    from tokenyard.bench.fleet.service_curve import StepSample, fit
+    from tokenyard.bench.serving_metrics import percentile
+    n_rep = len(urls)
+    base_id = 10_000 + seed
+    samples: list[StepSample] = []
+    overheads: list[float] = []
+    for i, n in enumerate((24, 64, 128, 192)):
+        probe = [Request(base_id + i * 100 + j, 0.0, n, 1) for j in range(n_rep)]
+        steps, ttfts, prompts = [], [], []
+        for rep in range(5):
+            before = _engine_stats(urls)
+            recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(probe, seed + rep), [0.0] * n_rep))
+            after = _engine_stats(urls)
+            if rep == 0:                                    # the first warms this prompt length up
+                continue
+            for a, b in zip(before, after):
+                if b["num_steps"] > a["num_steps"]:
+                    steps.append((b["busy_seconds"] - a["busy_seconds"]) / (b["num_steps"] - a["num_steps"]))
+            ttfts += [r.ttft for r in recs if r.ok and r.ttft is not None]
+            prompts += [r.prompt_tokens - r.cached_tokens for r in recs if r.ok]
+        if steps and ttfts:
+            step = percentile(steps, 50)
+            samples.append(StepSample(0, 0, round(sum(prompts) / len(prompts)), step))
+            overheads.append(percentile(ttfts, 50) - step)
+    for prompt in (48, 176):
+        for b in (1, 2, 4, 8, 16):
+            batch = [Request(base_id + 1000 + prompt * 100 + b * 10 + j, 0.0, prompt, 48) for j in range(b * n_rep)]
+            recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(batch, seed), [0.0] * len(batch)))
+            ok = [r for r in recs if r.ok and r.ttft is not None]
+            if not ok:
+                continue
+            samples += decode_samples(ok, n_rep)
+    curve = fit(samples, REPLICA_MAX_NUM_SEQS, 512,
+                f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the replicas' "
+                "stats for prefill, client chunk gaps for decode)")
+    return curve, samples, max(0.0, percentile(overheads, 50)) if overheads else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--period-s", type=float, default=150.0, help="the trace's 'day'")
+    ap.add_argument("--night-rps", type=float, default=1.0)
+    ap.add_argument("--peak-rps", type=float, default=3.0)
+    ap.add_argument("--spike-factor", type=float, default=1.5)
+    ap.add_argument("--spike-s", type=float, default=20.0)
+    ap.add_argument("--prompt-tokens", default="32:192", help="A:B uniform range")
+    ap.add_argument("--output-tokens", default="16:48", help="A:B uniform range (max_tokens)")
+    ap.add_argument("--curve", type=Path, default=CURVE_PATH)
+    ap.add_argument("--tolerance", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="fleet_validation")
+    ap.add_argument("--no-results", action="store_true")
+    args = ap.parse_args(argv)
+
+    from tokenyard.bench.fleet.policies import StaticPolicy
+    from tokenyard.bench.fleet.simulator import SLO, Shedding, SimConfig, simulate
+    from tokenyard.bench.results_io import RunRecorder
+    from tokenyard.bench.serve_launch import gateway_process, stop_processes
+    from tokenyard.bench.serving_metrics import SLO as HttpSLO
+    from tokenyard.bench.serving_metrics import percentile, summarize
+    from tokenyard.gateway.config.deployment import load_deployment
+
+    rec = RunRecorder(args.name)
+    curve = ServiceCurve.load(args.curve)
+    span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    trace_cfg = TraceConfig(period_s=args.period_s, night_rps=args.night_rps, peak_rps=args.peak_rps, spikes=1,
+                            spike_factor=args.spike_factor, spike_s=args.spike_s, prompt_tokens=span(args.prompt_tokens),
+                            output_tokens=span(args.output_tokens), seed=args.seed)
+    trace = make_trace(trace_cfg)
+    reqs = chat_requests(trace.requests, args.seed)
+    OUT.mkdir(parents=True, exist_ok=True)
+    replicas = start_replicas(args.replicas, curve.max_num_seqs, OUT)
+    try:
+        config = gateway_config([u for _, u in replicas], OUT)
+        with gateway_process(config, name="fleet-validation-gateway", model=ENGINE, log_dir=OUT)() as ep:
+            # Warm-up, one at a time, outside the measurement: each replica's first requests pay lazy costs.
+            warm, _ = asyncio.run(replay(ep.base_url, ep.api_key, reqs[:2 * args.replicas], [0.0] * 2 * args.replicas))
+            records, wall = asyncio.run(replay(ep.base_url, ep.api_key, reqs, [r.arrival_s for r in trace.requests]))
+            served_curve, served_samples, overhead_s = calibrate(ep.base_url, ep.api_key, [u for _, u in replicas],
+                                                                 args.seed)
+    finally:
+        stop_processes(*(p for p, _ in replicas))
+    deadline_s = load_deployment(config).admission.default_deadline_ms / 1000
+    slo = SLO()
+    summary = summarize(records, wall, HttpSLO(ttft_ms=slo.ttft_s * 1e3, tpot_ms=slo.itl_s * 1e3))
+    measured = [r.ttft for r in records if r.ok and r.ttft is not None]
+    # The same trace in the simulator: each request when it was sent, with the prompt tokens the
+    # engine computed (usage: prompt less cached) and the tokens it emitted.
+    sim_reqs = [Request(i, r.start, max(1, r.prompt_tokens - r.cached_tokens), max(1, r.output_tokens))
+                for i, r in enumerate(records) if r.ok]
+    end_s = max(r.arrival_s for r in sim_reqs)
+    m99 = percentile(measured, 99)
+
+    def predict(c: ServiceCurve, overhead: float) -> dict[str, Any]:
+        cfg = SimConfig(curve=c, slo=slo, shedding=Shedding(enabled=True, deadline_s=deadline_s), end_s=end_s,
+                        overhead_s=overhead)
+        res = simulate(cfg, StaticPolicy("real-size", args.replicas), sim_reqs)
+        ttft = [o.ttft_s for o in res.outcomes if o.ttft_s is not None]
+        itl = [o.itl_s for o in res.outcomes if o.itl_s is not None]
+        p99 = percentile(ttft, 99)
+        return {"p99_ttft_s": p99, "p50_ttft_s": percentile(ttft, 50), "mean_tpot_ms": 1e3 * sum(itl) / max(1, len(itl)),
+                "shed": sum(1 for o in res.outcomes if o.status != "served"),
+                "p99_ttft_relative_error": (p99 - m99) / m99, "curve": c.to_dict(), "overhead_s": overhead}
+
+    # The verdict is on the curve of the replicas as they run here (sharing 2 cores with each other,
+    # the gateway and the client); the engine's own curve (one replica alone) is reported beside it.
+    served, engine = predict(served_curve, overhead_s), predict(curve, 0.0)
+    error = served["p99_ttft_relative_error"]
+    figures = {
+        "replicas": args.replicas, "requests": len(records), "failed": summary.failed,
+        "measured": {"p99_ttft_s": m99, "p50_ttft_s": percentile(measured, 50), "mean_tpot_ms": summary.tpot.mean,
+                     "p99_e2e_ms": summary.e2e.percentiles.get("p99")},
+        "predicted_served_curve": served, "predicted_engine_curve": engine,
+        "p99_ttft_relative_error": error, "tolerance": args.tolerance, "within_tolerance": abs(error) <= args.tolerance,
+        "served_curve_samples": [asdict(x) for x in served_samples],
+        "trace": {**asdict(trace_cfg), "spike_starts_s": trace.spike_starts},
+        "warm_up_requests": len(warm), "gateway_deadline_s": deadline_s,
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in records if r.ok) / max(1, summary.completed),
+        "mean_cached_tokens": sum(r.cached_tokens for r in records if r.ok) / max(1, summary.completed),
+        "mean_output_tokens": sum(r.output_tokens for r in records if r.ok) / max(1, summary.completed),
+        "errors": summary.errors,
+    }
+    for label, pred in (("served curve", served), ("engine curve", engine)):
+        print(f"{label}: p99 TTFT measured {m99:.3f} s, predicted {pred['p99_ttft_s']:.3f} s "
+              f"({pred['p99_ttft_relative_error']:+.1%}); p50 {figures['measured']['p50_ttft_s']:.3f} / "
+              f"{pred['p50_ttft_s']:.3f} s; mean TPOT {summary.tpot.mean:.1f} / {pred['mean_tpot_ms']:.1f} ms")
+    print(f"within {args.tolerance:.0%} (served curve): {abs(error) <= args.tolerance}; "
+          f"{summary.completed} served, {summary.failed} failed")
+    if not args.no_results:
+        per_request = [{"start": round(r.start, 3), "ttft": r.ttft and round(r.ttft, 4),
+                        "prompt": r.prompt_tokens, "cached": r.cached_tokens, "out": r.output_tokens}
+                       for r in records]
+        (OUT / "records.json").write_text(__import__("json").dumps(per_request))
+        rec.write(figures, [{"p99_ttft_measured_s": m99, "p99_ttft_predicted_served_curve_s": served["p99_ttft_s"],
+                             "p99_ttft_predicted_engine_curve_s": engine["p99_ttft_s"]}])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
