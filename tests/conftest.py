@@ -16,6 +16,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # short-lived engines, for which compiling costs far more than it saves. The compiled path has its
 # own tests (tests/engines/test_compiled_decode.py), which set the variable back to auto or ask for "on".
 os.environ.setdefault("TOKENYARD_CPU_COMPILE", "off")
+# The prepared-weights cache would make a test's load depend on what earlier tests (or runs) stored
+# and write into ~/.cache: off for the suite; tests/engines/test_prepared_cache.py turns it on in
+# folders of its own.
+os.environ.setdefault("TOKENYARD_WEIGHT_CACHE", "off")
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}

@@ -19,6 +19,11 @@ Kernels (tokenyard/kernels):
   >= 1; 200,000 when unset or empty; anything else is a ValueError (cpu_decode_step.py).
 - TOKENYARD_HUGE_PAGES: off, 0 or false ask for ordinary pages; anything else (default on) asks for
   2 MiB pages (hugepage_arena.py).
+Loading (tokenyard/engines/formats/prepared_cache.py):
+- TOKENYARD_WEIGHT_CACHE: off, 0, false or no turn the prepared-weights cache off; anything else
+  (default on) keeps it on.
+- TOKENYARD_WEIGHT_CACHE_DIR: where its entries live; $XDG_CACHE_HOME/tokenyard/weights (default
+  ~/.cache/tokenyard/weights) when unset or empty.
 Router runtime (tokenyard/router_models/runtime):
 - TOKENYARD_ROUTER_NATIVE: 0, off, false or no choose the numpy feature path; anything else (default 1)
   the C row kernel (native.py).
@@ -110,3 +115,18 @@ def huge_pages() -> bool:
 def router_native() -> bool:
     """TOKENYARD_ROUTER_NATIVE: False for 0, off, false or no (the numpy path), else True."""
     return _get("TOKENYARD_ROUTER_NATIVE", "1").lower() not in ("0", "off", "false", "no")
+
+
+def weight_cache() -> bool:
+    """TOKENYARD_WEIGHT_CACHE: False for off, 0, false or no (no prepared-weights cache), else True."""
+    return _get("TOKENYARD_WEIGHT_CACHE", "on").lower() not in ("off", "0", "false", "no")
+
+
+def weight_cache_dir() -> str:
+    """TOKENYARD_WEIGHT_CACHE_DIR: the prepared-weights cache's folder, else
+    $XDG_CACHE_HOME/tokenyard/weights (~/.cache/tokenyard/weights)."""
+    explicit = _get("TOKENYARD_WEIGHT_CACHE_DIR", "")
+    if explicit:
+        return os.path.expanduser(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tokenyard", "weights")

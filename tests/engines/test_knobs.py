@@ -91,6 +91,21 @@ def test_huge_pages(monkeypatch):
     assert knobs.huge_pages()
 
 
+def test_weight_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("TOKENYARD_WEIGHT_CACHE", raising=False)
+    assert knobs.weight_cache()
+    for raw in ("off", "0", " False ", "NO"):
+        monkeypatch.setenv("TOKENYARD_WEIGHT_CACHE", raw)
+        assert not knobs.weight_cache()
+    monkeypatch.setenv("TOKENYARD_WEIGHT_CACHE", "on")
+    assert knobs.weight_cache()
+    monkeypatch.delenv("TOKENYARD_WEIGHT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert knobs.weight_cache_dir() == str(tmp_path / "tokenyard" / "weights")
+    monkeypatch.setenv("TOKENYARD_WEIGHT_CACHE_DIR", " /srv/cache ")
+    assert knobs.weight_cache_dir() == "/srv/cache"
+
+
 def test_router_native(monkeypatch):
     monkeypatch.delenv("TOKENYARD_ROUTER_NATIVE", raising=False)
     assert knobs.router_native()
@@ -125,5 +140,5 @@ def test_every_variable_is_documented():
     """Each knob's variable is named in the module's docstring list (the docs point there)."""
     source = (ROOT / "knobs.py").read_text()
     named = set(re.findall(r'"(TOKENYARD_[A-Z_]+)"', source))
-    assert len(named) == 9
+    assert len(named) == 11
     assert all(name in knobs.__doc__ for name in named)

@@ -7,7 +7,13 @@ compile, warm_up, other), and the latency of the first and the tenth request aft
 short prompt, `--max-tokens` greedy tokens, one at a time) to show what is still paid lazily.
 Reported per engine: the median of each figure over the repeats.
 
+The prepared-weights cache (docs/engine.md, "Start-up and the prepared-weights cache") is measured
+in a folder of the bench's own: `--weight-cache warm` (default) fills it with one unrecorded start per
+engine, then records starts that read it; `cold` gives every recorded start an empty folder (it
+computes and stores everything, as a first start on a machine does); `off` runs without the cache.
+
     python -m tokenyard.bench.startup_bench [--engines demo-small demo-large smollm2-135m] [--repeats 3]
+        [--weight-cache warm|cold|off] [--name startup_phases]
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -54,10 +61,10 @@ def _generate(base: str, rid: str, max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def one_start(engine: str, max_tokens: int, timeout_s: float) -> dict:
+def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[str, str] | None = None) -> dict:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(cache_env or {})}
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "tokenyard.cli.main", "engine", "serve", "--engine", engine,
                              "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -89,21 +96,34 @@ def one_start(engine: str, max_tokens: int, timeout_s: float) -> dict:
             "tenth_request_s": latencies[9]}
 
 
+def _cache_env(mode: str, folder: Path) -> dict[str, str]:
+    if mode == "off":
+        return {"TOKENYARD_WEIGHT_CACHE": "off"}
+    return {"TOKENYARD_WEIGHT_CACHE": "on", "TOKENYARD_WEIGHT_CACHE_DIR": str(folder)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", nargs="+", default=["demo-small", "demo-large", "smollm2-135m"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout-s", type=float, default=300.0)
-    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/startup_phases.json")
+    ap.add_argument("--weight-cache", choices=("warm", "cold", "off"), default="warm",
+                    help="prepared-weights cache: read back (warm), empty at every start (cold), or off")
+    ap.add_argument("--name", default="startup_phases", help="results file: bench/results/NAME.json")
+    ap.add_argument("--no-results", action="store_true", help="do not write bench/results/NAME.json")
     args = ap.parse_args()
     from tokenyard.bench.results_io import RunRecorder
-    rec = RunRecorder("startup_phases")
+    rec = RunRecorder(args.name)
     runs = []
-    for engine in args.engines:
-        for _ in range(args.repeats):
-            runs.append(one_start(engine, args.max_tokens, args.timeout_s))
-            print(json.dumps(runs[-1]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="tokenyard-startup-") as tmp:
+        for engine in args.engines:
+            if args.weight_cache == "warm":      # fill the folder: one start, not recorded
+                one_start(engine, 1, args.timeout_s, _cache_env("warm", Path(tmp) / "warm"))
+            for i in range(args.repeats):
+                env = _cache_env(args.weight_cache, Path(tmp) / ("warm" if args.weight_cache == "warm" else f"{engine}-{i}"))
+                runs.append({**one_start(engine, args.max_tokens, args.timeout_s, env), "weight_cache": args.weight_cache})
+                print(json.dumps(runs[-1]), flush=True)
     figures = {}
     for engine in args.engines:
         mine = [r for r in runs if r["engine"] == engine]
@@ -117,7 +137,8 @@ def main() -> None:
             "tenth_request_s": statistics.median(r["tenth_request_s"] for r in mine)}
     print(json.dumps(figures, indent=1))
     if not args.no_results:
-        print("wrote", rec.write(figures, runs, repeats=args.repeats, max_tokens=args.max_tokens))
+        print("wrote", rec.write(figures, runs, repeats=args.repeats, max_tokens=args.max_tokens,
+                                 weight_cache=args.weight_cache))
 
 
 if __name__ == "__main__":

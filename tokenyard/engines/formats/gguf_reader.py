@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tokenyard.engines.core.errors import CheckpointError
+from tokenyard.engines.formats import prepared_cache
 from tokenyard.kernels.quant_layout import Int4Weight, pack_int4
 
 GGUF_MAGIC = b"GGUF"
@@ -100,9 +101,33 @@ _FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")
 _EIGHT_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
+def _summary(path: str | Path) -> dict[str, Any] | None:
+    """{"config": config_dict, "precision": stored_precision} from the prepared-weights cache
+    (prepared_cache.py), computed and stored on a miss: parsing the metadata of a 49k-token
+    vocabulary takes 1-2 s of a start. None when the cache is off or the file fails to parse (the
+    callers then compute, and raise, as without a cache)."""
+    if prepared_cache.cache_dir() is None or not Path(path).is_file():
+        return None
+    key = prepared_cache.make_key("gguf-meta", {"source": prepared_cache.source_identity(path)})
+    hit = prepared_cache.load_json("gguf-meta", key)
+    if isinstance(hit, dict) and {"config", "precision"} <= hit.keys():
+        return hit
+    try:
+        value = {"config": _config_dict(path), "precision": _stored_precision(path)}
+    except CheckpointError:
+        return None
+    prepared_cache.store_json("gguf-meta", key, value)
+    return value
+
+
 def stored_precision(path: str | Path) -> str:
     """How most of the file's layer weights are stored: "int4" (4-bit blocks or fewer), "int8"
     (5- to 8-bit blocks) or "none" (floats): the engine's `quantization: auto` serves it so."""
+    summary = _summary(path)
+    return str(summary["precision"]) if summary is not None else _stored_precision(path)
+
+
+def _stored_precision(path: str | Path) -> str:
     counts = {"int4": 0, "int8": 0, "none": 0}
     for t in open_gguf(path).tensors:
         if not t.name.startswith("blk.") or len(t.shape) < 2:
@@ -131,6 +156,11 @@ def _tensor(reader: Any, name: str) -> Any | None:
 
 def config_dict(path: str | Path) -> dict[str, Any]:
     """The GGUF metadata (`{arch}.*` keys) as a config.json-shaped dict; ModelConfig.from_dir validates it."""
+    summary = _summary(path)
+    return dict(summary["config"]) if summary is not None else _config_dict(path)
+
+
+def _config_dict(path: str | Path) -> dict[str, Any]:
     reader = open_gguf(path)
     arch = architecture(reader, path)
     hf_arch = ARCHITECTURES[arch]

@@ -100,13 +100,22 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Loaders build this skeleton on the meta device (empty_model), where a random init means
+        # nothing and meta math (nn.Embedding's normal_, the rotary tables) imports torch._dynamo
+        # (1-2 s of start-up): skip both there.
+        on_meta = torch.empty(0).device.type == "meta"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg, max_positions)
+        if on_meta:  # tables of one position (meta math on them also imports dynamo): loaders rebuild them
+            with torch.device("cpu"):
+                self.rotary = RotaryEmbedding(cfg, 1)
+        else:
+            self.rotary = RotaryEmbedding(cfg, max_positions)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -123,7 +132,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     (built on the meta device first so no memory is spent on random weights)."""
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
-    model = model.to_empty(device=device)
+    materialize(model, device)
     model.rotary = type(model.rotary)(cfg, max_positions).to(device)
     model = model.to(dtype)
     model.rotary.cos = model.rotary.cos.float()
@@ -131,3 +140,22 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)` for a model built on the meta device, in place: uninitialised
+    storage for every meta parameter and buffer (shared ones stay shared). Not to_empty itself: its
+    empty_like on meta tensors imports sympy (0.4-0.5 s of a replica's start-up)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                new = made.get(id(t))
+                if new is None:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    made[id(t)] = new
+                table[name] = new

@@ -24,10 +24,12 @@ why a model does not qualify.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
+from tokenyard.engines.model import native_step_cache
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.kernels import cpu_decode_step
@@ -89,22 +91,31 @@ def step_linear(module: nn.Module) -> StepLinear:
     return StepLinear.int4(q, module.scales, mins, module.group_size, module.bias)
 
 
-def describe(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> StepModel:
+def describe(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+             linear: Callable[[str, nn.Module], StepLinear] | None = None) -> StepModel:
+    """The C step's description of `model`. linear(slot, module): each projection's StepLinear
+    (default `step_linear`; slots "lm_head" and "layers.I.qkv|o|gate_up|down", native_step_cache.py)."""
     cfg = model.cfg
+    lin = linear or (lambda _slot, module: step_linear(module))
     layers = [StepLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        step_linear(layer.qkv_proj), step_linear(layer.o_proj), step_linear(layer.gate_up_proj),
-                        step_linear(layer.down_proj), k, v)
-              for layer, (k, v) in zip(model.layers, kv_caches)]
+                        lin(f"layers.{i}.qkv", layer.qkv_proj), lin(f"layers.{i}.o", layer.o_proj),
+                        lin(f"layers.{i}.gate_up", layer.gate_up_proj), lin(f"layers.{i}.down", layer.down_proj), k, v)
+              for i, (layer, (k, v)) in enumerate(zip(model.layers, kv_caches))]
     return StepModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                      cfg.vocab_size, block_size, float(cfg.rms_norm_eps), float(model.layers[0].scale),
                      model.embed_tokens.weight.detach().contiguous(), model.norm.weight.detach().float().contiguous(),
                      model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous(),
-                     step_linear(model.lm_head), layers, cfg.sliding_window)
+                     lin("lm_head", model.lm_head), layers, cfg.sliding_window)
 
 
 def _streamed(spec: StepModel) -> list[tuple[object, str]]:
-    """(object, attribute) of every weight tensor the step streams (not the KV caches or tables)."""
-    out: list[tuple[object, str]] = [(spec, "embed"), (spec, "final_norm")]
+    """(object, attribute) of every weight tensor the step streams (not the KV caches or tables).
+    The embedding table only when the LM head is that table (tied fp32): otherwise a step reads
+    one row of it per token, which huge pages do not speed up, and leaving it where it lies spares
+    copying it (SmolLM2: 113 MB; from the prepared-weights cache, it stays mapped from the file)."""
+    out: list[tuple[object, str]] = [(spec, "final_norm")]
+    if spec.lm_head.w.data_ptr() == spec.embed.data_ptr():
+        out.append((spec, "embed"))
     for layer in spec.layers:
         out += [(layer, "in_norm"), (layer, "post_norm")]
     for lin in (getattr(obj, name) for obj, name in linear_slots(spec)):
@@ -158,7 +169,13 @@ class NativeDecoder:
         self.max_batch = max_batch
         self.width = -(-self.max_len // block_size)
         # int4 in 16-row blocks where the build reads them (a copy made before the arena takes it in)
-        spec = lib.prepare_model(describe(model, kv_caches, block_size))
+        # (projections from the prepared-weights cache when it holds this model's: native_step_cache.py)
+        cached = native_step_cache.load_linears(lib, model)
+        if cached is not None:
+            spec = describe(model, kv_caches, block_size, lambda slot, _module: cached[slot])
+        else:
+            spec = lib.prepare_model(describe(model, kv_caches, block_size))
+            native_step_cache.save_linears(lib, model, spec)
         self.arena = rehome(spec, model)
         self.step = lib.create(spec, max_batch, self.max_len, threads)
         # building the library (first use on a machine: a few seconds of gcc, then cached) + the repack

@@ -126,6 +126,33 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
+    def prepared_state(self) -> dict:
+        """What `from_prepared` needs beside the buffers (JSON-able): the prepared-weights cache
+        (tokenyard/engines/quant/prepared_model.py) keeps this layer as packed, not repacked."""
+        return {"int4": self.int4, "group_size": self.group_size, "in_features": self.in_features,
+                "out_features": self.out_features, "backend": self.backend, "n_padded": self._n_padded,
+                "buffers": list(self._buffers)}
+
+    @classmethod
+    def from_prepared(cls, state: dict, buffers: dict[str, torch.Tensor | None]) -> "QuantLinear":
+        """A layer as `prepared_state()` and its buffers describe it, with no repacking (the same
+        torch and CPU made them: the cache's key says so)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.int4 = bool(state["int4"])
+        self.group_size = int(state["group_size"])
+        self.in_features, self.out_features = int(state["in_features"]), int(state["out_features"])
+        self.backend = str(state["backend"])
+        self._n_padded = int(state["n_padded"])
+        for name in state["buffers"]:
+            self.register_buffer(name, buffers.get(name), persistent=False)
+        if self.backend == "cpu" and self.int4:
+            self._layout = int4pack_cpu_layout()
+            self._dense_tiles = (int4pack_dense_tiles(self._n_padded, self._layout,
+                                                      max(1, DENSE_TILE_WEIGHTS // self.in_features))
+                                 if self._layout else None)
+        return self
+
     @property
     def mode(self) -> str:
         return "int4" if self.int4 else "int8"

@@ -15,6 +15,7 @@ from tokenyard.engines.formats.gguf_reader import is_gguf
 from tokenyard.engines.model.model import CausalLM
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.quantized_linear import QuantLinear
+from tokenyard.engines.quant import prepared_model
 from tokenyard.engines.quant.gguf_quantized import load_gguf_quantized
 from tokenyard.engines.quant.quantization import check_mode, checkpoint_quantization, load_quantized_model, quantize_model
 from tokenyard.engines.weights.checkpoint import load_model
@@ -45,7 +46,23 @@ def load_engine_model(model_dir: str | Path, dtype: torch.dtype, device: torch.d
                       group_size: int = 128, phases: StartupPhases | None = None) -> tuple[CausalLM, ModelConfig]:
     """The engine's loader: plain, quantised at load, or a pre-quantised checkpoint as stored.
     phases: where quantising after the read is timed ("quantise_pack"); a GGUF's blocks are
-    repacked as they are read, so that time stays in the caller's weights_read."""
+    repacked as they are read, so that time stays in the caller's weights_read.
+    GGUF files and quantise-at-load results come from the prepared-weights cache when it holds
+    them, and are stored there after a load (prepared_model.py)."""
+    key = prepared_model.model_key(model_dir, dtype, device, max_positions, quantization, group_size)
+    if key is not None:
+        model = prepared_model.restore(key, cfg, dtype, device, max_positions)
+        if model is not None:
+            return model, cfg
+    model, cfg = _load(model_dir, dtype, device, max_positions, progress, cfg, quantization, group_size, phases)
+    if key is not None:
+        prepared_model.save(key, model, model_dir)
+    return model, cfg
+
+
+def _load(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+          progress: bool, cfg: ModelConfig, quantization: str, group_size: int,
+          phases: StartupPhases | None) -> tuple[CausalLM, ModelConfig]:
     qc = checkpoint_quantization(model_dir)
     if qc is not None:
         if quantization not in ("none", qc["mode"]) or (quantization == "int4" and group_size != qc["group_size"]):

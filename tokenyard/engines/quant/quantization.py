@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from tokenyard.engines.core.errors import CheckpointError
-from tokenyard.engines.model.model import CausalLM
+from tokenyard.engines.model.model import CausalLM, materialize
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.quantized_linear import QuantLinear
 from tokenyard.engines.weights.checkpoint import safetensors_files
@@ -197,7 +197,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max
                 setattr(parent, attr, torch.nn.Identity())
             else:
                 getattr(parent, attr).weight = None
-    model = model.to_empty(device=device)
+    materialize(model, device)
     model.rotary = type(model.rotary)(cfg, max_positions).to(device)
     model = model.to(dtype)
     model.rotary.cos = model.rotary.cos.float()

@@ -42,6 +42,7 @@ from tokenyard.engines.model.runner_config import RunnerConfig
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget
+from tokenyard.engines.runtime.warm_up import warm_up
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.engines.tp.tensor_parallel import check_divisible, shard_model_
 
@@ -148,6 +149,8 @@ class Engine:
         self._prefill_tokens = 0
         self._output_tokens = 0
         self._batch_counts = [0] * (len(BATCH_BUCKETS) + 1)
+        with phases.phase("warm_up"):   # one tiny request, counters put back (warm_up.py)
+            warm_up(self)
         phases.finish(time.perf_counter() - t_init)
         log.info("%s: engine built in %s", model_dir.name, phases.describe())
 

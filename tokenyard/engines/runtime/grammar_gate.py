@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -74,7 +76,28 @@ class GrammarGate:
         return self._pool
 
     def _quiet_warm(self) -> None:
+        # Warming runs right after ready, beside the first requests, on the cores they need (a replica
+        # measured its first request at 2.3x its tenth while this ran: bench/RESULTS.md, "Cold start,
+        # cut"). At the lowest CPU priority it takes only what they leave; the thread's own priority is
+        # put back after it where the OS allows (raising it needs CAP_SYS_NICE: else its later
+        # builds, a request's own schema, keep the low one, which costs them only under load).
+        before = set_priority(19)
         try:
             self._warm()
         except Exception:  # noqa: BLE001 - no grammar support here: each request says why when it asks
             log.info("grammar set not warmed", exc_info=True)
+        finally:
+            if before is not None:
+                set_priority(before)
+
+
+def set_priority(nice: int) -> int | None:
+    """Set the calling thread's nice value (Linux: threads have their own); its previous value, or
+    None where the OS does not allow the change."""
+    try:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return before
+    except (AttributeError, OSError):
+        return None

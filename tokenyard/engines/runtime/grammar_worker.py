@@ -270,6 +270,10 @@ def main() -> None:
     args = ap.parse_args()
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
+    try:   # it builds its vocabulary right after the replica is ready: leave the cores to the first requests
+        os.nice(19)
+    except OSError:
+        pass
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s grammar-worker[{args.name}]: %(message)s")
     try:
         _child_main(socket.socket(fileno=args.fd), args.model, args.memory_mb)

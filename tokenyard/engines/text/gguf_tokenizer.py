@@ -21,6 +21,7 @@ token-id prompts only, as for a checkpoint folder without tokenizer files.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tokenyard.engines.core.errors import CheckpointError
 from tokenyard.engines.formats import gguf_reader as gr
+from tokenyard.engines.formats import prepared_cache
 from tokenyard.engines.text.byte_level import LLAMA3_PATTERN, byte_level_table
+
+log = logging.getLogger(__name__)
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -134,8 +138,29 @@ class TokenizerParts:
 
 
 def tokenizer_parts(path: str | Path) -> TokenizerParts:
-    """Vocabulary, specials and chat template of a GGUF file, from its metadata."""
+    """Vocabulary, specials and chat template of a GGUF file, from its metadata; kept in the
+    prepared-weights cache (formats/prepared_cache.py) as the tokenizers library's own JSON, since
+    parsing the metadata and building the BPE takes about 2 s on SmolLM2's 49k-token vocabulary
+    (a gateway's start, a replica's grammar warm-up), and reading that JSON back a few ms."""
     path = Path(path)
+    if prepared_cache.cache_dir() is None:
+        return _tokenizer_parts(path)
+    key = prepared_cache.make_key("gguf-tokenizer", {"source": prepared_cache.source_identity(path), "format": 1})
+    hit = prepared_cache.load_json("gguf-tokenizer", key)
+    if isinstance(hit, dict):
+        try:
+            return TokenizerParts(HFTokenizer.from_str(hit["tokenizer"]), dict(hit["config"]),
+                                  dict(hit["generation_config"]), hit["template"])
+        except Exception:  # noqa: BLE001 - a bad entry (from Rust: plain Exception) is rebuilt, never served
+            log.warning("prepared-weights cache: the tokenizer entry of %s is unusable; rebuilding it", path.name)
+    parts = _tokenizer_parts(path)
+    prepared_cache.store_json("gguf-tokenizer", key, {"tokenizer": parts.hf.to_str(), "config": parts.config,
+                                                      "generation_config": parts.generation_config,
+                                                      "template": parts.template})
+    return parts
+
+
+def _tokenizer_parts(path: Path) -> TokenizerParts:
     reader = gr.open_gguf(path)
     hf = build_hf_tokenizer(reader, path)
     tokens = gr.metadata(reader, "tokenizer.ggml.tokens")
