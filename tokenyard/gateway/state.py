@@ -57,7 +57,10 @@ class Gateway:
         self.handles: dict[str, EngineHandle] = handles or {}
         # Engines of the bulk pool run Batch API lines only: "auto" never picks them.
         bulk = deployment.batch.bulk_engines
-        self.router = Router([n for n in deployment.engines if n not in bulk] or list(self.handles), deployment.routing)
+        # LoRA adapters (an engine's lora_modules) are models of their own: ENGINE:ADAPTER.
+        adapters = {n: sorted(spec.options.get("lora_modules") or {}) for n, spec in deployment.engines.items()}
+        self.router = Router([n for n in deployment.engines if n not in bulk] or list(self.handles), deployment.routing,
+                             adapters)
         self.metrics = GatewayMetrics(lambda: {n: h.engine for n, h in self.handles.items()})
         self.metrics.slo_ttft_s = deployment.web.metrics.slo_ttft_s
         self.metrics.slo_itl_s = deployment.web.metrics.slo_itl_s

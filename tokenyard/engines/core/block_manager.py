@@ -12,6 +12,9 @@ goes there, and the stable digests of blocks that leave the engine (prefix_diges
 prefix_loader, when set (the second cache tier, tokenyard/engines/kv_transfer/tiered_store.py), is
 asked to extend a prefix hit that stops short of the prompt's cacheable blocks: it puts blocks it
 holds back into the pool, registered, and appends them to the hit.
+
+A sequence run with a LoRA adapter (lora_id > 0) roots its chain at ("salt", cache_salt, lora_id): its
+KV depends on the adapter's weights, so no block is ever shared across adapters or with the base.
 """
 from __future__ import annotations
 
@@ -22,8 +25,16 @@ from tokenyard.engines.core.block_pool import BlockPool
 from tokenyard.engines.core.sequence import Sequence
 
 # What a block's cache key names as its parent: the previous block's id, or for a first block the
-# ("salt", cache_salt) marker that keeps one tenant's prefixes apart from another's.
-Parent = int | tuple[str, str | None]
+# ("salt", cache_salt) marker that keeps one tenant's prefixes apart from another's (with the LoRA
+# adapter's id appended for an adapter's sequences).
+Parent = int | tuple[str, str | None] | tuple[str, str | None, int]
+
+
+def chain_root(seq: Sequence) -> tuple[int, Parent]:
+    """The (parent hash, parent key) a sequence's first block is cached under."""
+    if seq.lora_id:
+        return hash(("tokenyard-prefix", seq.cache_salt, seq.lora_id)), ("salt", seq.cache_salt, seq.lora_id)
+    return hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
 
 
 @dataclass(slots=True)
@@ -101,8 +112,8 @@ class BlockManager:
 
     @staticmethod
     def chain_root(seq: Sequence) -> tuple[int, Parent]:
-        """(hash, parent) that a sequence's first block chains from."""
-        return hash(("tokenyard-prefix", seq.cache_salt)), ("salt", seq.cache_salt)
+        """(hash, parent) that a sequence's first block chains from (the module's chain_root)."""
+        return chain_root(seq)
 
     def can_admit(self, seq: Sequence, hit: PrefixHit, reserve: int) -> bool:
         """Room for the whole uncached prompt plus `reserve` free blocks to spare."""

@@ -120,6 +120,14 @@ class EngineConfig:
       files under kv_offload_disk_path (bounded by kv_offload_disk_bytes; kept across restarts, shared
       by replicas of the same model and layout), and come back on a prefix hit. Off by default (host
       0 and no path); needs enable_prefix_caching and a single-process engine.
+    lora_modules: {name: adapter folder} of PEFT LoRA adapters (adapter_config.json +
+      adapter_model.safetensors) served on this base; a request names one with SamplingParams.lora
+      (tokenyard/engines/lora). Each is read and checked against the base at start-up. Not with
+      tensor or pipeline parallelism.
+    max_loaded_adapters: slots of the adapter pool: the most adapters held in memory at once and in
+      one step; the others are read again from disk when needed, replacing the least recently used.
+    max_lora_rank: the largest adapter rank accepted (1..256); the pool is sized at the largest rank
+      among lora_modules.
     grammar_compile_timeout_s / grammar_compile_memory_mb: what one response_format schema may cost
       to compile (wall seconds; MiB above the compiler process's footprint) before the request is
       refused with a 400 naming response_format (tokenyard/engines/runtime/grammar_worker.py).
@@ -170,6 +178,9 @@ class EngineConfig:
     kv_offload_host_bytes: int = 0
     kv_offload_disk_path: str | None = None
     kv_offload_disk_bytes: int = 4 * 1024**3
+    lora_modules: dict[str, str] | None = None
+    max_loaded_adapters: int = 4
+    max_lora_rank: int = 64
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -252,6 +263,23 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         self._validate_offload()
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, dict) or not all(
+                    isinstance(k, str) and k and ":" not in k and isinstance(v, str) and v
+                    for k, v in self.lora_modules.items()):
+                raise ValueError(f"lora_modules must map adapter names (non-empty, without ':') to adapter folders, "
+                                 f"got {self.lora_modules!r}")
+            if self.lora_modules and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+                raise ValueError("lora_modules is not supported with tensor or pipeline parallelism")
+            # The tier keys blocks by the adapter's slot id, which is not stable across restarts or replicas.
+            if self.lora_modules and self.kv_offload:
+                raise ValueError("lora_modules cannot be combined with the second KV cache tier (kv_offload_*) yet")
+        if not isinstance(self.max_loaded_adapters, int) or isinstance(self.max_loaded_adapters, bool) \
+                or self.max_loaded_adapters < 1:
+            raise ValueError(f"max_loaded_adapters must be a positive integer, got {self.max_loaded_adapters!r}")
+        if not isinstance(self.max_lora_rank, int) or isinstance(self.max_lora_rank, bool) \
+                or not 1 <= self.max_lora_rank <= 256:
+            raise ValueError(f"max_lora_rank must be an integer in 1..256, got {self.max_lora_rank!r}")
         if self.quant_group_size not in (32, 64, 128) or isinstance(self.quant_group_size, bool):
             raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size!r}")
 

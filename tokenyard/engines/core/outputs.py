@@ -79,3 +79,11 @@ class EngineStats:
     kv_bytes_per_block: int = 0
     # Constrained replies the grammar_close_reserve ended (a closing mask narrowed a choice), since start.
     num_grammar_closed: int = 0
+    # LoRA adapters (EngineConfig.lora_modules): registered, held in the pool now, reads into the pool
+    # and evictions from it since start, and decode steps that ran the eager torch forward instead of
+    # a fast path (CUDA graphs, the C decode step, the compiled graph) because an adapter was in them.
+    lora_adapters: int = 0
+    lora_loaded: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_eager_steps: int = 0

@@ -44,6 +44,8 @@ class SamplingParams:
       probability and the k most likely tokens' (tokenyard.engines.core.outputs.StepOutput.logprobs). They are
       the model's distribution, log_softmax of the raw logits, before penalties, bias, grammar masks,
       temperature and top-k/top-p. Not speculated.
+    lora: None (the base model) or the name of a LoRA adapter the engine serves (EngineConfig.lora_modules);
+      an unknown name is refused when the request is added.
     Requests with a penalty or a bias are not speculated (a draft's verify rows would each need the
     counts of a different output prefix).
     """
@@ -62,6 +64,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +119,8 @@ class SamplingParams:
                 raise ParamError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}",
                                  "logit_bias")
 
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ParamError(f"lora must be None or an adapter name, got {self.lora!r}", "lora")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ParamError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                              "logprobs")

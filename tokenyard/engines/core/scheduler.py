@@ -43,6 +43,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0   # 0: a single request's chunk is capped only by the budget
     watermark_blocks: int = 0               # free blocks kept back when admitting new sequences
     prefill_burst_tokens: int = 0           # the budget while BURST_MIN_PROMPTS prompts are pending (0: off)
+    max_adapters: int = 0                   # most distinct LoRA adapters in one step (the pool's slots; 0: no cap)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._budget()
         scheduled: dict[int, ScheduledChunk] = {}
+        adapters: set[int] = set()   # LoRA adapters in this batch: at most max_adapters (the pool's slots)
         # Decoding sequences first so a long prefill never stalls anyone's stream, then
         # unfinished prefills; within each, most urgent first.
         order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.sort_key()))
@@ -107,6 +109,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq in busy:
                 continue  # preempted earlier in this loop, or in flight
+            if not self._adapter_fits(seq, adapters):
+                continue  # its adapter would need one pool slot more than there are: a later step
             n = self._chunk_len(seq, budget)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 # seq itself is always a candidate, so there is one.
@@ -121,6 +125,7 @@ class Scheduler:
                 continue
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             scheduled[id(seq)] = ScheduledChunk(seq, n)
+            adapters.add(seq.lora_id)
             budget -= n
         # Admit waiting sequences while the budget, max_num_seqs and free blocks allow.
         held: list[Sequence] = []
@@ -129,8 +134,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not re-admit in the same step what was just pushed out
-            if self._prefix_in_flight(seq):
-                held.append(self.waiting.pop(0))   # behind a prefill of its prefix: next steps
+            if self._prefix_in_flight(seq) or not self._adapter_fits(seq, adapters):
+                held.append(self.waiting.pop(0))   # behind a prefill of its prefix, or no slot for its adapter
                 continue
             # Admit only when the whole uncached prompt fits with the watermark to spare, so an
             # admitted prefill is not preempted half-way by the next arrival.
@@ -145,11 +150,19 @@ class Scheduler:
             n = self._chunk_len(seq, budget)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             scheduled[id(seq)] = ScheduledChunk(seq, n)
+            adapters.add(seq.lora_id)
             budget -= n
         for seq in held:
             bisect.insort(self.waiting, seq, key=Sequence.sort_key)
         out.chunks = list(scheduled.values())
         return out
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
+        """True when seq's LoRA adapter (if any) can join this batch's: already in it, or a slot is left."""
+        cap = self.cfg.max_adapters
+        if not cap or not seq.lora_id or seq.lora_id in adapters:
+            return True
+        return len(adapters - {0}) < cap
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """True when a running sequence (same cache salt) is still prefilling this very prompt (the n
@@ -166,7 +179,7 @@ class Scheduler:
         if seq.num_tokens <= bs:
             return False
         return any(r.num_output_tokens == 0 and r.num_tokens == seq.num_tokens and r.cache_salt == seq.cache_salt
-                   and r.token_ids == seq.token_ids for r in self.running)
+                   and r.lora_id == seq.lora_id and r.token_ids == seq.token_ids for r in self.running)
 
     def _budget(self) -> int:
         budget = self.cfg.max_num_batched_tokens

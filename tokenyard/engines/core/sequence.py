@@ -31,6 +31,7 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
     cache_salt: str | None = None  # keeps a tenant's prefix cache private
+    lora_id: int = 0              # the LoRA adapter it runs with (tokenyard/engines/lora); 0: the base model
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of registered full blocks
     # Grammar state of a response_format request (structured_output.Constraint), advanced by the
     # engine with every appended token; kept through preemption, as the output tokens are.

@@ -46,6 +46,9 @@ class DecoderLayer(nn.Module):
         # slice of their input and their outputs are summed across ranks.
         self.tp_enabled = False
         self.tp_group = None
+        # Set by tokenyard.engines.lora.lora_linear.attach when the engine serves LoRA adapters: it adds
+        # the step's adapter products to each projection's output (a no-op in steps without adapters).
+        self.lora = None
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -59,7 +62,10 @@ class DecoderLayer(nn.Module):
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim], rotary applied to q and k."""
         cfg = self.cfg
         x = self.input_layernorm(h)
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            qkv = self.lora.apply("qkv", x, qkv)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -68,10 +74,21 @@ class DecoderLayer(nn.Module):
 
     def finish(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The residual stream after this layer, given the attention output o [T, heads, head_dim]."""
-        h = h + self._reduce(self.o_proj(o.reshape(-1, self.cfg.q_size)), self.o_proj)
+        o = o.reshape(-1, self.cfg.q_size)
+        attn = self.o_proj(o)
+        if self.lora is not None:
+            attn = self.lora.apply("o", o, attn)
+        h = h + self._reduce(attn, self.o_proj)
         x = self.post_attention_layernorm(h)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self._reduce(self.down_proj(nn.functional.silu(gate) * up), self.down_proj)
+        gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            gate_up = self.lora.apply("gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = nn.functional.silu(gate) * up
+        down = self.down_proj(act)
+        if self.lora is not None:
+            down = self.lora.apply("down", act, down)
+        return h + self._reduce(down, self.down_proj)
 
     def _reduce(self, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
         if self.tp_enabled:

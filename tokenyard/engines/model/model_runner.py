@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,11 +59,14 @@ class StepInputs:
     seq_lens: list[int]
     tables: list[list[int]]
     logits_rows: list[int]
+    adapters: list[int] = field(default_factory=list)   # per chunk: LoRA adapter id, 0 = base (empty: all base)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 config: RunnerConfig) -> None:
+                 config: RunnerConfig, lora: Any = None) -> None:
+        """lora: the engine's tokenyard.engines.lora.adapter_pool.AdapterPool, or None (no adapters); typed
+        loosely because lora sits above model in the engine's layers."""
         block_size, cuda_graphs, max_model_len = config.block_size, config.cuda_graphs, config.max_model_len
         max_num_seqs, cpu_decode_step_max_batch = config.max_num_seqs, config.cpu_decode_step_max_batch
         self.model = model
@@ -124,6 +128,11 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_compiled_steps = 0
         self.num_native_steps = 0
+        # LoRA adapters (tokenyard/engines/lora): steps with an adapter request run the eager forward, which
+        # adds the adapters' products; CUDA graphs, the C decode step and the compiled decode graph
+        # serve base-only steps. lora_eager_steps counts decode steps that left a fast path for that.
+        self.lora = lora
+        self.num_lora_eager_steps = 0
 
     def _native_decoder(self, mode: str, max_model_len: int, max_batch: int,
                         activation_quant: str = "auto") -> NativeDecoder | None:
@@ -249,6 +258,9 @@ class ModelRunner:
         # Pure decode (one token per sequence, each sampled) may take one of the decode-only paths.
         n = len(inputs.ids)
         decode = n == len(sampled) == len(batch.chunks)
+        if decode and any(inputs.adapters) and any(p is not None for p in (self.graphs, self.native, self.compiled)):
+            self.num_lora_eager_steps += 1
+            decode = False   # adapters are applied by the eager forward only
         width = max(len(t) for t in inputs.tables) if decode else 0
         if self.graphs is not None and decode and self.graphs.can_run(n, width):
             logits = self.graphs.run(inputs.ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.tables)
@@ -298,6 +310,7 @@ class ModelRunner:
             inputs.query_lens.append(chunk.num_tokens)
             inputs.seq_lens.append(end)
             inputs.tables.append(table)
+            inputs.adapters.append(seq.lora_id)
             if chunk.samples:
                 inputs.logits_rows.append(len(inputs.ids) - 1)
                 sampled.append(seq)
@@ -308,9 +321,16 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.build(inputs.slots, inputs.query_lens, inputs.seq_lens, inputs.tables,
                                        self.block_size, self.sliding_window, dev, self.attention_backend)
-        return self.model(torch.tensor(inputs.ids, dtype=torch.long, device=dev),
-                          torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta, self.kv_caches,
-                          torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev))
+        if self.lora is not None and any(inputs.adapters):
+            # every token row of a chunk is its sequence's adapter's
+            self.lora.begin_step([a for a, n in zip(inputs.adapters, inputs.query_lens) for _ in range(n)])
+        try:
+            return self.model(torch.tensor(inputs.ids, dtype=torch.long, device=dev),
+                              torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta, self.kv_caches,
+                              torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampled: list) -> list[int]:

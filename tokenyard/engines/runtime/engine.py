@@ -27,7 +27,7 @@ from tokenyard.engines.core.config import EngineConfig
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import BATCH_BUCKETS, EngineStats, StepOutput
 from tokenyard.engines.core.request_inbox import RequestInbox
-from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
 from tokenyard.engines.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenyard.engines.core.sequence import Sequence
 from tokenyard.engines.core.startup_phases import StartupPhases
@@ -104,10 +104,12 @@ class Engine:
                                                                   cfg.quant_group_size, phases)
         self.model_dir = model_dir
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.lora = self._build_lora() if cfg.lora_modules else None
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
-                            watermark_blocks=max(1, num_blocks // 100), prefill_burst_tokens=cfg.prefill_burst_tokens),
+                            watermark_blocks=max(1, num_blocks // 100), prefill_burst_tokens=cfg.prefill_burst_tokens,
+                            max_adapters=cfg.max_loaded_adapters if self.lora is not None else 0),
             self.blocks)
         self._dead: str | None = None
         if pipelined:
@@ -167,11 +169,15 @@ class Engine:
         budget = min(params.max_tokens, self.max_model_len - len(prompt))
         constraint = self._grammar_set().constraint(params.response_format, budget, self.config.grammar_close_reserve) \
             if params.response_format else None
+        if params.lora is not None and self.lora is None:
+            raise ParamError(f"LoRA adapter {params.lora!r} requested, but this engine serves no adapters "
+                             f"(lora_modules)", "lora", "lora_not_found")
+        lora_id = self.lora.id_of(params.lora) if self.lora is not None else 0
 
         def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids,
-                           cache_salt=cache_salt, constraint=constraint)
+                           cache_salt=cache_salt, constraint=constraint, lora_id=lora_id)
             self._arrivals += 1
             return seq
 
@@ -289,7 +295,14 @@ class Engine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             kv_cache_dtype=kv_cache.kv_cache_dtype_name(self.config.kv_cache_dtype, self.dtype),
             kv_bytes_per_block=self.kv_bytes_per_block, num_grammar_closed=self._num_grammar_closed,
-            **self._spec_stats())
+            **self._spec_stats(), **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        return dict(lora_adapters=len(self.lora.ids), lora_loaded=len(self.lora.loaded),
+                    lora_loads=self.lora.num_loads, lora_evictions=self.lora.num_evictions,
+                    lora_eager_steps=getattr(self.runner, "num_lora_eager_steps", 0))
 
     def _spec_stats(self) -> dict:
         if self.spec is None:
@@ -344,7 +357,7 @@ class Engine:
                 max_model_len=self.max_model_len, cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                 cpu_compile=cfg.cpu_compile, max_num_seqs=cfg.max_num_seqs, cpu_decode_step=cfg.cpu_decode_step,
                 cpu_decode_step_max_batch=cfg.cpu_decode_step_max_batch,
-                cpu_onednn_linear=cfg.cpu_onednn_linear, activation_quant=cfg.activation_quant))
+                cpu_onednn_linear=cfg.cpu_onednn_linear, activation_quant=cfg.activation_quant), lora=self.lora)
 
     def _start_tensor_parallel(self, model_dir: Path, num_blocks: int) -> ModelRunner:
         from tokenyard.engines.model.kv_cache import allocate_kv_cache as alloc
@@ -366,6 +379,17 @@ class Engine:
         except BaseException:
             group.close()
             raise
+
+    def _build_lora(self) -> "AdapterPool":  # noqa: F821 - imported inside (optional feature)
+        """The adapter pool of lora_modules, each adapter checked against the base, attached to the model."""
+        from tokenyard.engines.lora.adapter_pool import AdapterPool
+        from tokenyard.engines.lora.lora_linear import attach
+
+        cfg = self.config
+        pool = AdapterPool(dict(cfg.lora_modules or {}), self.model_config, self.dtype, self.device,
+                           cfg.max_loaded_adapters, cfg.max_lora_rank)
+        attach(self.model, pool)
+        return pool
 
     def _build_speculation(self, num_blocks: int) -> "SpeculativeDecoder":  # noqa: F821 - imported inside (optional feature)
         from tokenyard.engines.speculative.spec_decode import SpeculativeDecoder

@@ -1,6 +1,7 @@
 """Offline generation in the shape vLLM users know: LLM(model_dir).generate(prompts, params)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from typing import Sequence as Seq
@@ -25,6 +26,10 @@ class LLM:
     close() (or a `with` block) releases what outlives the object: a tensor- or pipeline-parallel
     engine's workers and its process group, of which a process holds one at a time, so a second
     such LLM can start only once the first is closed.
+
+    LoRA adapters: LLM(base, lora_modules={"sql": "path/to/adapter"}) serves them beside the base;
+    generate(..., lora="sql") runs every prompt with that adapter, lora=[name or None per prompt]
+    mixes them in one batch (tokenyard/engines/lora).
     """
 
     def __init__(self, model: str | Path, **engine_options: Any) -> None:
@@ -51,12 +56,19 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; one output per prompt, in order."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora: str | Seq[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; one output per prompt, in order. lora: an adapter name for every
+        prompt, or one name (or None: the base) per prompt; it replaces the params' own lora."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         params = self._per_prompt(sampling_params, len(prompts))
+        if lora is not None:
+            names = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
+            if len(names) != len(prompts):
+                raise RequestError(f"got {len(names)} lora names for {len(prompts)} prompts")
+            params = [replace(p, lora=name) for p, name in zip(params, names)]
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise RequestError(f"got {len(priorities)} priorities for {len(prompts)} prompts")

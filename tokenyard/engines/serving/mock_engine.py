@@ -54,6 +54,9 @@ class MockConfig:
     max_sleep_ms: float = 20.0    # longest sleep inside one step (bounds abort latency)
     cached_tokens: int = 0        # prompt tokens reported as prefix-cache hits (at most the prompt): billing tests
     wake_ms: float = 0.0          # how long waking from sleep takes (either level)
+    # LoRA adapter names it answers to (the folders are not read): a request for one gets "[NAME] " before
+    # the reply, so tests can see which adapter a request reached; an unknown name is refused as the real engine does.
+    lora_modules: dict[str, str] | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "MockConfig":
@@ -80,13 +83,18 @@ class MockConfig:
             raise ValueError(f"output_len must be an integer >= 0, got {self.output_len!r}")
         if not isinstance(self.reply, str) or not self.reply:
             raise ValueError("reply must be a non-empty string")
+        if self.lora_modules is not None and (not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and ":" not in k for k in self.lora_modules)):
+            raise ValueError(f"lora_modules must map adapter names (non-empty, without ':') to folders, "
+                             f"got {self.lora_modules!r}")
 
 
 class _MockSeq:
-    __slots__ = ("request_id", "num_prompt_tokens", "params", "num_out", "due", "target")
+    __slots__ = ("request_id", "num_prompt_tokens", "params", "num_out", "due", "target", "reply")
 
     def __init__(self, request_id: str, num_prompt_tokens: int, params: SamplingParams, due: float,
-                 target: int) -> None:
+                 target: int, reply: list[int]) -> None:
+        self.reply = reply
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.params = params
@@ -110,9 +118,9 @@ class MockEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        reply = self.tokenizer.encode(cfg.reply, add_special_tokens=False)
-        n = cfg.output_len or len(reply)
-        self._reply = [reply[i % len(reply)] for i in range(n)]
+        self._replies = {name: self._reply_ids(cfg.reply if name is None else f"[{name}] {cfg.reply}")
+                         for name in [None, *(cfg.lora_modules or {})]}
+        self._reply = self._replies[None]
         self._eos = self.tokenizer.eos_token_id
         self._vocab = self.tokenizer.vocab_size
         self._inbox: RequestInbox[_MockSeq] = RequestInbox()
@@ -139,6 +147,11 @@ class MockEngine:
         self.sleep_level = 0
         return {"other": self.config.wake_ms / 1000}
 
+    def _reply_ids(self, text: str) -> list[int]:
+        reply = self.tokenizer.encode(text, add_special_tokens=False)
+        n = self.config.output_len or len(reply)
+        return [reply[i % len(reply)] for i in range(n)]
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:
         if params is None:
@@ -158,6 +171,9 @@ class MockEngine:
             if getattr(params, name):   # its canned text has no logits to adjust
                 raise ParamError(f"'{name}' is not supported by the mock engine (its reply is canned text)", name,
                                  code="unsupported_parameter")
+        if params.lora is not None and params.lora not in self._replies:
+            raise ParamError(f"unknown LoRA adapter {params.lora!r}; this engine serves: "
+                             f"{', '.join(sorted(self.config.lora_modules or {})) or 'none'}", "lora", "lora_not_found")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise RequestError("prompt is empty: at least one token is needed")
         if any(not isinstance(t, int) or not 0 <= t < self._vocab for t in prompt_token_ids):
@@ -166,7 +182,8 @@ class MockEngine:
             raise RequestError(f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len}")
         room = self.max_model_len - len(prompt_token_ids)
         target = min(params.max_tokens, room)
-        seq = _MockSeq(request_id, len(prompt_token_ids), params, time.monotonic() + self.config.ttft_ms / 1000, target)
+        seq = _MockSeq(request_id, len(prompt_token_ids), params, time.monotonic() + self.config.ttft_ms / 1000, target,
+                       self._replies[params.lora])
         self._inbox.add(request_id, lambda: seq)
 
     def abort(self, request_id: str) -> None:
@@ -233,9 +250,9 @@ class MockEngine:
 
     def _next_token(self, seq: _MockSeq) -> tuple[int, str | None]:
         i = seq.num_out
-        if i >= len(self._reply) and not seq.params.ignore_eos and self._eos is not None:
+        if i >= len(seq.reply) and not seq.params.ignore_eos and self._eos is not None:
             return self._eos, "stop"
-        tok = self._reply[i % len(self._reply)]
+        tok = seq.reply[i % len(seq.reply)]
         if tok in seq.params.stop_token_ids:
             return tok, "stop"
         if i + 1 >= seq.target:

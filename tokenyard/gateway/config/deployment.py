@@ -413,6 +413,8 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
             MockConfig.from_options(dict(spec))
     except (TypeError, ValueError) as e:
         raise DeploymentError(f"{where}: {e}") from e
+    if kind == "torch" and spec.get("lora_modules"):   # adapter folders, like the model, relative to the file
+        spec["lora_modules"] = {k: str(_path(v, base)) for k, v in spec["lora_modules"].items()}
     return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings)
 
 

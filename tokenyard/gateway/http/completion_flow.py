@@ -170,7 +170,8 @@ async def _generate(gw: "Gateway", req: AnyRequest, key: KeyRecord, prompt_param
         params = [SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                  seed=choice_seed(req.seed, i), stop=req.stop, response_format=req.response_format,
                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                 logit_bias=req.logit_bias, logprobs=req.logprobs) for i in range(req.n)]
+                                 logit_bias=req.logit_bias, logprobs=req.logprobs, lora=route.adapter)
+                  for i in range(req.n)]
     except ParamError as e:
         raise BadRequest(str(e), param=e.param, code=e.code) from e
     except GrammarError as e:   # the schema is over the size limit
@@ -264,7 +265,7 @@ def _record_context(gw: "Gateway", req: AnyRequest, key: KeyRecord, entry: Entry
                          prices=prices, policy_version=route.policy_version,
                          context_dropped_tokens=route.context_dropped_tokens,
                          routed_prompt_tokens=route.routed_prompt_tokens, batch=lane is not None,
-                         api=req.api if req.api != "chat" else entry.api)
+                         api=req.api if req.api != "chat" else entry.api, lora=route.adapter or "")
 
 
 async def _prepare_grammar(engine: Any, params: SamplingParams, grammar_param: str) -> None:

@@ -253,6 +253,9 @@ class Generation:
         m.prompt_tokens.labels(name).inc(self.num_prompt_tokens)
         m.cached_tokens.labels(name).inc(self.num_cached_tokens)
         m.completion_tokens.labels(name).inc(self.num_completion_tokens)
+        if self.context.lora:
+            m.lora_requests.labels(name, self.context.lora).inc()
+            m.lora_completion_tokens.labels(name, self.context.lora).inc(self.num_completion_tokens)
         if self._counted:
             m.count_request(name, http_status, self.route_reason)
         status = status or ("error" if self.error else self.aborted or "ok")
@@ -272,7 +275,7 @@ class Generation:
             key_name=ctx.key_name, requested_max_tokens=ctx.requested_max_tokens, engine_state=ctx.engine_state,
             policy_version=ctx.policy_version, context_dropped_tokens=ctx.context_dropped_tokens,
             routed_prompt_tokens=ctx.routed_prompt_tokens, batch=ctx.batch, price_percent=self.price_percent,
-            api=ctx.api)
+            api=ctx.api, lora=ctx.lora)
         self._sink(self.record)
         self._end(p + c)
         return self.record

@@ -3,7 +3,9 @@ the limits.
 
     plan = await plan_route(gw, req, key, deadline)     # raises the policy's 403 / 429 / 503
 
-1. The requested model: "auto" or an engine name (anything else is 404 model_not_found).
+1. The requested model: "auto", an engine name, or ENGINE:ADAPTER, one of an engine's LoRA adapters (anything
+   else is 404 model_not_found). The adapter goes with the plan only while the plan's engine is that engine
+   (Plan.adapter): a policy or the context fit that moves the request to another engine serves it there without.
 2. The prompt's token ids come from the rendering step before this one (tokenyard/gateway/prompt/rendering.py:
    template, tools and encoding, once per tokenizer; on the prompt threads when the prompt is long,
    tokenyard/gateway/prompt/prompt_guard.py): the pinned engine's tokenizer, else the counting engine's;
@@ -81,6 +83,12 @@ class Plan:
     tried: tuple[str, ...] = ()                 # engines a fallback already left
     router_text: str | None = None              # what the two-engine router scored (traffic learning)
     router_view: tuple[Any, ...] = ()           # (router, policy, router threshold, shadow) it was scored under
+    lora: tuple[str, str] | None = None         # (engine, adapter) the request named as ENGINE:ADAPTER
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter to run with: the one named, if the plan still goes to its engine."""
+        return self.lora[1] if self.lora is not None and self.lora[0] == self.engine else None
 
 
 def observe_route(gw: "Gateway", request_id: str, key: KeyRecord, req: Any, plan: Plan) -> None:
@@ -131,6 +139,9 @@ async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: K
     prompt = prompt or RenderedPrompt(req)
     plan = await _route(gw, req, key, deadline, prompt)
     plan.prompt = prompt
+    pinned = gw.router.pinned(req.model)
+    if pinned is not None and pinned.lora is not None:
+        plan.lora = (pinned.engine, pinned.lora)
     if plan.budget is not None:     # the worst case is reckoned at the prices the request is billed at
         plan.budget.prices = plan.prices or gw.handles[plan.engine].prices
     if req.priority is not None:

@@ -59,6 +59,12 @@ class GatewayMetrics:
                                      ("engine",), registry=r)
         self.completion_tokens = Counter("tokenyard_completion_tokens", "Output tokens generated", ("engine",),
                                          registry=r)
+        # LoRA adapters (model ENGINE:ADAPTER): the same counts per adapter, base requests not included.
+        self.lora_requests = Counter("tokenyard_lora_requests", "Requests served with a LoRA adapter",
+                                     ("engine", "adapter"), registry=r)
+        self.lora_completion_tokens = Counter("tokenyard_lora_completion_tokens",
+                                              "Output tokens generated with a LoRA adapter", ("engine", "adapter"),
+                                              registry=r)
         self.in_flight = Gauge("tokenyard_in_flight_requests", "Chat requests being served now", registry=r)
         # Admission, limits, keys, Redis.
         self.shed = Counter("tokenyard_admission_shed", "Requests turned away before reaching the engine, by reason",

@@ -4,7 +4,8 @@ Interim rule (when no learned router is configured), decided on the prompt's tok
   - `routing.small` and `routing.large` both set: prompts of at most `long_prompt_tokens`
     tokens go to small (reason "auto:short_prompt"), longer ones to large ("auto:long_prompt");
   - otherwise "auto" goes to the first engine in the file (reason "auto:default").
-A request naming an engine gets it (reason "pinned"); any other name is a 404.
+A request naming an engine gets it (reason "pinned"); so does `ENGINE:ADAPTER`, an engine's LoRA
+adapter (its `lora_modules`), with the adapter carried in the route; any other name is a 404.
 
 The count is taken with the small engine's tokenizer; engines whose tokenizer files are
 identical share one tokenizer object, so the ids are reused and the prompt is tokenised once.
@@ -31,15 +32,22 @@ class Routing:
 class Route:
     engine: str
     reason: str
+    lora: str | None = None     # the engine's LoRA adapter the request named (`ENGINE:ADAPTER`)
 
 
 class Router:
-    def __init__(self, engine_names: list[str], rule: Routing) -> None:
+    def __init__(self, engine_names: list[str], rule: Routing, adapters: dict[str, list[str]] | None = None) -> None:
         if not engine_names:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engine_names)
         self.rule = rule
         self._split = rule.small is not None and rule.large is not None
+        # engine -> the names of its LoRA adapters, addressed as ENGINE:ADAPTER
+        self.adapters = {e: list(names) for e, names in (adapters or {}).items() if names}
+
+    def adapter_models(self) -> list[tuple[str, str]]:
+        """(engine, adapter) for every adapter a request may name, in deployment order."""
+        return [(e, a) for e, names in self.adapters.items() for a in names]
 
     def pinned(self, model: str) -> Route | None:
         """The route for an engine name; None for "auto"; NotFound for anything else."""
@@ -47,7 +55,11 @@ class Router:
             return None
         if model in self.engines:
             return Route(model, "pinned")
-        raise NotFound(f"The model '{model}' does not exist; available: auto, {', '.join(self.engines)}",
+        engine, sep, adapter = model.partition(":")
+        if sep and adapter in self.adapters.get(engine, ()):
+            return Route(engine, "pinned", adapter)
+        names = [*self.engines, *(f"{e}:{a}" for e, a in self.adapter_models())]
+        raise NotFound(f"The model '{model}' does not exist; available: auto, {', '.join(names)}",
                        param="model", code="model_not_found")
 
     @property

@@ -208,7 +208,9 @@ def openapi_schema() -> dict[str, Any]:
     model = {"type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                               "created": {"type": "integer"}, "owned_by": {"type": "string"},
                                               "max_model_len": {"type": "integer", "description": (
-                                                  "the engine's longest prompt + max_tokens (not on auto)")}}}
+                                                  "the engine's longest prompt + max_tokens (not on auto)")},
+                                              "parent": {"type": "string", "description": (
+                                                  "a LoRA adapter's engine (ids ENGINE:ADAPTER only)")}}}
     auth = [{"bearer": []}]
     headers = {"x-request-id": {"schema": {"type": "string"}, "description": "echoed or generated"},
                "x-tokenyard-engine": {"schema": {"type": "string"}},
@@ -279,7 +281,7 @@ def openapi_schema() -> dict[str, Any]:
                                         "text/event-stream": {"schema": {
                                             "$ref": "#/components/schemas/TextCompletion"}}}},
                     **errors(400, 401, 403, 404, 413, 429, 500, 502, 503, 504)}}},
-            "/v1/models": {"get": {"summary": "List models: 'auto' and every engine", "security": auth,
+            "/v1/models": {"get": {"summary": "List models: auto, every engine, every ENGINE:ADAPTER", "security": auth,
                                    "responses": {"200": json_body({"type": "object", "properties": {
                                        "object": {"const": "list"},
                                        "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},

@@ -1,6 +1,6 @@
 """The service's own endpoints: the model list, liveness and readiness, metrics and the OpenAPI document.
 
-    GET /v1/models, /v1/models/{model}   any valid key; "auto" plus every engine
+    GET /v1/models, /v1/models/{model}   any valid key; "auto", every engine, every ENGINE:ADAPTER (LoRA)
     GET /health                          liveness, from the event loop alone
     GET /ready                           readiness: started, not draining, no engine down
     GET /metrics                         Prometheus text (who may read it: metrics_access.py)
@@ -31,10 +31,13 @@ def routes() -> list[Route]:
             Route("/openapi.json", _openapi, methods=["GET"])]
 
 
-def _model_entry(h: EngineHandle) -> dict[str, Any]:
+def _model_entry(h: EngineHandle, adapter: str | None = None) -> dict[str, Any]:
     # max_model_len (as vLLM's model card has it): the longest prompt + max_tokens the engine takes.
-    return {"id": h.name, "object": "model", "created": h.created, "owned_by": "tokenyard",
-            "max_model_len": h.engine.max_model_len}
+    entry = {"id": h.name if adapter is None else f"{h.name}:{adapter}", "object": "model", "created": h.created,
+             "owned_by": "tokenyard", "max_model_len": h.engine.max_model_len}
+    if adapter is not None:   # a LoRA adapter on the engine's base (vLLM lists its adapters with their parent)
+        entry["parent"] = h.name
+    return entry
 
 
 async def _models(request: Request) -> Response:
@@ -43,6 +46,7 @@ async def _models(request: Request) -> Response:
     created = min((h.created for h in gw.handles.values()), default=int(time.time()))
     data = [{"id": AUTO, "object": "model", "created": created, "owned_by": "tokenyard"}]
     data += [_model_entry(h) for h in gw.handles.values()]
+    data += [_model_entry(gw.handles[e], a) for e, a in gw.router.adapter_models() if e in gw.handles]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -54,7 +58,7 @@ async def _model(request: Request) -> Response:
     if route is None:
         created = min((h.created for h in gw.handles.values()), default=int(time.time()))
         return JSONResponse({"id": AUTO, "object": "model", "created": created, "owned_by": "tokenyard"})
-    return JSONResponse(_model_entry(gw.handles[route.engine]))
+    return JSONResponse(_model_entry(gw.handles[route.engine], route.lora))
 
 
 async def _health(request: Request) -> Response:

@@ -41,6 +41,7 @@ class RecordContext:
     routed_prompt_tokens: int = 0      # the prompt count the policy decided with (0: not known)
     batch: bool = False                # a Batch API line (charged the batch price)
     api: str = "chat"                  # the client API the request came in by: chat, messages, responses
+    lora: str = ""                     # the engine's LoRA adapter that served it ("": the base)
 
 
 @dataclass(slots=True)
@@ -86,6 +87,7 @@ class UsageRecord:
     upstream_deployment: str = ""
     upstream_attempts: int = 0
     api: str = "chat"              # the client API the request came in by: chat, messages, responses
+    lora: str = ""                 # the LoRA adapter that served it (model ENGINE:ADAPTER); "": the base model
 
     def to_dict(self) -> dict[str, Any]:
         """asdict's result without its recursive deep copy (a third of a millisecond per request):
