@@ -132,7 +132,7 @@ def main() -> None:
                "pool_slot_mib": slot_mib, "lora_eager_steps": engine.stats().lora_eager_steps}
     print(json.dumps(figures, indent=1))
     if not args.no_results:
-        print("wrote", rec.write(figures, {"steps": runs, "loads": loads}, model=str(base), steps=args.steps,
+        print("wrote", rec.write(figures, runs, loads=loads, model=str(base), steps=args.steps,
                                  rounds=args.rounds, prompt_len=args.prompt_len))
 
 
