@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent("""
     import json, sys
+    # Since the cold-start cuts the engine no longer imports torch._dynamo (and so Triton) to build its
+    # model; an engine that compiles still does: import it here, as such an engine would.
+    import torch._dynamo  # noqa: F401
     sys.path.insert(0, "tests")
     from gateway_helpers import ROOT, running_gateway
     doc = {"server": {"access_log": False},
