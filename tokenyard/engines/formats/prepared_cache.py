@@ -216,12 +216,17 @@ def load(kind: str, key: str) -> Entry | None:
     try:
         return _read(path, kind, key)
     except (CorruptEntry, OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        log.warning("prepared-weights cache: %s is unusable (%s); rebuilding it", path, exc)
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        _discard(path, exc)
         return None
+
+
+def _discard(path: Path, why: Exception) -> None:
+    """Remove an unusable entry (it is rebuilt by whoever asked for it), saying why."""
+    log.warning("prepared-weights cache: %s is unusable (%s); rebuilding it", path, why)
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _read(path: Path, kind: str, key: str) -> Entry:
@@ -284,11 +289,7 @@ def load_json(kind: str, key: str) -> Any | None:
             raise CorruptEntry("another format or key")
         return doc["value"]
     except (CorruptEntry, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("prepared-weights cache: %s is unusable (%s); rebuilding it", path, exc)
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        _discard(path, exc)
         return None
 
 
