@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,14 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tokenyard.bench.serve_launch import free_port, stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(url: str, body: dict | None = None, timeout: float = 600.0) -> tuple[int, Any, float]:
@@ -70,7 +65,7 @@ def _rss_mib(pid: int) -> float:
 
 
 def _start(engine: str, timeout_s: float) -> tuple[subprocess.Popen, str, float]:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
@@ -119,12 +114,7 @@ def bench_engine(engine: str, repeats: int, max_tokens: int, timeout_s: float) -
             tokens, latency = _generate(base, f"demand-{level}", max_tokens)   # wakes the replica itself
             on_demand.append({"level": level, "request_s": latency, "tokens_equal": tokens == ref})
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_processes(proc, grace_s=30)
     return {"engine": engine, "cold_start_ready_s": cold_s, "first_request_s": first_s, "awake_request_s": awake_s,
             "reference_tokens": ref, "cycles": cycles, "on_demand": on_demand}
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,14 +30,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tokenyard.bench.serve_launch import free_port, stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PHASE_RE = re.compile(r'^tokenyard_engine_startup_seconds{engine="[^"]+",phase="([a-z_]+)"} (\S+)$', re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -62,7 +57,7 @@ def _generate(base: str, rid: str, max_tokens: int) -> float:
 
 
 def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[str, str] | None = None) -> dict:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(cache_env or {})}
     t0 = time.monotonic()
@@ -85,12 +80,7 @@ def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[st
         phases = {m.group(1): float(m.group(2)) for m in PHASE_RE.finditer(_get(base + "/metrics")[1].decode())}
         latencies = [_generate(base, f"r{i}", max_tokens) for i in range(10)]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_processes(proc, grace_s=30)
     return {"engine": engine, "ready_wall_s": ready_wall, "phases_s": phases,
             "reported_total_s": sum(phases.values()), "first_request_s": latencies[0],
             "tenth_request_s": latencies[9]}
