@@ -83,14 +83,21 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=640, help="per round and mode")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--litellm", default=None, help="the litellm command (litellm[proxy]) to compare with")
+    ap.add_argument("--upstream-delay-ms", type=float, default=0.0,
+                    help="the stub waits this long before each reply, as a real model does (0: answers at once, "
+                         "so the gateway's CPU is the bottleneck and 32 clients queue behind it)")
     args = ap.parse_args()
     from tokenyard.bench.results_io import RunRecorder
     # One record per concurrency: 32 (the goal, and the LiteLLM comparison) and 1 (the added
     # latency of one request with nothing queued) are both kept.
-    rec = RunRecorder("upstream_overhead" if args.concurrency == 32 else f"upstream_overhead_c{args.concurrency}")
+    name = "upstream_overhead" if args.concurrency == 32 else f"upstream_overhead_c{args.concurrency}"
+    if args.upstream_delay_ms:
+        name += f"_delay{args.upstream_delay_ms:g}ms"
+    rec = RunRecorder(name)
     stub_port, gw_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "tokenyard.bench.openai_stub", "--port", str(stub_port)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TY_STUB_DELAY_MS": str(args.upstream_delay_ms)})
     gw = peer = None
     try:
         wait_ready(f"http://127.0.0.1:{stub_port}", 30, stub, path="/v1/models")
@@ -136,7 +143,7 @@ def main() -> None:
                 ttft[mode] += got
         ms = lambda v: round(v * 1000, 3)  # noqa: E731
         figures: dict[str, Any] = {"concurrency": args.concurrency, "rounds": args.rounds,
-                                   "requests_per_round": args.requests}
+                                   "requests_per_round": args.requests, "upstream_delay_ms": args.upstream_delay_ms}
         for mode in urls:
             figures[f"{mode}_p50_ms"] = ms(_pct(lat[mode], 0.5))
             figures[f"{mode}_p99_ms"] = ms(_pct(lat[mode], 0.99))
