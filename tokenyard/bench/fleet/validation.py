@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet-cores", type=float, default=0.2,
                     help="a run is quiet when other work took at most this many cores during calibration and trace")
+    ap.add_argument("--calibration-tries", type=int, default=2,
+                    help="calibrate again (up to this many times) while other work took more than --quiet-cores")
     ap.add_argument("--name", default="fleet_validation")
     ap.add_argument("--no-results", action="store_true")
     args = ap.parse_args(argv)
@@ -250,10 +252,17 @@ def main(argv: list[str] | None = None) -> int:
             warm, _ = asyncio.run(replay(ep.base_url, ep.api_key, reqs[:2 * args.replicas], [0.0] * 2 * args.replicas))
             # The served curve is measured right before the trace, so both see the machine as it is
             # then; the CPU that other work takes during each is measured, not guessed (cpu_share.py).
-            window = CpuWindow()
-            served_curve, served_samples, overhead_s = calibrate(ep.base_url, ep.api_key, [u for _, u in replicas],
-                                                                 args.seed + 1000)
-            cpu_calibration = window.stop()
+            # A calibration that other work disturbed (it took more than --quiet-cores) is taken again,
+            # up to --calibration-tries times; the least disturbed one is kept.
+            tries: list[tuple[dict[str, float], Any]] = []
+            for attempt in range(max(1, args.calibration_tries)):
+                window = CpuWindow()
+                measured_curve = calibrate(ep.base_url, ep.api_key, [u for _, u in replicas], args.seed + 1000 + attempt)
+                tries.append((window.stop(), measured_curve))
+                if tries[-1][0]["others_cores"] <= args.quiet_cores:
+                    break
+            cpu_calibration, (served_curve, served_samples, overhead_s) = min(tries, key=lambda t: t[0]["others_cores"])
+            cpu_calibration = {**cpu_calibration, "tries": [t[0]["others_cores"] for t in tries]}
             window = CpuWindow()
             records, wall = asyncio.run(replay(ep.base_url, ep.api_key, reqs, [r.arrival_s for r in trace.requests]))
             cpu_trace = window.stop()
