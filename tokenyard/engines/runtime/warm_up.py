@@ -8,6 +8,12 @@ every request takes) and then puts back every counter the request moved, so stat
 tests see an engine that has served nothing. It leaves no prefix-cache entry (the sequence never
 fills a block) and draws no request seed (its own is fixed).
 
+The engine runs it while it builds itself (on the thread that builds it: `LLM` steps there), and
+AsyncEngine.start() runs it again on the thread that will step the engine, before the replica or
+gateway reports ready: a thread's first steps pay first calls of their own (its OpenMP team, per-
+thread scratch), about 10-15 ms of SmolLM2's first request after ready when only the building
+thread had warmed (bench/RESULTS.md, "First request after ready").
+
 A failure that kills the engine there (a broken compiled step under `cpu_compile: on`) is raised
 from the engine's construction: the replica never reports ready.
 
@@ -53,7 +59,7 @@ def request_shape(block_size: int, max_model_len: int) -> tuple[int, int]:
 
 def wants_warm_up(engine: Engine) -> bool:
     runner = getattr(engine, "runner", None)
-    return (engine.spec is None and engine.micro is None and runner is not None
+    return (getattr(engine, "spec", None) is None and getattr(engine, "micro", None) is None and runner is not None
             and any(getattr(runner, name, None) is not None for name in ("native", "compiled", "graphs")))
 
 
