@@ -21,39 +21,3 @@ def test_the_shape_fills_no_block_and_fits_the_context(block_size: int, max_mode
     if max_model_len >= 2:
         assert n_prompt + n_out <= max_model_len
 
-
-def test_async_engine_start_warms_on_the_thread_that_steps(monkeypatch) -> None:
-    """A thread's first steps pay first calls of their own: start() runs the warm-up request on the
-    engine's step thread (its executor), before the loop starts and before ready."""
-    import asyncio
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tokenyard.engines.runtime import async_engine
-
-    class Quiet:                                      # an engine with nothing to step
-        def stats(self):
-            return None
-
-        def step(self):
-            return []
-
-        def has_unfinished_requests(self) -> bool:
-            return False
-
-    warmed_on: list[str] = []
-    monkeypatch.setattr(async_engine, "wants_warm_up", lambda engine: True)
-    monkeypatch.setattr(async_engine, "warm_up", lambda engine: warmed_on.append(threading.current_thread().name))
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-thread")
-
-    async def main() -> None:
-        engine = async_engine.AsyncEngine(Quiet(), "quiet", executor=executor)
-        await engine.start()
-        await engine.start()                          # started already: no second warm-up
-        await engine.stop()
-
-    try:
-        asyncio.run(main())
-    finally:
-        executor.shutdown()
-    assert len(warmed_on) == 1 and warmed_on[0].startswith("step-thread"), warmed_on

@@ -52,7 +52,6 @@ from tokenyard.engines.runtime.async_sleep import SleepControl
 from tokenyard.engines.runtime.executor import torch_executor
 from tokenyard.engines.runtime.grammar_gate import GrammarGate
 from tokenyard.engines.runtime.grammar_worker import GrammarWorker
-from tokenyard.engines.runtime.warm_up import wants_warm_up, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +215,6 @@ class AsyncEngine(SleepControl):
 
     async def start(self) -> None:
         if self._task is None:
-            if wants_warm_up(self.engine):   # again, on the thread that steps it (warm_up.py says why)
-                await asyncio.get_running_loop().run_in_executor(self._executor, warm_up, self.engine)
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"engine-loop-{self.name}")
             if self.grammar_gate is not None:

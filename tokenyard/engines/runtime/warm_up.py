@@ -8,11 +8,10 @@ every request takes) and then puts back every counter the request moved, so stat
 tests see an engine that has served nothing. It leaves no prefix-cache entry (the sequence never
 fills a block) and draws no request seed (its own is fixed).
 
-The engine runs it while it builds itself (on the thread that builds it: `LLM` steps there), and
-AsyncEngine.start() runs it again on the thread that will step the engine, before the replica or
-gateway reports ready: a thread's first steps pay first calls of their own (its OpenMP team, per-
-thread scratch), about 10-15 ms of SmolLM2's first request after ready when only the building
-thread had warmed (bench/RESULTS.md, "First request after ready").
+It runs on the thread that builds the engine; a replica steps on the torch executor's thread. A
+second run there before ready was tried and taken out: in-process a new thread's first request was
+5-15 ms slower unless warmed there, but in a replica it did not bring the first request down to the
+tenth and cost 0.08 s of ready time (bench/RESULTS.md, "Issue 52, what was left").
 
 A failure that kills the engine there (a broken compiled step under `cpu_compile: on`) is raised
 from the engine's construction: the replica never reports ready.
