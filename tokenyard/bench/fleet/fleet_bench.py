@@ -21,7 +21,7 @@ the rule. Giving the pool's rule the wake time as its lead time (as this bench f
 the rule's backlog projection off ((arrival - service) x 0.18 s is nothing), while the autoscaler
 still only looks every `--tick-s` and every replica beyond the pool still cold starts: the pool then
 did worse than no pool, and no pool with a 0.18 s lead time did worse still (bench/RESULTS.md,
-"Why the warm pool did worse"). Fixed fleets are sized from one replica's capacity: the highest steady Poisson rate at
+"Issue 52, what was left"). Fixed fleets are sized from one replica's capacity: the highest steady Poisson rate at
 which one simulated replica keeps its p99 TTFT within the SLO without shedding.
 """
 from __future__ import annotations

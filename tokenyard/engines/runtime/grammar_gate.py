@@ -20,7 +20,7 @@ Rules:
   Given `idle` (the engine has nothing in flight), the worker's start and the warm-up wait for the
   first lull of `idle_s` after start(): warming imports xgrammar and walks the vocabulary in Python,
   holding the GIL the engine's step needs, so requests that ran beside it right after ready took up
-  to 5x their usual time (bench/RESULTS.md, "First request after ready"). A constrained request that
+  to 5x their usual time (bench/RESULTS.md, "Issue 52, what was left"). A constrained request that
   comes before the lull starts the worker and builds the grammar set itself, as without the warm-up.
 - The engine's cache is an LRU of 64 compiled grammars and the gate has one thread: between
   prepare() returning and the synchronous add_request at most one other compile can finish, so

@@ -40,7 +40,7 @@ _ENGINE_COUNTERS = ("_arrivals", "_num_steps", "_last_step_tokens", "_last_step_
 _RUNNER_COUNTERS = ("num_graph_steps", "num_compiled_steps", "num_native_steps")
 # The warm-up request's shape: a prompt of several tokens (a 2-token one left the first real prefill
 # of a longer prompt and the first decode steps after it about 20 ms slower than later ones on
-# SmolLM2: bench/RESULTS.md, "First request after ready") and a few decode steps; prompt + output
+# SmolLM2: bench/RESULTS.md, "Issue 52, what was left") and a few decode steps; prompt + output
 # stay within one KV block, so no prefix-cache entry is left (shorter where the block or the
 # context is smaller).
 PROMPT_TOKENS = 8
