@@ -265,3 +265,31 @@ def test_a_refill_that_lands_on_a_full_pool_goes() -> None:
                     times=FleetTimes(cold_start_s=30.0, wake_s=5.0))
     assert res.replica_seconds["asleep"] == pytest.approx(15.0 + (100.0 - 30.0))
     assert {row["t"]: row["asleep"] for row in res.timeline}[45.0] == 1
+
+
+def test_the_pool_and_no_pool_rules_are_told_the_same_lead_time() -> None:
+    """The warm pool changes how fast a replica arrives, not the rule: a pool whose rule projected
+    the backlog only over the wake time (0.18 s) did worse than no pool (bench/RESULTS.md)."""
+    from tokenyard.bench.fleet.fleet_bench import make_policies
+    by_name = {p.name: p for p in make_policies(12, 3, 1, 26, lead_time_s=11.5, slo_ttft_s=2.0, warm_pool=2)}
+    plain, pool = by_name["desired_replicas"], by_name["desired_replicas+pool"]
+    assert plain.config == pool.config and pool.config.lead_time_s == 11.5
+    assert (plain.warm_pool, pool.warm_pool) == (0, 2)
+    assert pool.tracker is not plain.tracker      # each keeps its own hysteresis state
+
+
+def test_with_the_same_rule_the_pool_serves_a_spike_sooner() -> None:
+    """A quiet minute then a burst: with one replica's worth of traffic before it, the rule asks for
+    more at the burst (a replica serves 5/s: 4 slots, 16 steps of 50 ms); from the pool they serve
+    after the wake (1 s), not the cold start (60 s)."""
+    from tokenyard.bench.fleet.fleet_bench import make_policies
+    from tokenyard.bench.serving_metrics import percentile
+    reqs = [Request(i, 0.5 * i, 64, 16) for i in range(120)]                 # 2/s for 60 s
+    reqs += [Request(1000 + i, 60.0 + 0.05 * i, 64, 16) for i in range(1200)]  # 20/s for 60 s
+    p99 = {}
+    for policy in make_policies(4, 1, 1, 8, lead_time_s=60.0, slo_ttft_s=2.0, warm_pool=3)[3:]:
+        cfg = SimConfig(curve=flat(0.05), times=FleetTimes(cold_start_s=60.0, wake_s=1.0), tick_s=5.0, end_s=130.0,
+                        shedding=Shedding(enabled=False))
+        res = simulate(cfg, policy, reqs)
+        p99[policy.name] = percentile([o.ttft_s for o in res.outcomes if o.ttft_s is not None], 99)
+    assert p99["desired_replicas+pool"] < 0.5 * p99["desired_replicas"], p99

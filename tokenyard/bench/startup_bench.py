@@ -78,12 +78,26 @@ def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[st
             time.sleep(0.02)
         ready_wall = time.monotonic() - t0
         phases = {m.group(1): float(m.group(2)) for m in PHASE_RE.finditer(_get(base + "/metrics")[1].decode())}
-        latencies = [_generate(base, f"r{i}", max_tokens) for i in range(10)]
+        latencies, engine_s, sent_after_ready = [], [], []
+        for i in range(10):
+            before = _busy_s(base)
+            sent_after_ready.append(time.monotonic() - t0 - ready_wall)
+            latencies.append(_generate(base, f"r{i}", max_tokens))
+            engine_s.append(_busy_s(base) - before)
     finally:
         stop_processes(proc, grace_s=30)
     return {"engine": engine, "ready_wall_s": ready_wall, "phases_s": phases,
             "reported_total_s": sum(phases.values()), "first_request_s": latencies[0],
-            "tenth_request_s": latencies[9]}
+            "tenth_request_s": latencies[9],
+            # Every request's latency, the engine's own busy seconds in it (its steps, from
+            # /v1/engine/stats: what is not in them was paid outside the engine's step), and when it
+            # was sent (seconds after ready was seen).
+            "latencies_s": latencies, "engine_busy_s": engine_s, "sent_after_ready_s": sent_after_ready,
+            "first_over_median_of_rest": latencies[0] / statistics.median(latencies[1:])}
+
+
+def _busy_s(base: str) -> float:
+    return float(json.loads(_get(base + "/v1/engine/stats")[1])["busy_seconds"])
 
 
 def _cache_env(mode: str, folder: Path) -> dict[str, str]:

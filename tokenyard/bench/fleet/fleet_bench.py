@@ -3,18 +3,25 @@
 
     tokenyard bench fleet [--curve bench/results/fleet_service_curve.json] [--engine smollm2-135m]
         [--period-s 86400 --night-rps 1 --peak-rps 8 --spikes 3 --spike-factor 3 --spike-s 600]
-        [--cold-start-s S] [--wake-s S] [--warm-pool 2] [--slo-ttft-s 2 --slo-itl-s 0.25] [--seed 0]
+        [--cold-start-s S] [--wake-s S] [--lead-time-s S] [--warm-pool 2] [--slo-ttft-s 2 --slo-itl-s 0.25]
+        [--seed 0]
 
 Inputs: the service curve (service_curve.py measures and fits it; its JSON is committed), the
 cold start (default: the engine's measured `ready_wall_s` in bench/results/startup_phases.json) and
-the wake time of a sleeping replica (default: the cold start, until the sleep/wake benchmark
-measures it: pass --wake-s then). Writes bench/results/<name>.json (RunRecorder) and a PNG beside
-it, and prints the table.
+the wake time of a sleeping replica (default: the engine's level-2 `wake_s` in
+bench/results/sleep_wake.json, else the cold start). Writes bench/results/<name>.json (RunRecorder)
+and a PNG beside it, and prints the table.
 
 Policies, each run with shedding on and off: static_peak (a fixed fleet for the busiest minute),
 static_average (for the mean rate), reactive_util (HPA on utilisation), desired_replicas (the
 gateway's rule, no warm pool) and desired_replicas+pool (the rule with `--warm-pool` sleeping
-replicas). Fixed fleets are sized from one replica's capacity: the highest steady Poisson rate at
+replicas). Both desired-replicas policies get the same rule, lead time included (`--lead-time-s`,
+default the cold start): the pool changes how fast a replica arrives, not what the operator tells
+the rule. Giving the pool's rule the wake time as its lead time (as this bench first did) switched
+the rule's backlog projection off ((arrival - service) x 0.18 s is nothing), while the autoscaler
+still only looks every `--tick-s` and every replica beyond the pool still cold starts: the pool then
+did worse than no pool, and no pool with a 0.18 s lead time did worse still (bench/RESULTS.md,
+"Issue 52, what was left"). Fixed fleets are sized from one replica's capacity: the highest steady Poisson rate at
 which one simulated replica keeps its p99 TTFT within the SLO without shedding.
 """
 from __future__ import annotations
@@ -31,6 +38,7 @@ from tokenyard.bench.fleet.service_curve import CURVE_PATH, ServiceCurve
 
 ROOT = Path(__file__).resolve().parents[3]
 STARTUP_PATH = ROOT / "bench" / "results" / "startup_phases.json"
+SLEEP_WAKE_PATH = ROOT / "bench" / "results" / "sleep_wake.json"
 
 
 def measured_cold_start(engine: str, path: Path = STARTUP_PATH) -> float | None:
@@ -38,6 +46,16 @@ def measured_cold_start(engine: str, path: Path = STARTUP_PATH) -> float | None:
     try:
         doc = json.loads(path.read_text())
         return float(doc["figures"][engine]["ready_wall_s"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def measured_wake(engine: str, path: Path = SLEEP_WAKE_PATH) -> float | None:
+    """The engine's level-2 wake seconds from the sleep/wake benchmark, if recorded (level 2: the
+    level that also gives the weights' memory back, the one a pool that costs less than a replica keeps)."""
+    try:
+        doc = json.loads(path.read_text())
+        return float(doc["figures"][engine]["level2"]["wake_s"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
 
@@ -67,11 +85,30 @@ def replica_capacity(cfg: Any, seed: int = 0) -> float:
     return lo
 
 
+def make_policies(peak_n: int, avg_n: int, start_n: int, max_n: int, lead_time_s: float, slo_ttft_s: float,
+                  warm_pool: int) -> list[Any]:
+    """The policies the table compares, fresh (they keep state). The two desired-replicas policies
+    share one rule config: only the warm pool differs."""
+    from tokenyard.bench.fleet.policies import DesiredReplicasPolicy, ReactiveUtilisation, StaticPolicy
+    from tokenyard.gateway.config.autoscaling_config import DesiredReplicasConfig
+
+    def rule() -> DesiredReplicasConfig:
+        return DesiredReplicasConfig(slo_ttft_s=slo_ttft_s, lead_time_s=lead_time_s, max_replicas=max_n)
+
+    return [StaticPolicy("static_peak", peak_n), StaticPolicy("static_average", avg_n),
+            ReactiveUtilisation(start=start_n, max_replicas=max_n),
+            DesiredReplicasPolicy(rule(), start=start_n),
+            DesiredReplicasPolicy(rule(), name="desired_replicas+pool", warm_pool=warm_pool, start=start_n)]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--curve", type=Path, default=CURVE_PATH, help="service curve JSON (service_curve.py)")
     ap.add_argument("--engine", default="smollm2-135m", help="whose cold start to read from startup_phases.json")
     ap.add_argument("--cold-start-s", type=float, help="process start to ready (default: measured, see --engine)")
-    ap.add_argument("--wake-s", type=float, help="a sleeping replica to ready (default: the cold start)")
+    ap.add_argument("--wake-s", type=float,
+                    help="a sleeping replica to ready (default: measured level 2, see --engine; else the cold start)")
+    ap.add_argument("--lead-time-s", type=float,
+                    help="the desired-replicas rule's lead_time_s, both with and without the pool (default: the cold start)")
     ap.add_argument("--warm-pool", type=int, default=2, help="sleeping replicas kept by desired_replicas+pool")
     ap.add_argument("--sleep-cost-share", type=float, default=1.0, help="a sleeping replica's cost (share of one)")
     ap.add_argument("--period-s", type=float, default=86_400.0)
@@ -89,24 +126,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenyard.bench.fleet.policies import DesiredReplicasPolicy, ReactiveUtilisation, StaticPolicy
     from tokenyard.bench.fleet.report import figures, plot, table
     from tokenyard.bench.fleet.simulator import DEFAULT_COLD_START_S, SLO, FleetTimes, Shedding, SimConfig, simulate
     from tokenyard.bench.fleet.trace import TraceConfig, make_trace
     from tokenyard.bench.results_io import RunRecorder
-    from tokenyard.gateway.config.autoscaling_config import DesiredReplicasConfig
 
     rec = RunRecorder(args.name)
     try:
         curve = ServiceCurve.load(args.curve)
         cold = args.cold_start_s if args.cold_start_s is not None else measured_cold_start(args.engine)
-        times = FleetTimes(cold_start_s=DEFAULT_COLD_START_S if cold is None else cold, wake_s=args.wake_s)
+        wake = args.wake_s if args.wake_s is not None else measured_wake(args.engine)
+        times = FleetTimes(cold_start_s=DEFAULT_COLD_START_S if cold is None else cold, wake_s=wake)
+        lead = times.cold_start_s if args.lead_time_s is None else args.lead_time_s
         trace_cfg = TraceConfig(period_s=args.period_s, night_rps=args.night_rps, peak_rps=args.peak_rps,
                                 spikes=args.spikes, spike_factor=args.spike_factor, spike_s=args.spike_s, seed=args.seed)
         base = SimConfig(curve=curve, times=times, slo=SLO(args.slo_ttft_s, args.slo_itl_s), tick_s=args.tick_s,
                          sleep_cost_share=args.sleep_cost_share, end_s=args.period_s)
-        if args.warm_pool < 0 or args.slo_ttft_s <= 0 or args.slo_itl_s <= 0:
-            raise ValueError("--warm-pool must be >= 0 and the SLO's --slo-ttft-s and --slo-itl-s > 0")
+        if args.warm_pool < 0 or args.slo_ttft_s <= 0 or args.slo_itl_s <= 0 or lead < 0:
+            raise ValueError("--warm-pool and --lead-time-s must be >= 0 and the SLO's --slo-ttft-s and "
+                             "--slo-itl-s > 0")
     except ValueError as e:
         print(f"tokenyard bench fleet: {e}", file=sys.stderr)
         return 2
@@ -117,20 +155,10 @@ def run(args: argparse.Namespace) -> int:
     start_n = max(1, math.ceil(trace.rate_at(0.0) / capacity))
     max_n = 2 * peak_n + 2
 
-    def rule(lead: float) -> DesiredReplicasConfig:
-        return DesiredReplicasConfig(slo_ttft_s=args.slo_ttft_s, lead_time_s=lead, max_replicas=max_n)
-
-    def policies() -> list[Any]:
-        return [StaticPolicy("static_peak", peak_n), StaticPolicy("static_average", avg_n),
-                ReactiveUtilisation(start=start_n, max_replicas=max_n),
-                DesiredReplicasPolicy(rule(times.cold_start_s), start=start_n),
-                DesiredReplicasPolicy(rule(times.wake), name="desired_replicas+pool", warm_pool=args.warm_pool,
-                                      start=start_n)]
-
     rows, results = [], []
     for shed in (True, False):
         cfg = replace(base, shedding=Shedding(enabled=shed))
-        for policy in policies():
+        for policy in make_policies(peak_n, avg_n, start_n, max_n, lead, args.slo_ttft_s, args.warm_pool):
             res = simulate(cfg, policy, trace.requests)
             rows.append(figures(res, cfg, shed))
             results.append(res)
@@ -138,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace: {len(trace.requests)} requests over {args.period_s:g} s, mean {trace.mean_rps():.2f}/s, "
           f"busiest minute {trace.window_peak_rps():.2f}/s; one replica sustains {capacity:.2f}/s "
           f"(static_peak {peak_n}, static_average {avg_n}); cold start {times.cold_start_s:.1f} s, "
-          f"wake {times.wake:.1f} s{' (= cold start, not measured)' if times.wake_s is None else ''}")
+          f"wake {times.wake:.2f} s{' (= cold start, not measured)' if times.wake_s is None else ''}; "
+          f"rule lead time {lead:.1f} s")
     print(text)
     if not args.no_results:
         step = max(args.period_s / 400, 1.0)
@@ -154,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                    "trace": {**asdict(trace_cfg), "requests": len(trace.requests), "mean_rps": trace.mean_rps(),
                              "busiest_minute_rps": trace.window_peak_rps(), "spike_starts_s": trace.spike_starts},
                    "times": {"cold_start_s": times.cold_start_s, "wake_s": times.wake,
-                             "wake_measured": times.wake_s is not None, "kv_tokens": times.kv_tokens},
+                             "wake_measured": times.wake_s is not None, "kv_tokens": times.kv_tokens,
+                             "lead_time_s": lead},
                    "slo": asdict(base.slo), "tick_s": args.tick_s, "sleep_cost_share": args.sleep_cost_share,
                    "warm_pool": args.warm_pool, "curve": curve.to_dict(), "plot": png.name},
                   [{"policy": k, "timeline": v} for k, v in timelines.items()])

@@ -190,7 +190,8 @@ class AsyncEngine(SleepControl):
         worker = GrammarWorker(model_dir, engine.grammar_budget, self.name)
         # build/warm look the engine up each time: a restart replaces it.
         return GrammarGate(worker, build=lambda fmt: self.engine.prepare_grammar(fmt),
-                           warm=lambda: self.engine.warm_grammars(), name=self.name)
+                           warm=lambda: self.engine.warm_grammars(), name=self.name,
+                           idle=lambda: not self._streams)    # warm in the first lull, not beside requests
 
     @property
     def max_model_len(self) -> int:

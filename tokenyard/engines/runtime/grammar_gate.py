@@ -16,7 +16,12 @@ Rules:
   and the engine's step thread never compile). An in-process engine passes build; an engine in a
   process of its own compiles there, on a thread of the child (tokenyard/engines/serving/engine_process.py).
 - `warm()` (the engine's grammar set: its tokenizer info, ~1.5 s on SmolLM2) runs on the same
-  thread at start-up, so the first schema does not pay it on the loop; a build waits behind it.
+  thread after start-up, so the first schema does not pay it on the loop; a build waits behind it.
+  Given `idle` (the engine has nothing in flight), the worker's start and the warm-up wait for the
+  first lull of `idle_s` after start(): warming imports xgrammar and walks the vocabulary in Python,
+  holding the GIL the engine's step needs, so requests that ran beside it right after ready took up
+  to 5x their usual time (bench/RESULTS.md, "Issue 52, what was left"). A constrained request that
+  comes before the lull starts the worker and builds the grammar set itself, as without the warm-up.
 - The engine's cache is an LRU of 64 compiled grammars and the gate has one thread: between
   prepare() returning and the synchronous add_request at most one other compile can finish, so
   the grammar prepared for a request is still cached when the request is added.
@@ -34,19 +39,43 @@ from tokenyard.engines.runtime.grammar_worker import GrammarWorker
 
 log = logging.getLogger(__name__)
 
+IDLE_S = 1.0     # the lull (nothing in flight) the background warm-up waits for, when given `idle`
+
 
 class GrammarGate:
     def __init__(self, worker: GrammarWorker | None, build: Callable[[dict], None] | None = None,
-                 warm: Callable[[], None] | None = None, name: str = "engine") -> None:
+                 warm: Callable[[], None] | None = None, name: str = "engine",
+                 idle: Callable[[], bool] | None = None, idle_s: float = IDLE_S) -> None:
         self.worker = worker
         self._build = build
         self._warm = warm
         self.name = name
+        self._idle, self._idle_s = idle, idle_s
         self._pool: ThreadPoolExecutor | None = None    # made when first needed; close() ends it
         self._warming: asyncio.Future | None = None
+        self._waiting: asyncio.Task | None = None       # waits for the first lull (idle given)
 
     async def start(self) -> None:
-        """Start the worker and warm the engine's grammar set, both in the background."""
+        """Start the worker and warm the engine's grammar set, both in the background: now, or
+        (idle given) once the engine has been idle for idle_s."""
+        if self._idle is not None:
+            if self._waiting is None:
+                self._waiting = asyncio.get_running_loop().create_task(self._after_lull(),
+                                                                       name=f"grammar-warm-{self.name}")
+            return
+        await self._start_now()
+
+    async def _after_lull(self) -> None:
+        assert self._idle is not None
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while loop.time() - since < self._idle_s:
+            await asyncio.sleep(min(0.1, self._idle_s))
+            if not self._idle():
+                since = loop.time()
+        await self._start_now()
+
+    async def _start_now(self) -> None:
         if self.worker is not None:
             try:
                 await self.worker.start()
@@ -64,6 +93,9 @@ class GrammarGate:
             await asyncio.get_running_loop().run_in_executor(self._executor(), self._build, fmt)
 
     def close(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
+            self._waiting = None
         if self.worker is not None:
             self.worker.close()
         if self._pool is not None:

@@ -2,11 +2,16 @@
 after ready should cost no more than the tenth).
 
 What a first request would otherwise pay: the first prefill through the quantised torch ops
-(their first calls), the first step of the C decode step or the compiled graph, the sampler's
-first call. `warm_up` runs a 2-token prompt for 2 greedy tokens through `Engine.step` (the path
+(their first calls), the first steps of the C decode step or the compiled graph, the sampler's
+first call. `warm_up` runs an 8-token prompt for 7 greedy tokens through `Engine.step` (the path
 every request takes) and then puts back every counter the request moved, so stats, metrics and
 tests see an engine that has served nothing. It leaves no prefix-cache entry (the sequence never
 fills a block) and draws no request seed (its own is fixed).
+
+It runs on the thread that builds the engine; a replica steps on the torch executor's thread. A
+second run there before ready was tried and taken out: in-process a new thread's first request was
+5-15 ms slower unless warmed there, but in a replica it did not bring the first request down to the
+tenth and cost 0.08 s of ready time (bench/RESULTS.md, "Issue 52, what was left").
 
 A failure that kills the engine there (a broken compiled step under `cpu_compile: on`) is raised
 from the engine's construction: the replica never reports ready.
@@ -33,12 +38,27 @@ REQUEST_ID = "__tokenyard_warm_up__"
 _ENGINE_COUNTERS = ("_arrivals", "_num_steps", "_last_step_tokens", "_last_step_seconds", "_busy_seconds",
                     "_prefill_tokens", "_output_tokens", "_batch_counts")
 _RUNNER_COUNTERS = ("num_graph_steps", "num_compiled_steps", "num_native_steps")
-MAX_STEPS = 8
+# The warm-up request's shape: a prompt of several tokens (a 2-token one left the first real prefill
+# of a longer prompt and the first decode steps after it about 20 ms slower than later ones on
+# SmolLM2: bench/RESULTS.md, "Issue 52, what was left") and a few decode steps; prompt + output
+# stay within one KV block, so no prefix-cache entry is left (shorter where the block or the
+# context is smaller).
+PROMPT_TOKENS = 8
+MAX_TOKENS = 7
+MAX_STEPS = 16
+
+
+def request_shape(block_size: int, max_model_len: int) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of the warm-up request: PROMPT_TOKENS and MAX_TOKENS where they
+    fit, else less, so that the sequence fills no KV block (no prefix-cache entry) and fits the context."""
+    total = max(2, min(PROMPT_TOKENS + MAX_TOKENS, block_size - 1, max_model_len))
+    n_prompt = max(1, min(PROMPT_TOKENS, total - 1))
+    return n_prompt, max(1, total - n_prompt)
 
 
 def wants_warm_up(engine: Engine) -> bool:
     runner = getattr(engine, "runner", None)
-    return (engine.spec is None and engine.micro is None and runner is not None
+    return (getattr(engine, "spec", None) is None and getattr(engine, "micro", None) is None and runner is not None
             and any(getattr(runner, name, None) is not None for name in ("native", "compiled", "graphs")))
 
 
@@ -53,10 +73,11 @@ def warm_up(engine: Engine) -> float:
     blocks = engine.blocks
     block_saved = (blocks.queried_tokens, blocks.hit_tokens, engine.scheduler.num_preemptions)
     try:
-        prompt = [int(engine.model_config.bos_token_id or 0), 1]
+        n_prompt, n_out = request_shape(engine.config.block_size, engine.max_model_len)
+        prompt = [int(engine.model_config.bos_token_id or 0)] + list(range(1, n_prompt))
         try:
             engine.add_request(REQUEST_ID, prompt,
-                               SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, seed=0))
+                               SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, seed=0))
         except RequestError as exc:      # e.g. a max_model_len below 4 tokens: nothing to warm with
             log.info("no warm-up request: %s", exc)
             return 0.0
