@@ -148,6 +148,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s engine-process[{args.name}]: %(message)s")
     listener = None
     if args.listen:
+        try:        # a core shared by gateway workers ends with the supervisor that started it (Linux prctl)
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
         path = Path(args.listen)
         path.unlink(missing_ok=True)               # a previous core's, which died
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
