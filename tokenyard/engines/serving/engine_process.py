@@ -67,25 +67,16 @@ import socket
 import subprocess
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
-from tokenyard.engines.core.sleep_level import (
-    ASLEEP,
-    AWAKE,
-    WAKING,
-    SleepBusy,
-    SleepLevelError,
-    SleepUnsupported,
-    check_sleep_level,
-)
 from tokenyard.engines.runtime.async_engine import RequestStream, cancel_task, fail_streams, with_backoff
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget, GrammarWorker
 from tokenyard.engines.serving.engine_child import _child_main  # noqa: F401 - re-exported
 from tokenyard.engines.serving.engine_core import EngineRecipe, connect_core, reap, spawn_core
 from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link, unpack  # noqa: F401 - _Link re-exported
+from tokenyard.engines.serving.engine_process_sleep import ProcessSleep
 from tokenyard.engines.serving.process_grammars import ProcessGrammars
 
 __all__ = ["EngineProcess", "EngineRecipe"]
@@ -93,7 +84,7 @@ __all__ = ["EngineProcess", "EngineRecipe"]
 log = logging.getLogger(__name__)
 
 
-class EngineProcess:
+class EngineProcess(ProcessSleep):
     """The EngineBackend (tokenyard/engines/core/backend.py) of an engine stepped in a core process."""
 
     def __init__(self, recipe: EngineRecipe, name: str = "engine", max_restart_attempts: int = 5,
@@ -259,71 +250,6 @@ class EngineProcess:
                 unstarted.pop(rid, None)
                 self._resubmits.pop(rid, None)
             stream.put(out)
-
-    # -- sleep and wake -------------------------------------------------------------------------
-    @property
-    def sleep_level(self) -> int:
-        return self._sleep_level
-
-    @property
-    def sleep_state(self) -> str:
-        if self._waking_since is not None:
-            return WAKING
-        return ASLEEP if self._sleep_level else AWAKE
-
-    async def sleep(self, level: int, drain_timeout_s: float = 30.0) -> float:
-        """As AsyncEngine.sleep: drain (SleepBusy past drain_timeout_s), then the core sleeps."""
-        level = check_sleep_level(level)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + drain_timeout_s
-        while True:
-            while self._streams or self._waking_since is not None:
-                if loop.time() >= deadline:
-                    raise SleepBusy(f"engine {self.name} still had {max(1, len(self._streams))} request(s) in "
-                                    f"flight after {drain_timeout_s:g} s; it stays awake")
-                await asyncio.sleep(0.02)
-            seconds, err = await self._control(("sleep", level))
-            if err is None:
-                self._sleep_level = max(self._sleep_level, level)
-                return seconds
-            kind, message = err
-            if kind == "level":
-                raise SleepLevelError(message)
-            if kind != "busy":
-                raise SleepUnsupported(message)
-            if loop.time() >= deadline:        # another worker's requests keep a shared core busy
-                raise SleepBusy(f"engine {self.name} is busy ({message}); it stays awake")
-            await asyncio.sleep(0.02)       # a request slipped in before the core took the message
-
-    async def wake(self) -> dict[str, float]:
-        """Wake the core's engine now; {phase: seconds}. EngineDeadError when the process failed."""
-        if not self._sleep_level:
-            return {}
-        if self._waking_since is None:
-            self._waking_since = asyncio.get_running_loop().time()
-        (phases,) = await self._control(("wake",))
-        if self._sleep_level:
-            self._awake()
-        return phases
-
-    async def _control(self, msg: tuple) -> tuple:
-        """Send a sleep or wake message and wait for its answer (one at a time)."""
-        if self._control_lock is None:
-            self._control_lock = asyncio.Lock()
-        async with self._control_lock:
-            if self.dead is not None or self._writer is None:
-                raise EngineDeadError(f"engine {self.name} is down: {self.dead or 'not started'}")
-            self._control_reply = asyncio.get_running_loop().create_future()
-            self._send(msg)
-            try:
-                return await self._control_reply
-            finally:
-                self._control_reply = None
-
-    def _awake(self) -> None:
-        if self._waking_since is not None:
-            self.last_wake_s = asyncio.get_running_loop().time() - self._waking_since
-        self._sleep_level, self._waking_since = 0, None
 
     # -- the process ----------------------------------------------------------------------------
     def _spawn(self) -> tuple[subprocess.Popen | None, socket.socket, tuple]:
