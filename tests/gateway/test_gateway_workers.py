@@ -132,3 +132,26 @@ def test_two_workers_share_one_core_survive_kills_and_drain(tmp_path):
             except ProcessLookupError:
                 pass
         delete_prefix(SHARED_REDIS, prefix)
+
+
+def test_admission_counts_the_requests_other_workers_hold_in_the_core():
+    """A worker's queue sees the engine full when its own running requests plus the other workers' (as the
+    core last reported them) reach the engine's slots."""
+    from types import SimpleNamespace
+
+    from tokenyard.gateway.admission.engine_queues import EngineQueue
+    from tokenyard.gateway.config.deployment import AdmissionConfig
+
+    stats = SimpleNamespace(max_num_seqs=4, num_steps=1, num_free_blocks=1000)
+    engine = SimpleNamespace(others_in_flight=0, stats=lambda: stats)
+    q = EngineQueue("e", engine, AdmissionConfig(), None)
+    q.running = 2
+    assert q._room_for(1)
+    engine.others_in_flight = 2           # the other worker holds two: the engine's 4 slots are taken
+    assert not q._room_for(1)
+    q.running, engine.others_in_flight = 0, 4
+    assert not q._room_for(1)
+    engine.others_in_flight, stats.num_free_blocks = 1, 0
+    assert not q._room_for(1)             # idle here is not idle there: the KV check still applies
+    engine.others_in_flight = 0
+    assert q._room_for(1)                 # the whole engine idle takes anything
