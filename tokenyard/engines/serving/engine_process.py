@@ -65,6 +65,7 @@ import logging
 import pickle
 import socket
 import subprocess
+import time
 from collections import deque
 from pathlib import Path
 
@@ -255,7 +256,13 @@ class EngineProcess(ProcessSleep):
     def _spawn(self) -> tuple[subprocess.Popen | None, socket.socket, tuple]:
         """A core of our own (blocking until its engine is built), or a link to the supervisor's."""
         if self.connect is not None:
-            sock, hello = connect_core(self.connect)
+            for _ in range(50):       # a core being started again: its socket comes back within seconds
+                try:
+                    sock, hello = connect_core(self.connect)
+                    return None, sock, hello
+                except (FileNotFoundError, ConnectionRefusedError):
+                    time.sleep(0.1)
+            sock, hello = connect_core(self.connect)     # the backoff's attempt: it logs why it failed
             return None, sock, hello
         return spawn_core(self.recipe, self.name)
 
