@@ -86,6 +86,10 @@ def running_gateway(document: dict[str, Any], handles=None, usage_sink=None, gua
         # A test on the shared Redis without a prefix of its own is not about spend: keep its usage
         # records out of the shared "tokenyard:" keys (spend tests use unique_prefix()).
         document = {**document, "spend": {**document["spend"], "enabled": False}}
+    if "engine_process" not in (document.get("server") or {}):
+        # The default steps torch engines in a process of their own (a fresh interpreter importing torch:
+        # seconds per gateway); tests that want it say so, the rest keep their engines in-process.
+        document = {**document, "server": {**(document.get("server") or {}), "engine_process": False}}
     dep = parse_deployment(document, base_dir=ROOT)
     app = create_app(dep, handles=handles, usage_sink=usage_sink, dev_key=KEY)
     # proto IPPROTO_TCP, as uvicorn's own bind gets it from getaddrinfo: asyncio sets TCP_NODELAY

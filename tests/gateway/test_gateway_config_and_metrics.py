@@ -92,7 +92,9 @@ def test_gil_switch_interval_from_the_file_then_the_environment():
 
 
 def test_engine_process_from_the_file_then_the_environment():
-    assert parse_deployment(mock_deployment(), base_dir=ROOT).engine_process is False
+    assert parse_deployment(mock_deployment(), base_dir=ROOT).engine_process is None      # auto
+    assert parse_deployment({**mock_deployment(), "server": {"engine_process": "auto"}}, ROOT).engine_process is None
+    assert parse_deployment({**mock_deployment(), "server": {"engine_process": False}}, ROOT).engine_process is False
     dep = parse_deployment({**mock_deployment(), "server": {"engine_process": True}}, base_dir=ROOT)
     assert dep.engine_process is True
     assert apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": " Off "}).engine_process is False
@@ -102,6 +104,19 @@ def test_engine_process_from_the_file_then_the_environment():
         apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": "maybe"})
     with pytest.raises(DeploymentError, match="server.engine_process"):
         parse_deployment({**mock_deployment(), "server": {"engine_process": "yes"}}, base_dir=ROOT)
+    assert apply_env(dep, {"TOKENYARD_ENGINE_PROCESS": "AUTO"}).engine_process is None
+
+
+def test_workers_from_the_file_then_the_environment():
+    assert parse_deployment(mock_deployment(), base_dir=ROOT).workers == 1
+    dep = parse_deployment({**mock_deployment(), "server": {"workers": 2}}, base_dir=ROOT)
+    assert dep.workers == 2 and apply_env(dep, {"TOKENYARD_WORKERS": "3"}).workers == 3
+    for bad in (0, -1, 65, "2", True):
+        with pytest.raises(DeploymentError, match="server.workers"):
+            parse_deployment({**mock_deployment(), "server": {"workers": bad}}, base_dir=ROOT)
+    for bad in ("0", "x", "99"):
+        with pytest.raises(DeploymentError, match="TOKENYARD_WORKERS"):
+            apply_env(dep, {"TOKENYARD_WORKERS": bad})
 
 
 def test_serve_sets_the_processes_switch_interval(monkeypatch):

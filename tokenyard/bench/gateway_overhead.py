@@ -14,7 +14,12 @@
 The gateway runs in a separate process (one uvicorn worker), so the client's CPU use does not
 slow its event loop; on a 2-core machine they still share the cores.
 
+`--workers 1,2 --rounds 2` measures 1 and 2 (server.workers) in the same run, interleaved: with
+more than one worker the mock engine steps in one engine core shared by the workers (with one, it
+stays in-process as by default), and the figures go to bench/results/gateway_overhead_workers.json.
+
     .venv/bin/python -m tokenyard.bench.gateway_overhead [--requests 2000] [--seconds 10] [--concurrency 32]
+    .venv/bin/python -m tokenyard.bench.gateway_overhead --workers 1,2 --rounds 2 --health-seconds 0
 """
 from __future__ import annotations
 
@@ -129,14 +134,14 @@ async def health_under_load(base: str, seconds: float, concurrency: int) -> tupl
 PREFIX = f"bench:overhead:{os.getpid()}:"
 
 
-def start_gateway(port: int, engine: str = "mock", limits: bool = True) -> subprocess.Popen:
+def start_gateway(port: int, engine: str = "mock", limits: bool = True, workers: int = 1) -> subprocess.Popen:
     cfg = ROOT / "bench" / "out" / f"gateway_overhead_{engine}.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     engines = {"mock": {"type": "mock", "model": str(ROOT / "models" / "demo-small")}}
     if engine != "mock":
         engines = {engine: {"type": "torch", "model": str(ROOT / "models" / engine), "kv_cache_memory": 128 << 20}}
     # Limits on (high enough never to refuse): every request pays the reservation and the refund.
-    cfg.write_text(json.dumps({"server": {"host": "127.0.0.1", "port": port, "access_log": False},
+    cfg.write_text(json.dumps({"server": {"host": "127.0.0.1", "port": port, "access_log": False, "workers": workers},
                                "redis_prefix": PREFIX,
                                "rate_limits": {"enabled": limits, "requests": 10**9, "tokens": 10**12},
                                "engines": engines}))
@@ -152,7 +157,12 @@ def main() -> None:
     ap.add_argument("--health-seconds", type=float, default=8.0, help="0 skips the /health-under-load run")
     ap.add_argument("--no-limits", action="store_true", help="rate limits off (auth and admission stay on)")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/gateway_overhead.json")
+    ap.add_argument("--workers", help="comma-separated server.workers values to compare in this run (e.g. 1,2)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --workers: interleaved rounds of each value")
     args = ap.parse_args()
+    if args.workers:
+        compare_workers(args)
+        return
     from tokenyard.bench.results_io import RunRecorder
     rec = RunRecorder("gateway_overhead")
     port = free_port()
@@ -194,6 +204,45 @@ def main() -> None:
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, indent=2))
     if not args.no_results:
         rec.write(result, [], seconds=args.seconds, health_seconds=args.health_seconds)
+
+
+def compare_workers(args: argparse.Namespace) -> None:
+    """Added latency and 32-client throughput for each server.workers value, interleaved over rounds."""
+    from tokenyard.bench.results_io import RunRecorder
+    rec = RunRecorder("gateway_overhead_workers")
+    counts = [int(w) for w in args.workers.split(",")]
+    direct = asyncio.run(direct_latencies(args.requests))
+    runs = []
+    ms = 1000.0
+    for rnd in range(args.rounds):
+        for workers in counts:
+            port = free_port()
+            proc = start_gateway(port, limits=not args.no_limits, workers=workers)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            try:
+                time.sleep(2.0 if workers > 1 else 0.0)         # /ready answers once the first worker is up
+                asyncio.run(throughput(url, 2.0, args.concurrency))   # warm-up: every worker, every connection
+                gw = asyncio.run(gateway_latencies(url, args.requests))
+                rps, errors = asyncio.run(throughput(url, args.seconds, args.concurrency))
+            finally:
+                proc.terminate()
+                proc.wait(60)
+            runs.append({"round": rnd, "workers": workers, "gateway_p50_ms": _pct(gw, 0.5) * ms,
+                         "gateway_p99_ms": _pct(gw, 0.99) * ms,
+                         "added_p50_ms": (_pct(gw, 0.5) - _pct(direct, 0.5)) * ms,
+                         "added_p99_ms": (_pct(gw, 0.99) - _pct(direct, 0.99)) * ms,
+                         "throughput_rps": rps, "throughput_errors": errors})
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in runs[-1].items()}), flush=True)
+    figures: dict = {"direct_p50_ms": _pct(direct, 0.5) * ms, "direct_p99_ms": _pct(direct, 0.99) * ms,
+                     "concurrency": args.concurrency, "requests": args.requests, "rate_limits": not args.no_limits}
+    for workers in counts:
+        mine = [r for r in runs if r["workers"] == workers]
+        figures[f"workers_{workers}"] = {k: statistics.median(r[k] for r in mine)
+                                         for k in ("added_p50_ms", "added_p99_ms", "throughput_rps")}
+    _cleanup_redis()
+    print(json.dumps(figures, indent=1))
+    if not args.no_results:
+        rec.write(figures, runs, seconds=args.seconds, rounds=args.rounds)
 
 
 def _cleanup_redis() -> None:

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     # and the deployment file; then the engine's own phases; serve() adds warm_up and closes at ready.
     startup = StartupPhases()
     startup.add("imports", process_age_s() or 0.0)
-    engine = EngineProcess(_recipe(spec), spec.name) if dep.engine_process else AsyncEngine(_build(spec), spec.name)
+    # server.engine_process; auto (None): a torch engine does (a replica serves no embeddings), a mock does not
+    own = spec.type == "torch" if dep.engine_process is None else dep.engine_process
+    engine = EngineProcess(_recipe(spec), spec.name) if own else AsyncEngine(_build(spec), spec.name)
     startup.merge(getattr(engine, "startup_phases", None) or {})    # an engine process keeps its own: other
     grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
     return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model), startup=startup)

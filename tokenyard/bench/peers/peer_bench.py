@@ -218,7 +218,8 @@ class Config:
     # The gateway engine's max_num_batched_tokens (tokens a step); None: the engine's default (512),
     # what the gateway serves unless the operator sets it.
     served_batched_tokens: int | None = None
-    # server.engine_process for the gateway (None: bench_w2.yaml's, false; TOKENYARD_ENGINE_PROCESS still wins)
+    # server.engine_process for the gateway (None: bench_w2.yaml's, which names none: auto, the torch engine in a
+    # process of its own; TOKENYARD_ENGINE_PROCESS still wins)
     engine_process: bool | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -397,7 +398,7 @@ def tokenyard_gateway(cfg: Config, log_dir: Path, threads: int) -> Iterator[Serv
                          {"Authorization": f"Bearer {key}"}, body,
                          {"engine": spec, "eos_banned": eos, "log": str(log_path), "pid": proc.pid,
                           "max_num_batched_tokens": spec.get("max_num_batched_tokens", default_budget),
-                          "engine_process": src.get("server", {}).get("engine_process", False),
+                          "engine_process": src.get("server", {}).get("engine_process", "auto"),
                           "env_engine_process": os.environ.get("TOKENYARD_ENGINE_PROCESS")})
         finally:
             _stop(proc)

@@ -1,24 +1,28 @@
-"""The child's side of an engine process (tokenyard/engines/serving/engine_process.py): the link and the loop.
+"""The engine core's side of an engine process (tokenyard/engines/serving/engine_process.py): its loop.
 
-    _child_main(sock)     # take the recipe, build, then: take messages, step, send outputs
+    _child_main(sock)                    # one gateway process: take the recipe, build, serve that link
+    _child_main(sock, listener)          # several: serve every link accepted on `listener` (server.workers)
 
-The loop: take the messages that arrived (block only while the engine has nothing to run), step,
-send the step's outputs as one message; until the parent hangs up. Messages are frames of a 4-byte
-big-endian length and a pickle (`_frame`); see engine_process.py for the ones each side sends.
+The loop: take the messages that arrived on every link (block only while the engine has nothing to
+run), step, send each link the step's outputs for its requests as one frame, until the parent hangs up
+(one link) or the process is stopped (a listener: the supervisor, tokenyard/gateway/server/supervisor.py,
+ends it). Frames and threads: tokenyard/engines/serving/engine_link.py.
 
-Threads: the loop runs on the main thread. A constrained request's grammar is compiled on a thread
-of its own (tokenyard/engines/serving/process_grammars.py: ChildCompiler), which sends its reply itself. So
-`_Link.send` is serialised by a lock, and reads never change the socket's blocking mode (a
-non-blocking read is one recv with MSG_DONTWAIT): a send from the compile thread can neither
-interleave with the loop's nor turn the loop's draining read into one that blocks.
+Several links (gateway worker processes) share the one engine: each link's request ids are its own (the
+core names them "<link>:<id>" inside the engine and strips that on the way out), a link that goes away
+has its requests aborted, and every link gets a frame after every step, outputs or not, with the
+engine's stats and `others`, the requests the other links hold in the engine, so each worker's
+admission counts the whole engine (tokenyard/gateway/admission/engine_queues.py). `taken` counts the
+adds the core took since its last frame to that link: the parent's bound on adds in flight
+(engine_process.py, back-pressure) is released by it.
 """
 from __future__ import annotations
 
 import logging
 import pickle
+import selectors
 import socket
-import struct
-import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
@@ -26,63 +30,10 @@ from tokenyard.engines.core.outputs import StepOutput
 from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.core.sleep_level import SleepLevelError, SleepUnsupported
 from tokenyard.engines.core.structured_output import GrammarError
+from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link  # noqa: F401 - re-exported
 from tokenyard.engines.serving.process_grammars import ChildCompiler, grammar_info
 
 log = logging.getLogger("tokenyard.engines.serving.engine_process")
-
-_HEADER = struct.Struct("!I")
-_RECV_BYTES = 1 << 20
-
-
-def _frame(msg: tuple) -> bytes:
-    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
-
-
-class _Link:
-    """The child's end (and the parent's during the start-up handshake): blocking or draining reads,
-    sends from any thread."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(True)       # once: reads choose per call (MSG_DONTWAIT), sends always block
-        self.sock = sock
-        self.buf = bytearray()
-        self.closed = False
-        self._send_lock = threading.Lock()
-
-    def send(self, msg: tuple) -> None:
-        data = _frame(msg)
-        with self._send_lock:
-            self.sock.sendall(data)
-
-    def receive(self, block: bool) -> list[tuple]:
-        """The whole messages that have arrived; when `block`, waits for at least one (or the peer's end)."""
-        msgs: list[tuple] = []
-        while not self.closed:
-            try:
-                chunk = self.sock.recv(_RECV_BYTES, 0 if block and not msgs else socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.closed = True
-                break
-            self.buf += chunk
-            msgs.extend(self._parse())
-        return msgs
-
-    def _parse(self) -> list[tuple]:
-        out, pos = [], 0
-        while len(self.buf) - pos >= _HEADER.size:
-            (n,) = _HEADER.unpack_from(self.buf, pos)
-            end = pos + _HEADER.size + n
-            if len(self.buf) < end:
-                break
-            out.append(pickle.loads(self.buf[pos + _HEADER.size:end]))
-            pos = end
-        del self.buf[:pos]
-        return out
 
 
 def _refusal(request_id: str, e: Exception) -> StepOutput:
@@ -106,9 +57,220 @@ def _picklable(e: BaseException) -> BaseException | None:
         return None
 
 
-def _child_main(sock: socket.socket) -> None:
-    """The engine process: take the recipe, build, then take messages, step and send outputs until the
-    parent hangs up."""
+@dataclass(eq=False)
+class _Peer:
+    """One gateway process's link and what it holds in the engine."""
+
+    link: _Link
+    no: int
+    prefix: str                                       # "" with a single link: ids go in as they are
+    rids: set[str] = field(default_factory=set)       # its requests in the engine (the core's names)
+    outs: list[StepOutput] = field(default_factory=list)
+    taken: int = 0
+
+    def send(self, msg: tuple) -> bool:
+        try:
+            self.link.send(msg)
+            return True
+        except OSError:
+            self.link.closed = True
+            return False
+
+
+class _Core:
+    def __init__(self, engine: Any, listener: socket.socket | None) -> None:
+        self.engine = engine
+        self.listener = listener
+        self.peers: dict[int, _Peer] = {}
+        self.owner: dict[str, tuple[_Peer, str]] = {}   # core name -> (peer, its own id)
+        self.sel = selectors.DefaultSelector()
+        self._next = 0
+        self.compiler = ChildCompiler(engine, self._grammar_reply) if grammar_info(engine) is not None else None
+        if listener is not None:
+            listener.setblocking(False)
+            self.sel.register(listener, selectors.EVENT_READ, None)
+
+    def ready_msg(self) -> tuple:
+        return ("ready", self.engine.max_model_len, self.engine.stats(), grammar_info(self.engine))
+
+    def add_peer(self, link: _Link) -> _Peer:
+        self._next += 1
+        peer = _Peer(link, self._next, f"{self._next}:" if self.listener is not None else "")
+        self.peers[peer.no] = peer
+        self.sel.register(link.sock, selectors.EVENT_READ, peer)
+        return peer
+
+    def drop_peer(self, peer: _Peer) -> None:
+        """A gateway process went away: its requests are aborted (nobody reads them)."""
+        self.peers.pop(peer.no, None)
+        try:
+            self.sel.unregister(peer.link.sock)
+        except (KeyError, ValueError):
+            pass
+        for name in peer.rids:
+            self.owner.pop(name, None)
+            self.engine.abort(name)
+        peer.rids.clear()
+        peer.link.sock.close()
+
+    def _grammar_reply(self, msg: tuple) -> None:
+        """From the compile thread: ("grammar", (peer no, token), error) to that peer."""
+        no, token = msg[1]
+        peer = self.peers.get(no)
+        if peer is not None:
+            peer.send(("grammar", token, msg[2]))
+
+    def close(self) -> None:
+        if self.compiler is not None:
+            self.compiler.close()
+        for peer in list(self.peers.values()):
+            self.drop_peer(peer)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def serve(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished()
+            for key, _ in self.sel.select(timeout=0 if busy else None):
+                if key.data is None:
+                    self._accept()
+                    continue
+                peer = key.data
+                if not self._take(peer, peer.link.receive(block=False)):
+                    return
+                if peer.link.closed:
+                    self.drop_peer(peer)
+            if self.listener is None and not self.peers:
+                return                     # the only parent hung up
+            stats = None
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - the parents fail the requests and start afresh
+                    log.exception("engine process: step failed")
+                    self._fail(f"engine step failed: {type(e).__name__}: {e}")
+                    return
+                stats = engine.stats()
+                self._route(outputs)
+            self._send_frames(stats)
+            dead = getattr(engine, "dead", None)
+            if dead:
+                self._fail(f"engine failed: {dead}")
+                return
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        peer = self.add_peer(_Link(sock))
+        if not peer.send(self.ready_msg()):
+            self.drop_peer(peer)
+
+    def _take(self, peer: _Peer, msgs: list[tuple]) -> bool:
+        """Apply one peer's messages; False when the loop must end (a failed wake)."""
+        engine = self.engine
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "add":
+                rid = msg[1]
+                name = peer.prefix + rid
+                peer.taken += 1
+                try:
+                    engine.add_request(name, *msg[2:])
+                except (RequestError, EngineDeadError, ValueError, TypeError, KeyError) as e:
+                    peer.outs.append(_refusal(rid, e))
+                    continue
+                peer.rids.add(name)
+                if peer.prefix:
+                    self.owner[name] = (peer, rid)
+            elif kind == "abort":
+                name = peer.prefix + msg[1]
+                if name in peer.rids:
+                    peer.rids.discard(name)
+                    self.owner.pop(name, None)
+                    engine.abort(name)
+            elif kind in ("sleep", "wake"):   # the parent drained first; a failed wake ends the process
+                if not _sleep_or_wake(peer, engine, msg):
+                    self._fail("engine wake failed", skip=peer)
+                    return False
+            elif kind == "grammar":           # compiled on the compiler's thread, which replies
+                if self.compiler is not None:
+                    self.compiler.submit((peer.no, msg[1]), msg[2])
+                else:
+                    peer.send(("grammar", msg[1], "response_format is not supported by this engine"))
+        return True
+
+    def _route(self, outputs: list[StepOutput]) -> None:
+        if self.listener is None:
+            peer = next(iter(self.peers.values()), None)
+            if peer is not None:
+                peer.outs.extend(outputs)
+                for out in outputs:
+                    if out.finished:
+                        peer.rids.discard(out.request_id)
+            return
+        for out in outputs:
+            owner = self.owner.get(out.request_id)
+            if owner is None:
+                continue                    # its link went away
+            peer, rid = owner
+            if out.finished:
+                del self.owner[out.request_id]
+                peer.rids.discard(out.request_id)
+            out.request_id = rid
+            peer.outs.append(out)
+
+    def _send_frames(self, stats: Any) -> None:
+        """One frame per link: its outputs, the stats when a step ran, the adds taken and the others'
+        requests. With several links every link hears of every step (the stats are the whole engine's)."""
+        total = sum(len(p.rids) for p in self.peers.values())
+        several = self.listener is not None
+        for peer in list(self.peers.values()):
+            if not (peer.outs or peer.taken or (several and stats is not None)):
+                continue
+            outs, peer.outs = peer.outs, []
+            taken, peer.taken = peer.taken, 0
+            if not peer.send(("out", outs, stats, taken, total - len(peer.rids))):
+                self.drop_peer(peer)
+
+    def _fail(self, message: str, skip: _Peer | None = None) -> None:
+        for peer in list(self.peers.values()):
+            if peer is not skip:
+                peer.send(("failed", message, None))
+
+
+def _sleep_or_wake(peer: _Peer, engine: Any, msg: tuple) -> bool:
+    """("sleep", level) -> ("slept", seconds, None) or ("slept", None, (kind, message)); ("wake",) ->
+    ("woke", phases). A wake that raises is reported as "failed" (False: the loop ends, the parent
+    starts a fresh process, as after a failed step)."""
+    if msg[0] == "sleep":
+        if not hasattr(engine, "sleep"):
+            peer.send(("slept", None, ("unsupported", "this engine cannot sleep")))
+        else:
+            try:
+                peer.send(("slept", engine.sleep(msg[1]), None))
+            except (RequestError, ValueError) as e:
+                kind = ("level" if isinstance(e, SleepLevelError) else "unsupported"
+                        if isinstance(e, SleepUnsupported) else "busy" if isinstance(e, RequestError) else "unsupported")
+                peer.send(("slept", None, (kind, str(e))))
+        return True
+    try:
+        peer.send(("woke", engine.wake() if hasattr(engine, "wake") else {}))
+    except Exception as e:  # noqa: BLE001 - the engine's state is unknown: the parent restarts it
+        log.exception("engine process: wake failed")
+        peer.send(("failed", f"engine wake failed: {type(e).__name__}: {e}", None))
+        return False
+    return True
+
+
+def _child_main(sock: socket.socket, listener: socket.socket | None = None) -> None:
+    """The engine process: take the recipe on `sock`, build, then serve: `sock` alone, or (with a
+    listener) every link accepted there, `sock` being only the supervisor's handshake."""
     link = _Link(sock)
     first = link.receive(block=True)
     if not first or first[0][0] != "recipe":
@@ -119,77 +281,15 @@ def _child_main(sock: socket.socket) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         link.send(("failed", f"building the engine raised {type(e).__name__}: {e}", _picklable(e)))
         return
-    grammars = grammar_info(engine)
-    compiler = ChildCompiler(engine, link.send) if grammars is not None else None
-    link.send(("ready", engine.max_model_len, engine.stats(), grammars))
+    core = _Core(engine, listener)
+    link.send(core.ready_msg())
+    if listener is None:
+        core.add_peer(link)
+    else:
+        sock.close()            # the supervisor watches the process itself
     try:
-        _serve(link, engine, compiler)
+        core.serve()
     except OSError:
         return       # the parent hung up while a step ran (it stopped, or died): nobody to tell
     finally:
-        if compiler is not None:
-            compiler.close()
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
-
-
-def _sleep_or_wake(link: _Link, engine: Any, msg: tuple) -> bool:
-    """("sleep", level) -> ("slept", seconds, None) or ("slept", None, (kind, message)); ("wake",) ->
-    ("woke", phases). A wake that raises is reported as "failed" (False: the loop ends, the parent
-    starts a fresh process, as after a failed step)."""
-    if msg[0] == "sleep":
-        if not hasattr(engine, "sleep"):
-            link.send(("slept", None, ("unsupported", "this engine cannot sleep")))
-        else:
-            try:
-                link.send(("slept", engine.sleep(msg[1]), None))
-            except (RequestError, ValueError) as e:
-                kind = ("level" if isinstance(e, SleepLevelError) else "unsupported"
-                        if isinstance(e, SleepUnsupported) else "busy" if isinstance(e, RequestError) else "unsupported")
-                link.send(("slept", None, (kind, str(e))))
-        return True
-    try:
-        link.send(("woke", engine.wake() if hasattr(engine, "wake") else {}))
-    except Exception as e:  # noqa: BLE001 - the engine's state is unknown: the parent restarts it
-        log.exception("engine process: wake failed")
-        link.send(("failed", f"engine wake failed: {type(e).__name__}: {e}", None))
-        return False
-    return True
-
-
-def _serve(link: _Link, engine: Any, compiler: ChildCompiler | None) -> None:
-    while True:
-        refused: list[StepOutput] = []
-        for msg in link.receive(block=not engine.has_unfinished()):
-            if msg[0] == "add":
-                try:
-                    engine.add_request(*msg[1:])
-                except (RequestError, EngineDeadError, ValueError, TypeError, KeyError) as e:
-                    refused.append(_refusal(msg[1], e))
-            elif msg[0] == "abort":
-                engine.abort(msg[1])
-            elif msg[0] in ("sleep", "wake"):   # the parent drained first; a failed wake ends the process
-                if not _sleep_or_wake(link, engine, msg):
-                    return
-            elif msg[0] == "grammar":        # compiled on the compiler's thread, which replies
-                if compiler is not None:
-                    compiler.submit(msg[1], msg[2])
-                else:
-                    link.send(("grammar", msg[1], "response_format is not supported by this engine"))
-        if link.closed:
-            return
-        outputs: list[StepOutput] = []
-        if engine.has_unfinished():
-            try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - the parent fails the requests and starts afresh
-                log.exception("engine process: step failed")
-                link.send(("failed", f"engine step failed: {type(e).__name__}: {e}", None))
-                return
-        if outputs or refused:
-            link.send(("out", refused + outputs, engine.stats() if outputs else None))
-        dead = getattr(engine, "dead", None)
-        if dead:
-            link.send(("failed", f"engine failed: {dead}", None))
-            return
+        core.close()

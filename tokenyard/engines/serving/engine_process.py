@@ -1,6 +1,7 @@
 """An engine stepped in a process of its own (the engine core), driven from the gateway's event loop.
 
     backend = EngineProcess(EngineRecipe("torch", model_dir, {"dtype": "float32"}), name="w2")  # blocks: loads
+    backend = EngineProcess(recipe, name="w2", connect=Path("w2.sock"))   # a core the supervisor started
     await backend.start()
     stream = backend.add_request("r1", prompt_ids, params)     # the interface of AsyncEngine
     async for out in stream: ...
@@ -9,110 +10,107 @@
 Why a process: an in-process engine (tokenyard/engines/runtime/async_engine.py) steps on a thread beside the event
 loop, and the two share Python's GIL. The step thread gives the GIL up inside every torch op and C
 step and must win it back after each, while the event loop writes every stream's tokens; on two cores
-the engine's pool threads wait for it too. Here the child process runs one loop and nothing else
-(take the messages that arrived, step, send the step's outputs as one message), and the parent's
-event loop only reads one message per step and sends one per new request or abort.
+the engine's pool threads wait for it too. Here the core runs one loop and nothing else (take the
+messages that arrived, step, send the step's outputs as one message), and the parent's event loop
+only reads one message per step and sends one per turn of its loop. It is the default for torch
+engines (server.engine_process, tokenyard/gateway/backends/engine_pool.py says which engines).
 
-The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; the
-child's end is tokenyard/engines/serving/engine_child.py. Parent to child: ("add", request_id, prompt_ids,
-params, priority, cache_salt), ("abort", request_id), ("grammar", token, response_format),
-("sleep", level) and ("wake",). Child to parent: ("ready", max_model_len, stats, grammar_info) once
-the engine is built, ("out", outputs, stats) after each step, ("grammar", token, error or None) when
-a grammar is compiled, ("slept", seconds, None or (kind, message)) and ("woke", phases) answering
-sleep and wake, ("failed", message, exception) when it gives up. The parent never blocks on the child: its writes are buffered
-by asyncio, and the child reads them between steps (so a request waits at most one step to be
-admitted, as with the in-process inbox).
+The link (tokenyard/engines/serving/engine_link.py): frames of a 4-byte big-endian length and a
+pickle. Parent to core, all the messages one turn of the event loop produced in one frame
+("msgs", [...]): ("add", request_id, prompt_ids, params, priority, cache_salt), ("abort", request_id),
+("grammar", token, response_format), ("sleep", level) and ("wake",). Core to parent: ("ready",
+max_model_len, stats, grammar_info) once the engine is built, ("out", outputs, stats, taken, others)
+after each step (every output of the step in one frame; `taken`: adds the core took since its
+previous frame; `others`: requests other gateway workers hold in the engine), ("grammar", token,
+error or None), ("slept", seconds, None or (kind, message)) and ("woke", phases), ("failed",
+message, exception). The parent never blocks on the core: its writes are buffered by asyncio, and
+the core reads them between steps (a request waits at most one step to be admitted).
+
+Back-pressure: at most `max_outstanding_adds` adds are on the wire or unread in the core at once
+(sent, not yet reported `taken`); more wait here, in order, and go as the core reports taking
+earlier ones; an abort of one still waiting here never reaches the core. So a core that falls behind
+(a long step, a wake) costs the gateway a bounded buffer, and the event loop never waits.
+
+Failures: a step that raises, an engine that reports itself dead (a tensor-parallel worker died) or a
+core that exits: the requests that had received no token are kept and sent again to the fresh core
+(at most `max_resubmits` times each: a request that kills every core it reaches is failed), the ones
+already streaming end with an "error" output saying the engine restarted mid-stream (their tokens so
+far stand; none is sent twice). Then the process is started again from the same recipe (or, with
+`connect`, the link is made again to the core the supervisor restarts); while that runs new
+requests raise EngineDeadError (503). A start that fails is retried `max_restart_attempts` times with
+exponential backoff from `restart_backoff_s` (capped at 30 s); after that the engine stays dead and
+the kept requests fail too.
 
 Constrained requests: `await backend.prepare(params)` before add_request, as with AsyncEngine. The
 schema is checked against its budget in a grammar worker of the parent's, then compiled on a thread
-of the child, never on its step path (tokenyard/engines/serving/process_grammars.py).
+of the core, never on its step path (tokenyard/engines/serving/process_grammars.py). A request sent
+again after a restart compiles its grammar in the fresh core when it is added.
 
-Bad input: the child validates a request when it takes it, so a refusal (a bad grammar, a prompt too
+Bad input: the core validates a request when it takes it, so a refusal (a bad grammar, a prompt too
 long) arrives as the stream's first output, finished with finish_reason "error" and bad_request set;
 the gateway answers it with a 400 as it does for a remote replica's refusal.
 
-Failures: a step that raises, an engine that reports itself dead (a tensor-parallel worker died) or a
-child that exits fails every request in flight with an "error" output at once, and the process is
-started again from the same recipe; while that runs new requests raise EngineDeadError (503). A start
-that fails is retried `max_restart_attempts` times with exponential backoff from `restart_backoff_s`
-(capped at 30 s); after that the engine stays dead.
-
 Sleep (tokenyard/engines/core/sleep_level.py): `await backend.sleep(level)` waits for the requests
-in flight, then the child releases the memory; a request sent meanwhile is queued and the child's
+in flight, then the core releases the memory; a request sent meanwhile is queued and the core's
 next step wakes the engine; `await backend.wake()` wakes it at once. A wake that fails is a failed
-process: its waiting requests end retryable (none got a token) and a fresh process starts.
+process: its waiting requests are sent again to the fresh one.
 
 Two engines in process mode step at the same time (in-process engines take turns on one thread,
 tokenyard/engines/runtime/executor.py): give each its share of the cores (OMP_NUM_THREADS, the engine's threads).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import pickle
-import signal
 import socket
 import subprocess
-import sys
-from dataclasses import dataclass, field
+import time
+from collections import deque
 from pathlib import Path
-from typing import Any
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
-from tokenyard.engines.core.sleep_level import (
-    ASLEEP,
-    AWAKE,
-    WAKING,
-    SleepBusy,
-    SleepLevelError,
-    SleepUnsupported,
-    check_sleep_level,
-)
-from tokenyard.engines.runtime.async_engine import RequestStream, cancel_task, deliver, fail_streams, with_backoff
+from tokenyard.engines.runtime.async_engine import RequestStream, cancel_task, fail_streams, with_backoff
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget, GrammarWorker
-from tokenyard.engines.serving.engine_child import _HEADER, _child_main, _frame, _Link
+from tokenyard.engines.serving.engine_child import _child_main  # noqa: F401 - re-exported
+from tokenyard.engines.serving.engine_core import EngineRecipe, connect_core, reap, spawn_core
+from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link, unpack  # noqa: F401 - _Link re-exported
+from tokenyard.engines.serving.engine_process_sleep import ProcessSleep
 from tokenyard.engines.serving.process_grammars import ProcessGrammars
+
+__all__ = ["EngineProcess", "EngineRecipe"]
 
 log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parents[3]    # holds tokenyard/: the child imports it from here
-_STOP_GRACE_S = 10.0
 
-
-@dataclass(frozen=True, slots=True)
-class EngineRecipe:
-    """What an engine is built from, picklable so a fresh process can build it."""
-
-    kind: str                                   # "torch" or "mock"
-    model: Path                                 # checkpoint folder or .gguf file (mock: its tokenizer)
-    options: dict[str, Any] = field(default_factory=dict)   # EngineConfig / MockConfig keys
-
-    def build(self) -> Any:
-        if self.kind == "mock":
-            from tokenyard.engines.serving.mock_engine import MockEngine
-            return MockEngine(self.model, **self.options)
-        from tokenyard.engines.runtime.engine import Engine
-        return Engine(self.model, **{"progress": False, **self.options})
-
-
-class EngineProcess:
-    """The EngineBackend (tokenyard/engines/core/backend.py) of an engine stepped in a child process."""
+class EngineProcess(ProcessSleep):
+    """The EngineBackend (tokenyard/engines/core/backend.py) of an engine stepped in a core process."""
 
     def __init__(self, recipe: EngineRecipe, name: str = "engine", max_restart_attempts: int = 5,
-                 restart_backoff_s: float = 0.5) -> None:
+                 restart_backoff_s: float = 0.5, *, connect: Path | None = None, max_outstanding_adds: int = 256,
+                 max_resubmits: int = 2) -> None:
         self.recipe = recipe
         self.name = name
+        self.connect = connect
         self.dead: str | None = None
         self.num_failed_steps = 0         # steps that raised (and engines that reported themselves dead)
-        self.num_restarts = 0             # processes started again after a failure
+        self.num_restarts = 0             # processes started again (links made again) after a failure
         self.num_failed_restarts = 0
+        self.num_resubmitted = 0          # requests sent again to a fresh core (they had no token yet)
+        self.others_in_flight = 0         # requests other gateway workers hold in the same core
+        self.max_outstanding_adds = max(1, max_outstanding_adds)
+        self.max_resubmits = max_resubmits
         self._max_restart_attempts = max_restart_attempts
         self._restart_backoff_s = restart_backoff_s
         self._streams: dict[str, RequestStream] = {}
+        self._unstarted: dict[str, tuple] = {}   # add messages of requests without a token yet
+        self._resubmits: dict[str, int] = {}
+        self._held: deque[str] = deque()         # adds waiting for room under max_outstanding_adds
+        self._outbox: list[tuple] = []            # this loop turn's messages, sent as one frame
+        self._flush_handle: asyncio.Handle | None = None
+        self._unacked = 0                         # adds sent, not yet reported taken by the core
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -121,8 +119,9 @@ class EngineProcess:
         self._control_reply: asyncio.Future | None = None   # the answer to the sleep or wake under way
         self._control_lock: asyncio.Lock | None = None
         self.last_wake_s: float | None = None
-        self._proc, self._sock, self._max_model_len, self._stats, grammar = self._spawn()
-        # The grammar worker is the parent's: it outlives the child's restarts, and so do its verdicts.
+        self._proc, self._sock, hello = self._spawn()
+        _, self._max_model_len, self._stats, grammar = hello
+        # The grammar worker is the parent's: it outlives the core's restarts, and so do its verdicts.
         self._grammars = None if grammar is None else ProcessGrammars(
             GrammarWorker(Path(grammar[0]), GrammarBudget(grammar[1], grammar[2]), name))
 
@@ -136,11 +135,16 @@ class EngineProcess:
         return len(self._streams)
 
     @property
+    def num_held(self) -> int:
+        """Adds waiting here for room under max_outstanding_adds."""
+        return len(self._held)
+
+    @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return None if self._proc is None else self._proc.pid
 
     def stats(self) -> EngineStats:
-        """As the child sent it after its latest step."""
+        """As the core sent it after its latest step (the whole engine's, all workers' requests)."""
         return self._stats
 
     async def start(self) -> None:
@@ -153,10 +157,11 @@ class EngineProcess:
                 await self._grammars.start()
 
     async def stop(self) -> None:
-        """Abort everything in flight, hang up (the child exits) and wait for the process."""
+        """Abort everything in flight, hang up (a core of its own exits) and wait for the process."""
         self._stopping = True
         for rid in list(self._streams):
             self.abort(rid)
+        self._flush()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -164,11 +169,11 @@ class EngineProcess:
         self._task = None
         if self._grammars is not None:
             self._grammars.close()
-        self._sock.close()              # the child sees the end of its input and exits
-        await asyncio.get_running_loop().run_in_executor(None, self._reap, self._proc)
+        self._sock.close()              # the core sees the end of its input and exits
+        await asyncio.get_running_loop().run_in_executor(None, reap, self._proc)
 
     async def prepare(self, params: SamplingParams) -> None:
-        """Make the request's grammar ready off the event loop and off the child's step; GrammarError
+        """Make the request's grammar ready off the event loop and off the core's step; GrammarError
         when it is refused. Call add_request right after (no await between)."""
         if self._grammars is not None and params.response_format is not None:
             await self._grammars.prepare(params.response_format, self._send_grammar)
@@ -176,12 +181,12 @@ class EngineProcess:
     def _send_grammar(self, token: int, fmt: dict) -> bool:
         if self.dead is not None or self._writer is None:
             return False
-        self._writer.write(_frame(("grammar", token, fmt)))
+        self._send(("grammar", token, fmt))
         return True
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Queue the request in the child; refusals come back as the stream's first output."""
+        """Queue the request in the core; refusals come back as the stream's first output."""
         if self.dead is not None:
             raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
         if self._writer is None:
@@ -190,171 +195,161 @@ class EngineProcess:
             raise RequestError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        if self._sleep_level and self._waking_since is None:   # the child's next step wakes the engine
+        if self._sleep_level and self._waking_since is None:   # the core's next step wakes the engine
             self._waking_since = asyncio.get_running_loop().time()
-        self._writer.write(_frame(("add", request_id, list(prompt_token_ids), params, priority, cache_salt)))
+        self._unstarted[request_id] = ("add", request_id, list(prompt_token_ids), params, priority, cache_salt)
+        self._held.append(request_id)
+        self._release_held()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """End the stream with an "abort" output now; the child frees the request's blocks at its next step."""
+        """End the stream with an "abort" output now; the core frees the request's blocks at its next step."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put(StepOutput(request_id, [], finished=True, finish_reason="abort"))
-            if self._writer is not None:
-                self._writer.write(_frame(("abort", request_id)))
+        if stream is None:
+            return
+        stream.put(StepOutput(request_id, [], finished=True, finish_reason="abort"))
+        self._resubmits.pop(request_id, None)
+        if self._unstarted.pop(request_id, None) is not None and request_id in self._held:
+            self._held.remove(request_id)         # never sent: nothing to tell the core
+            return
+        if self._writer is not None:
+            self._send(("abort", request_id))
 
-    # -- sleep and wake -------------------------------------------------------------------------
-    @property
-    def sleep_level(self) -> int:
-        return self._sleep_level
+    # -- batching and back-pressure -------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        self._outbox.append(msg)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
 
-    @property
-    def sleep_state(self) -> str:
-        if self._waking_since is not None:
-            return WAKING
-        return ASLEEP if self._sleep_level else AWAKE
+    def _flush(self) -> None:
+        """Send this loop turn's messages as one frame."""
+        self._flush_handle = None
+        msgs, self._outbox = self._outbox, []
+        if msgs and self._writer is not None:
+            self._writer.write(_frame(msgs[0] if len(msgs) == 1 else ("msgs", msgs)))
 
-    async def sleep(self, level: int, drain_timeout_s: float = 30.0) -> float:
-        """As AsyncEngine.sleep: drain (SleepBusy past drain_timeout_s), then the child sleeps."""
-        level = check_sleep_level(level)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + drain_timeout_s
-        while True:
-            while self._streams or self._waking_since is not None:
-                if loop.time() >= deadline:
-                    raise SleepBusy(f"engine {self.name} still had {max(1, len(self._streams))} request(s) in "
-                                    f"flight after {drain_timeout_s:g} s; it stays awake")
-                await asyncio.sleep(0.02)
-            seconds, err = await self._control(("sleep", level))
-            if err is None:
-                self._sleep_level = max(self._sleep_level, level)
-                return seconds
-            kind, message = err
-            if kind == "level":
-                raise SleepLevelError(message)
-            if kind != "busy":
-                raise SleepUnsupported(message)
-            await asyncio.sleep(0.02)       # a request slipped in before the child took the message
+    def _release_held(self) -> None:
+        while self._held and self._unacked < self.max_outstanding_adds and self._writer is not None:
+            msg = self._unstarted.get(self._held.popleft())
+            if msg is not None:
+                self._unacked += 1
+                self._send(msg)
 
-    async def wake(self) -> dict[str, float]:
-        """Wake the child's engine now; {phase: seconds}. EngineDeadError when the process failed."""
-        if not self._sleep_level:
-            return {}
-        if self._waking_since is None:
-            self._waking_since = asyncio.get_running_loop().time()
-        (phases,) = await self._control(("wake",))
-        if self._sleep_level:
-            self._awake()
-        return phases
-
-    async def _control(self, msg: tuple) -> tuple:
-        """Send a sleep or wake message and wait for its answer (one at a time)."""
-        if self._control_lock is None:
-            self._control_lock = asyncio.Lock()
-        async with self._control_lock:
-            if self.dead is not None or self._writer is None:
-                raise EngineDeadError(f"engine {self.name} is down: {self.dead or 'not started'}")
-            self._control_reply = asyncio.get_running_loop().create_future()
-            self._writer.write(_frame(msg))
-            try:
-                return await self._control_reply
-            finally:
-                self._control_reply = None
-
-    def _awake(self) -> None:
-        if self._waking_since is not None:
-            self.last_wake_s = asyncio.get_running_loop().time() - self._waking_since
-        self._sleep_level, self._waking_since = 0, None
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Hand each output to its stream; a request with a token is no longer one to send again."""
+        streams, unstarted = self._streams, self._unstarted
+        for out in outputs:
+            rid = out.request_id
+            stream = streams.get(rid)
+            if stream is None:
+                continue                    # aborted by its reader: nobody is listening
+            if out.finished:
+                del streams[rid]
+                unstarted.pop(rid, None)
+                self._resubmits.pop(rid, None)
+            elif out.new_token_ids:
+                unstarted.pop(rid, None)
+                self._resubmits.pop(rid, None)
+            stream.put(out)
 
     # -- the process ----------------------------------------------------------------------------
-    def _spawn(self) -> tuple[subprocess.Popen, socket.socket, int, EngineStats, Any]:
-        """Start a child and wait until its engine is built (blocking: weights load there)."""
-        ours, theirs = socket.socketpair()
-        # A fresh interpreter, not fork (the parent has an event loop and torch's threads, which fork
-        # would copy half-alive) and not multiprocessing's spawn (which imports the parent's __main__).
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "tokenyard.engines.serving.engine_process", "--fd",
-                                     str(theirs.fileno()), "--name", self.name], pass_fds=(theirs.fileno(),), env=env)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        link = _Link(ours)
-        link.send(("recipe", self.recipe))
-        msgs = link.receive(block=True)
-        if not msgs or msgs[0][0] != "ready":
-            ours.close()
-            self._reap(proc)
-            if msgs and msgs[0][0] == "failed":
-                _, message, exc = msgs[0]
-                if exc is not None:
-                    raise exc
-                raise EngineDeadError(f"engine {self.name}: {message}")
-            raise EngineDeadError(f"engine {self.name}: its process exited while building the engine "
-                                  f"(exit code {proc.returncode})")
-        _, max_model_len, stats, grammar = msgs[0]
-        if len(msgs) > 1 or link.buf:
-            raise EngineDeadError(f"engine {self.name}: unexpected messages after ready")
-        return proc, ours, max_model_len, stats, grammar
-
-    @staticmethod
-    def _reap(proc: subprocess.Popen) -> None:
-        """Wait for a process told to exit (its socket closed); terminate, then kill, one that does not."""
-        for stop in (None, proc.terminate, proc.kill):
-            if stop is not None:
-                stop()
-            try:
-                proc.wait(_STOP_GRACE_S)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    def _spawn(self) -> tuple[subprocess.Popen | None, socket.socket, tuple]:
+        """A core of our own (blocking until its engine is built), or a link to the supervisor's."""
+        if self.connect is not None:
+            for _ in range(50):       # a core being started again: its socket comes back within seconds
+                try:
+                    sock, hello = connect_core(self.connect)
+                    return None, sock, hello
+                except (FileNotFoundError, ConnectionRefusedError):
+                    time.sleep(0.1)
+            sock, hello = connect_core(self.connect)     # the backoff's attempt: it logs why it failed
+            return None, sock, hello
+        return spawn_core(self.recipe, self.name)
 
     async def _run(self) -> None:
         while True:
             reader, writer = await asyncio.open_unix_connection(sock=self._sock)
             self._writer = writer
+            self._release_held()
             why = await self._pump(reader)
             if self._stopping:
                 return
             self._writer = None
             writer.close()
-            if self._grammars is not None:
-                self._grammars.child_gone()
-            streams, self._streams = self._streams, {}
-            # Requests waiting for a wake got no token: a replica pool may run them elsewhere.
-            fail_streams(streams, why, retryable=self._waking_since is not None)
-            if self._control_reply is not None and not self._control_reply.done():
-                self._control_reply.set_exception(EngineDeadError(f"engine {self.name}: {why}"))
-            self._sleep_level, self._waking_since = 0, None      # a fresh process starts awake
+            kept = self._core_gone(why)
             if not await self._restart(why):
+                fail_streams(kept, f"engine {self.name}: {self.dead}", retryable=True)
+                for rid in kept:
+                    self._streams.pop(rid, None)
+                    self._unstarted.pop(rid, None)
+                self._held.clear()
                 return
+            self._held.extend(kept)          # first, in their order: the fresh core takes them as it starts
+            self.num_resubmitted += len(kept)
+            if kept:
+                log.warning("engine %s: %d request(s) without a token yet sent again to the fresh core",
+                            self.name, len(kept))
+
+    def _core_gone(self, why: str) -> dict[str, RequestStream]:
+        """The core failed: end the streams that had tokens; keep (and return) the ones to send again."""
+        if self._grammars is not None:
+            self._grammars.child_gone()
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._outbox.clear()
+        self._unacked = 0
+        self._held.clear()
+        kept: dict[str, RequestStream] = {}
+        streaming: dict[str, RequestStream] = {}
+        for rid, stream in self._streams.items():
+            tries = self._resubmits.get(rid, 0)
+            if rid in self._unstarted and tries < self.max_resubmits:
+                self._resubmits[rid] = tries + 1
+                kept[rid] = stream
+            else:
+                streaming[rid] = stream
+                self._unstarted.pop(rid, None)
+                self._resubmits.pop(rid, None)
+        self._streams = kept
+        fail_streams(streaming, f"engine {self.name} restarted while this request ran ({why}); the output "
+                                "so far is all it gets")
+        if self._control_reply is not None and not self._control_reply.done():
+            self._control_reply.set_exception(EngineDeadError(f"engine {self.name}: {why}"))
+        self._sleep_level, self._waking_since = 0, None      # a fresh process starts awake
+        return kept
 
     async def _pump(self, reader: asyncio.StreamReader) -> str:
-        """Deliver the child's outputs until it fails or exits; returns why it stopped."""
+        """Deliver the core's outputs until it fails or exits; returns why it stopped."""
         try:
             while True:
                 (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
                 msg = pickle.loads(await reader.readexactly(n))
-                if msg[0] == "out":
-                    deliver(self._streams, msg[1])
+                kind = msg[0]
+                if kind == "out":
+                    self._deliver(msg[1])
                     if msg[2] is not None:     # a step ran: a sleeping engine woke for it
                         self._stats = msg[2]
                         if self._sleep_level:
                             self._awake()
-                elif msg[0] in ("slept", "woke"):
+                    if msg[3]:
+                        self._unacked = max(0, self._unacked - msg[3])
+                        self._release_held()
+                    self.others_in_flight = msg[4]
+                elif kind in ("slept", "woke"):
                     if self._control_reply is not None and not self._control_reply.done():
                         self._control_reply.set_result(msg[1:])
-                elif msg[0] == "grammar":
+                elif kind == "grammar":
                     if self._grammars is not None:
                         self._grammars.resolve(msg[1], msg[2])
-                elif msg[0] == "failed":
+                elif kind == "failed":
                     self.num_failed_steps += 1
                     return msg[1]
         except (pickle.UnpicklingError, ValueError, TypeError, IndexError, AttributeError) as e:
             return f"the engine process sent a message that could not be read: {type(e).__name__}: {e}"
         except (asyncio.IncompleteReadError, ConnectionError) as e:
+            if self._proc is None:
+                return f"the engine core's link closed ({type(e).__name__})"
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self._proc.wait, 1.0)
             except subprocess.TimeoutExpired:
@@ -362,14 +357,15 @@ class EngineProcess:
             return f"the engine process exited (exit code {self._proc.returncode}; {type(e).__name__})"
 
     async def _restart(self, why: str) -> bool:
-        """Start a fresh process from the recipe; False when every attempt failed (the engine stays dead)."""
+        """Start a fresh process from the recipe (or link again to the supervisor's fresh core); False
+        when every attempt failed (the engine stays dead)."""
         loop = asyncio.get_running_loop()
         self.dead = f"restarting after: {why}"
         log.error("engine %s failed (%s); starting its process again", self.name, why)
-        await loop.run_in_executor(None, self._reap, self._proc)
+        await loop.run_in_executor(None, reap, self._proc)
         self._sock.close()
 
-        async def spawn() -> tuple[subprocess.Popen, socket.socket, int, EngineStats, Any]:
+        async def spawn() -> tuple[subprocess.Popen | None, socket.socket, tuple]:
             return await loop.run_in_executor(None, self._spawn)
 
         spawned, failures = await with_backoff(self.name, self._max_restart_attempts, self._restart_backoff_s, spawn)
@@ -378,22 +374,14 @@ class EngineProcess:
             self.dead = f"{why}; {self._max_restart_attempts} restart attempts failed"
             log.error("engine %s declared dead: %s", self.name, self.dead)
             return False
-        self._proc, self._sock, self._max_model_len, self._stats, _ = spawned
+        self._proc, self._sock, hello = spawned
+        _, self._max_model_len, self._stats, _ = hello
         self.num_restarts += 1
         self.dead = None
         log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)
         return True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="an engine process; started by EngineProcess, not by hand")
-    ap.add_argument("--fd", type=int, required=True, help="the inherited end of the parent's socketpair")
-    ap.add_argument("--name", default="engine")
-    args = ap.parse_args()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s engine-process[{args.name}]: %(message)s")
-    _child_main(socket.socket(fileno=args.fd))
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":      # older launchers: the core's entry point moved to engine_core.py
+    from tokenyard.engines.serving.engine_core import main
     main()

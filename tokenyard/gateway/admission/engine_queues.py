@@ -17,6 +17,11 @@ A queued request that reaches its deadline is removed and answered 503 deadline_
 timer at that moment: it never reaches the engine. The queue is pumped when a request ends,
 when one arrives, and every `tick_ms` while it is not empty (KV room changes with each step).
 The per-tenant cap counts a tenant's requests queued or running in this gateway.
+
+Several gateway workers in front of one engine core (server.workers, tokenyard/gateway/server/supervisor.py
+says why this design): each worker has its queue, and counts the requests the other workers hold in the
+core (EngineProcess.others_in_flight, sent by the core after every step) as taking the engine's slots;
+the free KV blocks come from the core's stats, which are the whole engine's.
 """
 from __future__ import annotations
 
@@ -80,9 +85,12 @@ class EngineQueue:
             arrival_rate=self.admitted.per_second(rate_window_s), service_rate=self.rate.per_second(self.running))
 
     def _room_for(self, blocks: int) -> bool:
-        if self.running >= self.slots:
+        # Requests other gateway workers hold in the same engine core (server.workers; 0 otherwise), as the
+        # core reported after its latest step: the slots are the engine's, not this worker's.
+        running = self.running + getattr(self.engine, "others_in_flight", 0)
+        if running >= self.slots:
             return False
-        if self.running == 0:
+        if running == 0:
             return True          # an idle engine takes anything: never deadlock on a big prompt
         s = self.engine.stats()
         if s.num_steps != self._stats_step:

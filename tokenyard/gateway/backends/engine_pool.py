@@ -1,9 +1,17 @@
 """The engines of a deployment, loaded and wrapped for the gateway.
 
 Each engine gets an `EngineHandle`: its backend (an AsyncEngine stepping on a thread of this process,
-an EngineProcess stepping in a child process when `server.engine_process` is on, or a replica pool),
+an EngineProcess stepping in a child process of its own or linked to the core the supervisor started for
+several workers, or a replica pool),
 the tokenizer the gateway encodes prompts with, its prices. Engines whose tokenizer files are
 byte-identical share one Tokenizer object, which lets the router reuse a prompt's ids across them (see routing.py).
+
+Which engines step in a process of their own (`in_own_process`): none with `replicas` or `upstream`;
+with `server.engine_process: true` every other one, with `false` none; by default ("auto") the torch
+engines, except those marked `embeddings: true` (embeddings are computed by an in-process engine), while
+mock engines stay in-process (they cost no compute worth a process, and the gateway's tests stay fast).
+With `server.workers` > 1 every built-in engine without replicas runs in the one core the supervisor
+started, whatever its type (each worker holding an engine of its own would not be one engine).
 """
 from __future__ import annotations
 
@@ -52,12 +60,24 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> dict[str, EngineHandle]:
+def in_own_process(spec: EngineSpec, engine_process: bool | None) -> bool:
+    """Whether `spec` steps in an engine process by server.engine_process (None: auto; module docstring)."""
+    if spec.upstream is not None or spec.replicas is not None:
+        return False
+    if engine_process is None:
+        return spec.type == "torch" and not spec.embeddings
+    return engine_process
+
+
+def load_engines(specs: dict[str, EngineSpec], engine_process: bool | None = None,
+                 engine_sockets: dict[str, Path] | None = None) -> dict[str, EngineHandle]:
     """Load every engine (blocking: model weights are read here). Call from a worker thread.
-    engine_process: step each engine without replicas in a child process of its own."""
+    engine_process: server.engine_process (None: auto). engine_sockets: engine name -> the Unix socket
+    of the core a supervisor started (a gateway worker links to it instead of building the engine)."""
+    sockets = engine_sockets or {}
     tokenizers: dict[str, Tokenizer] = {}
     handles: dict[str, EngineHandle] = {}
-    in_processes = [n for n, s in specs.items() if engine_process and s.replicas is None]
+    in_processes = [n for n, s in specs.items() if n not in sockets and in_own_process(s, engine_process)]
     if len(in_processes) > 1:
         # In-process engines take turns on one step thread; processes do not (tokenyard/engines/runtime/executor.py).
         log.warning("server.engine_process: engines %s each step in a process of their own, at the same time; "
@@ -74,13 +94,20 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool = False) -> 
         if spec.replicas is not None:   # remote and/or local replicas behind one pool
             from tokenyard.gateway.backends.replica_pool import build_pool
             engine = build_pool(name, spec, _build, fp)
-        elif engine_process:     # restarts its process from the recipe when a step fails
+        elif name in sockets:    # the supervisor's core, shared with the other workers; it restarts the core
+            engine = EngineProcess(_recipe(spec), name, max_restart_attempts=_RELINK_ATTEMPTS, connect=sockets[name])
+        elif name in in_processes:     # restarts its process from the recipe when a step fails
             engine = EngineProcess(_recipe(spec), name)
         else:
             # A failed engine (a step raised, a tensor-parallel worker died) is rebuilt from its spec.
             engine = AsyncEngine(_build(spec), name, factory=lambda spec=spec: _build(spec))
         handles[name] = EngineHandle(name, spec.type, engine, tok, spec.prices, spec.model, int(time.time()))
     return handles
+
+
+# A worker links again to a core the supervisor restarts: backoff 0.5 s doubling to 30 s, about 4 minutes
+# in all, time for a large model to load again.
+_RELINK_ATTEMPTS = 12
 
 
 def _upstream_handle(spec: EngineSpec) -> EngineHandle:

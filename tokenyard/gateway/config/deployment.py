@@ -135,7 +135,14 @@ class Deployment:
     gil_switch_interval_ms: float = 0.5
     # Step each engine (without replicas) in a child process of its own instead of on a thread of this
     # one, so the engine and the event loop no longer share the GIL (tokenyard/engines/serving/engine_process.py).
-    engine_process: bool = False
+    # None ("auto", the default): torch engines do, unless they serve embeddings; mock engines step in-process
+    # (tokenyard/gateway/backends/engine_pool.py: in_own_process).
+    engine_process: bool | None = None
+    # Gateway worker processes (HTTP, auth, limits, routing, spend) sharing the listening socket, in front
+    # of one engine core per engine (tokenyard/gateway/server/supervisor.py). 1: the gateway is one process.
+    workers: int = 1
+    # Set by the supervisor for its workers, never by the file: engine name -> the Unix socket of its core.
+    engine_sockets: dict[str, Path] = field(default_factory=dict)
     connections: Connections = field(default_factory=Connections)
     redis_url: str | None = None           # None: start an embedded redis-server
     redis_dir: Path = Path(".tokenyard/redis")
@@ -184,7 +191,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
                    "engines", "spend", "dashboard", "metrics", "router", "policy", "batch", "pools", "responses",
                    "router_learning"}),
     "server": frozenset({"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
-                         "engine_process"}) | _names(Connections),
+                         "engine_process", "workers"}) | _names(Connections),
     "auth": _names(Auth),
     "limits": _names(Limits),
     "rate_limits": _names(RateLimits),
@@ -236,7 +243,10 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.access_log = _typed(server, "server.", "access_log", bool, dep.access_log)
     dep.gil_switch_interval_ms = _switch_interval(
         _number(server, "server.", "gil_switch_interval_ms", dep.gil_switch_interval_ms), "server.gil_switch_interval_ms")
-    dep.engine_process = _typed(server, "server.", "engine_process", bool, dep.engine_process)
+    dep.engine_process = _engine_process(server.get("engine_process", "auto"), "server.engine_process")
+    dep.workers = _positive_int(server, "server.", "workers", dep.workers)
+    if dep.workers > MAX_WORKERS:
+        raise DeploymentError(f"server.workers must be at most {MAX_WORKERS}, got {dep.workers}")
     _connections(server, dep.connections)
     dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
     dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)
@@ -345,8 +355,8 @@ def _admission(section: dict[str, Any], adm: AdmissionConfig) -> None:
 
 
 def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
-    """REDIS_URL, TOKENYARD_DEV_KEY, TOKENYARD_GIL_SWITCH_MS and TOKENYARD_ENGINE_PROCESS from the
-    environment win over the file."""
+    """REDIS_URL, TOKENYARD_DEV_KEY, TOKENYARD_GIL_SWITCH_MS, TOKENYARD_ENGINE_PROCESS and TOKENYARD_WORKERS
+    from the environment win over the file."""
     env = os.environ if env is None else env
     if env.get("REDIS_URL"):
         dep.redis_url = env["REDIS_URL"]
@@ -361,13 +371,30 @@ def apply_env(dep: Deployment, env: dict[str, str] | None = None) -> Deployment:
         dep.gil_switch_interval_ms = _switch_interval(value, "TOKENYARD_GIL_SWITCH_MS", raw)
     raw = env.get("TOKENYARD_ENGINE_PROCESS", "").strip().lower()
     if raw:
-        if raw not in _SWITCHES:
-            raise DeploymentError(f"TOKENYARD_ENGINE_PROCESS must be one of {', '.join(_SWITCHES)}, got {raw!r}")
-        dep.engine_process = _SWITCHES[raw]
+        dep.engine_process = _engine_process(raw, "TOKENYARD_ENGINE_PROCESS")
+    raw = env.get("TOKENYARD_WORKERS", "").strip()
+    if raw:
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_WORKERS:
+            raise DeploymentError(f"TOKENYARD_WORKERS must be an integer in 1..{MAX_WORKERS}, got {raw!r}")
+        dep.workers = int(raw)
     return dep
 
 
 _SWITCHES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+MAX_WORKERS = 64
+
+
+def _engine_process(raw: object, where: str) -> bool | None:
+    """true / false, or "auto" (None: engine_pool.in_own_process decides per engine); the environment's
+    spellings (1/0, on/off, yes/no) are strings."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return None
+    if where != "server.engine_process" and isinstance(raw, str) and raw in _SWITCHES:
+        return _SWITCHES[raw]
+    choices = "true, false or auto" if where == "server.engine_process" else f"auto, {', '.join(_SWITCHES)}"
+    raise DeploymentError(f"{where} must be one of {choices}, got {raw!r}")
 
 
 # Python accepts any positive interval; past these bounds a value is a typo (seconds for milliseconds)

@@ -62,7 +62,8 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         owns_engines = not gw.handles
         if owns_engines:
-            gw.attach_engines(await asyncio.to_thread(load_engines, deployment.engines, deployment.engine_process))
+            gw.attach_engines(await asyncio.to_thread(load_engines, deployment.engines, deployment.engine_process,
+                                                       deployment.engine_sockets))
         else:
             gw.admission.add_engines({n: h.engine for n, h in gw.handles.items()})
         for h in gw.handles.values():

@@ -9,6 +9,10 @@ once. The process then exits with status 0.
 Connections are guarded (tokenyard/gateway/server/connection_guard.py): deadlines on request heads and bodies, a
 cap on open connections, 431 for oversized heads; the open-file limit is raised to the hard limit
 at start, and the accept-error log is rate-limited.
+
+With `server.workers` > 1 this process becomes a supervisor (tokenyard/gateway/server/supervisor.py): it
+starts Redis (when embedded) and the engine cores, then the worker processes, each of which runs the
+gateway below on the socket it hands them (tokenyard/gateway/server/worker.py).
 """
 from __future__ import annotations
 
@@ -117,6 +121,11 @@ def _dev_key(dep: Deployment, announce) -> str | None:
 
 
 def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int:
+    """Serve until SIGTERM / Ctrl-C has drained; `server.workers` > 1 hands over to the supervisor."""
+    if dep.workers > 1 and dep.engine_process is False:
+        from tokenyard.gateway.state import StartupError
+        raise StartupError("server.workers > 1 shares one engine core per engine between the workers; "
+                           "server.engine_process: false (an engine inside each worker) cannot go with it")
     setup_logging()
     # process-wide, so set here, where this process becomes a gateway (Deployment says why)
     sys.setswitchinterval(dep.gil_switch_interval_ms / 1000.0)
@@ -128,6 +137,10 @@ def serve(dep: Deployment, announce=lambda line: print(line, flush=True)) -> int
         dep.redis_url = embedded.start()
     try:
         dev_key = _dev_key(dep, announce)
+        if dep.workers > 1:          # engine cores, then the workers (tokenyard/gateway/server/supervisor.py)
+            from tokenyard.gateway.server.supervisor import supervise
+            announce(f"tokenyard: redis at {dep.redis_url}{' (embedded)' if embedded else ''}")
+            return supervise(dep, announce, dev_key)
         app = create_app(dep, dev_key=dev_key)
         gw = app.state.gateway
         config = uvicorn_config(app, dep.connections, host=dep.host, port=dep.port, lifespan="on")

@@ -1,0 +1,130 @@
+"""The engine process's link under load and failure (tokenyard/engines/serving/engine_process.py), with the
+mock engine in the child: one frame per loop turn, a bound on adds in flight, and a child killed with
+SIGKILL mid-run (requests without a token yet are sent again and finish whole; streaming ones end with
+an error; no token is lost or sent twice)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from gateway_helpers import ROOT
+
+from tokenyard.engines.serving.engine_link import _HEADER
+from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
+
+MODEL = ROOT / "models" / "demo-small"
+
+
+def recipe(**options) -> EngineRecipe:
+    return EngineRecipe("mock", MODEL, options)
+
+
+async def collect(stream, timeout: float = 10.0) -> list:
+    outs = []
+    while True:
+        out = await asyncio.wait_for(stream.get(), timeout)
+        outs.append(out)
+        if out.finished:
+            return outs
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def count_writes(ep: EngineProcess) -> list[bytes]:
+    writes: list[bytes] = []
+    write = ep._writer.write
+
+    def counted(data: bytes) -> None:
+        writes.append(data)
+        write(data)
+    ep._writer.write = counted
+    return writes
+
+
+def test_adds_and_aborts_of_one_loop_turn_go_as_one_frame_and_a_step_comes_back_as_one():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=2, output_len=1000), "m")
+        await ep.start()
+        writes = count_writes(ep)
+        delivered: list[int] = []
+        deliver = ep._deliver
+        ep._deliver = lambda outs: (delivered.append(len(outs)), deliver(outs))
+        streams = [ep.add_request(f"r{i}", [1, 2, 3], {"max_tokens": 5}) for i in range(12)]
+        ep.abort("r11")
+        await asyncio.sleep(0)             # the loop turn ends: its messages leave together
+        assert len(writes) == 1
+        (n,) = _HEADER.unpack(writes[0][:_HEADER.size])
+        assert len(writes[0]) == _HEADER.size + n          # one frame holding 11 adds and an abort
+        results = [await collect(s) for s in streams]
+        assert all(len(tokens(r)) == 5 for r in results[:11]) and results[11][-1].finish_reason == "abort"
+        assert max(delivered) >= 11        # one step's outputs for all of them arrived in one frame
+        assert len(writes) == 1            # nothing else was sent while they ran
+        await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_adds_beyond_the_bound_wait_in_the_parent_and_go_as_the_core_takes_earlier_ones():
+    async def main():
+        ep = EngineProcess(recipe(token_ms=1, output_len=1000), "m", max_outstanding_adds=2)
+        await ep.start()
+        streams = [ep.add_request(f"r{i}", [1, 2, 3], {"max_tokens": 3 + i}) for i in range(6)]
+        assert ep.num_held == 4 and ep._unacked == 2       # the loop never waits: the rest is held here
+        ep.abort("r5")                                     # held: it never reaches the core
+        assert ep.num_held == 3
+        results = [await collect(s) for s in streams]
+        assert [len(tokens(r)) for r in results[:5]] == [3, 4, 5, 6, 7]
+        assert results[5][-1].finish_reason == "abort" and tokens(results[5]) == []
+        assert ep.num_held == 0 and ep._unacked == 0
+        await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_sigkill_mid_run_sends_waiting_requests_again_and_ends_streaming_ones_with_an_error():
+    async def main():
+        # max_num_seqs 2: two requests stream while the other three wait in the engine without a token
+        ep = EngineProcess(recipe(token_ms=25, output_len=1000, max_num_seqs=2), "m", restart_backoff_s=0.01)
+        await ep.start()
+        want = tokens(await collect(ep.add_request("ref", [1, 2, 3], {"max_tokens": 8})))
+        assert len(want) == 8
+        streams = {rid: ep.add_request(rid, [1, 2, 3], {"max_tokens": 8}) for rid in "abcde"}
+        first = await asyncio.wait_for(streams["a"].get(), 10)
+        assert first.new_token_ids
+        old = ep.pid
+        os.kill(old, signal.SIGKILL)
+        results = {rid: await collect(s, 30) for rid, s in streams.items()}
+        results["a"].insert(0, first)
+        for rid in "ab":           # streaming when the child died: what they got stands, then an error
+            got = tokens(results[rid])
+            assert results[rid][-1].finish_reason == "error" and "restarted" in results[rid][-1].error
+            assert 1 <= len(got) < 8 and got == want[:len(got)]
+        for rid in "cde":          # no token yet: sent again, served whole, nothing twice
+            assert results[rid][-1].finish_reason == "length", results[rid][-1]
+            assert tokens(results[rid]) == want
+        assert ep.num_restarts == 1 and ep.num_resubmitted == 3 and ep.pid != old
+        assert ep.num_in_flight == 0
+        await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_keeps_killing_its_core_is_failed_after_max_resubmits():
+    async def main():
+        ep = EngineProcess(recipe(ttft_ms=60_000), "m", restart_backoff_s=0.01, max_resubmits=1)
+        await ep.start()
+        stream = ep.add_request("poison", [1, 2, 3], {"max_tokens": 4})
+        for kill in range(2):
+            while ep._writer is None or ep._unacked or ep.dead:     # the (fresh) core took it
+                await asyncio.sleep(0.01)
+            os.kill(ep.pid, signal.SIGKILL)
+            while ep.num_restarts < kill + 1:
+                await asyncio.sleep(0.01)
+        outs = await collect(stream, 30)
+        assert outs[-1].finish_reason == "error" and tokens(outs) == [] and ep.num_resubmitted == 1
+        await ep.stop()
+
+    asyncio.run(main())
