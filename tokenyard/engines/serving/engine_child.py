@@ -31,6 +31,7 @@ from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.core.sleep_level import SleepLevelError, SleepUnsupported
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link  # noqa: F401 - re-exported
+from tokenyard.engines.serving.process_embeddings import CoreEmbeddings, embedding_size
 from tokenyard.engines.serving.process_grammars import ChildCompiler, grammar_info
 
 log = logging.getLogger("tokenyard.engines.serving.engine_process")
@@ -86,12 +87,14 @@ class _Core:
         self.sel = selectors.DefaultSelector()
         self._next = 0
         self.compiler = ChildCompiler(engine, self._grammar_reply) if grammar_info(engine) is not None else None
+        self.embeds = CoreEmbeddings(engine)
         if listener is not None:
             listener.setblocking(False)
             self.sel.register(listener, selectors.EVENT_READ, None)
 
     def ready_msg(self) -> tuple:
-        return ("ready", self.engine.max_model_len, self.engine.stats(), grammar_info(self.engine))
+        return ("ready", self.engine.max_model_len, self.engine.stats(), grammar_info(self.engine),
+                embedding_size(self.engine))
 
     def add_peer(self, link: _Link) -> _Peer:
         self._next += 1
@@ -103,6 +106,7 @@ class _Core:
     def drop_peer(self, peer: _Peer) -> None:
         """A gateway process went away: its requests are aborted (nobody reads them)."""
         self.peers.pop(peer.no, None)
+        self.embeds.drop(peer.send)
         try:
             self.sel.unregister(peer.link.sock)
         except (KeyError, ValueError):
@@ -133,7 +137,7 @@ class _Core:
     def serve(self) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_unfinished()
+            busy = engine.has_unfinished() or bool(self.embeds)
             for key, _ in self.sel.select(timeout=0 if busy else None):
                 if key.data is None:
                     self._accept()
@@ -155,6 +159,8 @@ class _Core:
                     return
                 stats = engine.stats()
                 self._route(outputs)
+            if self.embeds:                 # one batch of embeddings per turn, between steps
+                self.embeds.run_one()
             self._send_frames(stats)
             dead = getattr(engine, "dead", None)
             if dead:
@@ -198,6 +204,8 @@ class _Core:
                 if not _sleep_or_wake(peer, engine, msg):
                     self._fail("engine wake failed", skip=peer)
                     return False
+            elif kind == "embed":             # computed between steps (process_embeddings.py)
+                self.embeds.submit(peer.send, msg[1], msg[2])
             elif kind == "grammar":           # compiled on the compiler's thread, which replies
                 if self.compiler is not None:
                     self.compiler.submit((peer.no, msg[1]), msg[2])

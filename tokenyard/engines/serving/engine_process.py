@@ -18,11 +18,13 @@ engines (server.engine_process, tokenyard/gateway/backends/engine_pool.py says w
 The link (tokenyard/engines/serving/engine_link.py): frames of a 4-byte big-endian length and a
 pickle. Parent to core, all the messages one turn of the event loop produced in one frame
 ("msgs", [...]): ("add", request_id, prompt_ids, params, priority, cache_salt), ("abort", request_id),
-("grammar", token, response_format), ("sleep", level) and ("wake",). Core to parent: ("ready",
-max_model_len, stats, grammar_info) once the engine is built, ("out", outputs, stats, taken, others)
+("grammar", token, response_format), ("sleep", level), ("wake",) and ("embed", token, prompts)
+(process_embeddings.py). Core to parent: ("ready", max_model_len, stats, grammar_info,
+embedding_size) once the engine is built, ("out", outputs, stats, taken, others)
 after each step (every output of the step in one frame; `taken`: adds the core took since its
 previous frame; `others`: requests other gateway workers hold in the engine), ("grammar", token,
-error or None), ("slept", seconds, None or (kind, message)) and ("woke", phases), ("failed",
+error or None), ("embedded", token, vectors or None, error or None), ("slept", seconds, None or
+(kind, message)) and ("woke", phases), ("failed",
 message, exception). The parent never blocks on the core: its writes are buffered by asyncio, and
 the core reads them between steps (a request waits at most one step to be admitted).
 
@@ -78,6 +80,7 @@ from tokenyard.engines.serving.engine_child import _child_main  # noqa: F401 - r
 from tokenyard.engines.serving.engine_core import EngineRecipe, connect_core, reap, spawn_core
 from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link, unpack  # noqa: F401 - _Link re-exported
 from tokenyard.engines.serving.engine_process_sleep import ProcessSleep
+from tokenyard.engines.serving.process_embeddings import ProcessEmbed
 from tokenyard.engines.serving.process_grammars import ProcessGrammars
 
 __all__ = ["EngineProcess", "EngineRecipe"]
@@ -85,7 +88,7 @@ __all__ = ["EngineProcess", "EngineRecipe"]
 log = logging.getLogger(__name__)
 
 
-class EngineProcess(ProcessSleep):
+class EngineProcess(ProcessSleep, ProcessEmbed):
     """The EngineBackend (tokenyard/engines/core/backend.py) of an engine stepped in a core process."""
 
     def __init__(self, recipe: EngineRecipe, name: str = "engine", max_restart_attempts: int = 5,
@@ -120,7 +123,7 @@ class EngineProcess(ProcessSleep):
         self._control_lock: asyncio.Lock | None = None
         self.last_wake_s: float | None = None
         self._proc, self._sock, hello = self._spawn()
-        _, self._max_model_len, self._stats, grammar = hello
+        _, self._max_model_len, self._stats, grammar, self._embedding_size = hello
         # The grammar worker is the parent's: it outlives the core's restarts, and so do its verdicts.
         self._grammars = None if grammar is None else ProcessGrammars(
             GrammarWorker(Path(grammar[0]), GrammarBudget(grammar[1], grammar[2]), name))
@@ -316,6 +319,7 @@ class EngineProcess(ProcessSleep):
                                 "so far is all it gets")
         if self._control_reply is not None and not self._control_reply.done():
             self._control_reply.set_exception(EngineDeadError(f"engine {self.name}: {why}"))
+        self._embeds_gone(why)
         self._sleep_level, self._waking_since = 0, None      # a fresh process starts awake
         return kept
 
@@ -339,6 +343,8 @@ class EngineProcess(ProcessSleep):
                 elif kind in ("slept", "woke"):
                     if self._control_reply is not None and not self._control_reply.done():
                         self._control_reply.set_result(msg[1:])
+                elif kind == "embedded":
+                    self._embedded(msg)
                 elif kind == "grammar":
                     if self._grammars is not None:
                         self._grammars.resolve(msg[1], msg[2])
@@ -375,7 +381,7 @@ class EngineProcess(ProcessSleep):
             log.error("engine %s declared dead: %s", self.name, self.dead)
             return False
         self._proc, self._sock, hello = spawned
-        _, self._max_model_len, self._stats, _ = hello
+        _, self._max_model_len, self._stats, _, self._embedding_size = hello
         self.num_restarts += 1
         self.dead = None
         log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)

@@ -8,8 +8,8 @@ byte-identical share one Tokenizer object, which lets the router reuse a prompt'
 
 Which engines step in a process of their own (`in_own_process`): none with `replicas` or `upstream`;
 with `server.engine_process: true` every other one, with `false` none; by default ("auto") the torch
-engines, except those marked `embeddings: true` (embeddings are computed by an in-process engine), while
-mock engines stay in-process (they cost no compute worth a process, and the gateway's tests stay fast).
+engines (those marked `embeddings: true` included: the core computes the vectors between its steps,
+tokenyard/engines/serving/process_embeddings.py), while mock engines stay in-process (they cost no compute worth a process, and the gateway's tests stay fast).
 With `server.workers` > 1 every built-in engine without replicas runs in the one core the supervisor
 started, whatever its type (each worker holding an engine of its own would not be one engine).
 """
@@ -65,7 +65,7 @@ def in_own_process(spec: EngineSpec, engine_process: bool | None) -> bool:
     if spec.upstream is not None or spec.replicas is not None:
         return False
     if engine_process is None:
-        return spec.type == "torch" and not spec.embeddings
+        return spec.type == "torch"
     return engine_process
 
 

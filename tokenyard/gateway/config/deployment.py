@@ -135,7 +135,7 @@ class Deployment:
     gil_switch_interval_ms: float = 0.5
     # Step each engine (without replicas) in a child process of its own instead of on a thread of this
     # one, so the engine and the event loop no longer share the GIL (tokenyard/engines/serving/engine_process.py).
-    # None ("auto", the default): torch engines do, unless they serve embeddings; mock engines step in-process
+    # None ("auto", the default): torch engines do; mock engines step in-process
     # (tokenyard/gateway/backends/engine_pool.py: in_own_process).
     engine_process: bool | None = None
     # Gateway worker processes (HTTP, auth, limits, routing, spend) sharing the listening socket, in front

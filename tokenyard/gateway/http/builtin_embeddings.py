@@ -11,8 +11,9 @@ OpenAI's options: `encoding_format` "float" (default) or "base64" (the float32 v
 base64 of their bytes, as OpenAI sends them), and `dimensions`: the first N components, divided by
 their own norm again (a 400 above the model's hidden size). Strings are encoded as /v1/completions
 encodes a prompt (with the tokenizer's BOS where it adds one); token ids go in as they are.
-Engines stepping in a process of their own (server.engine_process) or behind a replica pool do
-not compute embeddings here: a 400 says so.
+An engine stepping in a process of its own (server.engine_process, the default for torch engines)
+computes them in that process (tokenyard/engines/serving/process_embeddings.py); engines behind a replica
+pool do not compute embeddings here: a 400 says so.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ async def serve(gw: Any, key: KeyRecord, handle: EngineHandle, body: dict[str, A
     size = getattr(engine, "embedding_size", None)
     if size is None:
         raise BadRequest(f"Embeddings from engine {handle.name} are not supported in this serving mode "
-                         f"(server.engine_process or replicas): they are computed by an in-process engine only",
+                         f"(replicas): they are computed by an engine of this gateway only",
                          param="model", code="embeddings_not_supported")
     encoding, dims = options(body, size)
     if any(x == "" for x in inputs):    # as OpenAI: an empty string is no input (not a lone BOS)
