@@ -158,6 +158,29 @@ def _sleep_or_wake(link: _Link, engine: Any, msg: tuple) -> bool:
     return True
 
 
+def _adapter(link: _Link, engine: Any, msg: tuple) -> None:
+    """("adapter", "load", name, path) / ("adapter", "unload", name, None) -> ("adapter", result, None, stats)
+    or ("adapter", None, (kind, message), stats) (tokenyard/engines/lora/adapter_errors.py); between steps. The
+    stats carry the adapters' names, so the parent's are current without waiting for a step."""
+    from tokenyard.engines.lora.adapter_errors import error_kind
+
+    _, op, name, path = msg
+    fn = getattr(engine, f"{op}_adapter", None)
+    if fn is None:
+        link.send(("adapter", None, ("unsupported", "this engine cannot load or unload LoRA adapters"), None))
+        return
+    try:
+        result = fn(name, path) if op == "load" else fn(name)
+    except Exception as e:  # noqa: BLE001 - an adapter that cannot load leaves the engine as it was
+        found = error_kind(e)
+        if found is None:
+            log.exception("engine process: %s of LoRA adapter %s failed", op, name)
+            found = ("invalid", f"{type(e).__name__}: {e}")
+        link.send(("adapter", None, found, engine.stats()))
+        return
+    link.send(("adapter", result, None, engine.stats()))
+
+
 def _serve(link: _Link, engine: Any, compiler: ChildCompiler | None) -> None:
     while True:
         refused: list[StepOutput] = []
@@ -172,6 +195,8 @@ def _serve(link: _Link, engine: Any, compiler: ChildCompiler | None) -> None:
             elif msg[0] in ("sleep", "wake"):   # the parent drained first; a failed wake ends the process
                 if not _sleep_or_wake(link, engine, msg):
                     return
+            elif msg[0] == "adapter":        # a LoRA adapter loaded or unloaded at run time
+                _adapter(link, engine, msg)
             elif msg[0] == "grammar":        # compiled on the compiler's thread, which replies
                 if compiler is not None:
                     compiler.submit(msg[1], msg[2])

@@ -16,10 +16,11 @@ event loop only reads one message per step and sends one per new request or abor
 The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; the
 child's end is tokenyard/engines/serving/engine_child.py. Parent to child: ("add", request_id, prompt_ids,
 params, priority, cache_salt), ("abort", request_id), ("grammar", token, response_format),
-("sleep", level) and ("wake",). Child to parent: ("ready", max_model_len, stats, grammar_info) once
+("sleep", level), ("wake",) and ("adapter", "load"|"unload", name, path). Child to parent: ("ready", max_model_len, stats, grammar_info) once
 the engine is built, ("out", outputs, stats) after each step, ("grammar", token, error or None) when
 a grammar is compiled, ("slept", seconds, None or (kind, message)) and ("woke", phases) answering
-sleep and wake, ("failed", message, exception) when it gives up. The parent never blocks on the child: its writes are buffered
+sleep and wake, ("adapter", result, None or (kind, message), stats) answering an adapter message,
+("failed", message, exception) when it gives up. The parent never blocks on the child: its writes are buffered
 by asyncio, and the child reads them between steps (so a request waits at most one step to be
 admitted, as with the in-process inbox).
 
@@ -247,6 +248,22 @@ class EngineProcess:
             self._awake()
         return phases
 
+    # -- LoRA adapters at run time (a run-time adapter is not in the recipe: a restarted process lacks it) --
+    async def load_adapter(self, name: str, path: str) -> dict:
+        return await self._adapter("load", name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._adapter("unload", name, None)
+
+    async def _adapter(self, op: str, name: str, path: str | None) -> Any:
+        from tokenyard.engines.lora.adapter_errors import error_of
+        result, err, stats = await self._control(("adapter", op, name, path))
+        if stats is not None:
+            self._stats = stats
+        if err is not None:
+            raise error_of(*err)
+        return result
+
     async def _control(self, msg: tuple) -> tuple:
         """Send a sleep or wake message and wait for its answer (one at a time)."""
         if self._control_lock is None:
@@ -343,7 +360,7 @@ class EngineProcess:
                         self._stats = msg[2]
                         if self._sleep_level:
                             self._awake()
-                elif msg[0] in ("slept", "woke"):
+                elif msg[0] in ("slept", "woke", "adapter"):
                     if self._control_reply is not None and not self._control_reply.done():
                         self._control_reply.set_result(msg[1:])
                 elif msg[0] == "grammar":
