@@ -140,3 +140,28 @@ def test_key_and_tenant_allow_lists(tmp_path):
         assert chat("k-any", "mock:chat")[0] == 200               # the tenant's list allows chat
         status, _, err = chat("k-any", "mock:sql")                # ... and not sql
         assert status == 403 and "tenant t2" in err["error"]["message"]
+
+
+def test_policies_match_and_pin_adapters(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nengines: {small: mock, large: mock2}\n"
+                      "prices: {mock: {input: 1, cached_input: 1, output: 1}, mock2: {input: 1, cached_input: 1, "
+                      "output: 1}}\nrules:\n"
+                      "  - {name: no-sql, match: {models: 'mock:sql', tenants: t9}, action: {deny: no sql for t9}}\n"
+                      "  - {name: to-chat, match: {tenants: t3}, action: {pin: 'mock:chat'}}\n")
+    d = mock_deployment(lora_modules={"sql": "adapters/sql", "chat": "adapters/chat"})
+    d["engines"]["mock2"] = dict(d["engines"]["mock"])
+    d["policy"] = str(policy)
+    with running_gateway(d) as srv:
+        srv.gateway.keys.preload(new_record("k3", "t3"))
+        srv.gateway.keys.preload(new_record("k9", "t9"))
+
+        def chat(key: str, model: str):
+            return srv.chat({**BODY, "model": model}, headers={"Authorization": f"Bearer {key}"})
+
+        status, _, reply = chat("k3", "auto")                      # the rule pins the chat adapter
+        assert status == 200 and reply["choices"][0]["message"]["content"].startswith("[chat]")
+        status, _, reply = chat("k9", "mock:chat")                 # requested under a policy: honoured
+        assert status == 200 and reply["choices"][0]["message"]["content"].startswith("[chat]")
+        status, _, err = chat("k9", "mock:sql")                    # a rule matching the adapter's model
+        assert status == 403 and err["error"]["code"] == "policy_denied"

@@ -155,3 +155,40 @@ def test_a_gateway_in_engine_process_mode_loads_through_the_child(tmp_path):
         status, _, reply = srv.chat({"model": "mock:chat", "max_tokens": 8,
                                      "messages": [{"role": "user", "content": "hi"}]})
         assert status == 200 and reply["choices"][0]["message"]["content"].startswith("[chat]")
+
+
+class _Pick:
+    """Stands in for the N-engine router's decision (the artifact's scores are not what is tested)."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+
+    def decide(self, text, prompt_tokens, cost_cap=None):
+        from tokenyard.gateway.routing.decision import RouterDecision
+        return RouterDecision(self.engine, "router", 0.5, {self.engine: 0.9})
+
+
+def test_the_router_engine_set_may_name_an_adapter(tmp_path):
+    from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
+    from tokenyard.gateway.routing.learned_router import parse_router_settings
+
+    engines = {"mock": None, "big": None}
+    assert parse_router_settings({"engines": ["mock", "mock:sql", "big"]}, tmp_path, engines).engines == \
+        ["mock", "mock:sql", "big"]
+    for bad in (["mock", "other:sql"], ["mock", "mock:a:b"], ["mock", "mock:"]):
+        with pytest.raises(ValueError, match="ENGINE:ADAPTER"):
+            parse_router_settings({"engines": bad}, tmp_path, engines)
+    with running_gateway(mock_deployment(lora_modules={"sql": "x"})) as srv:
+        pick = _Pick("mock:sql")
+        pick.__class__ = type("PickRouter", (_Pick, EngineSetRouter), {})   # route_plan asks isinstance
+        srv.gateway.policy.router = pick
+        status, headers, reply = srv.chat({"model": "auto", "max_tokens": 8,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200, reply
+        assert reply["choices"][0]["message"]["content"].startswith("[sql]")    # ran on mock with sql
+        import time
+        deadline = time.monotonic() + 5
+        while not srv.gateway.usage.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+        record = srv.gateway.usage.records[-1]
+        assert record.engine == "mock" and record.lora == "sql"
