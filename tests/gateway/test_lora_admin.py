@@ -165,3 +165,22 @@ def test_policies_match_and_pin_adapters(tmp_path):
         assert status == 200 and reply["choices"][0]["message"]["content"].startswith("[chat]")
         status, _, err = chat("k9", "mock:sql")                    # a rule matching the adapter's model
         assert status == 403 and err["error"]["code"] == "policy_denied"
+
+
+def test_the_cli_lists_loads_and_unloads_through_the_admin_api(tmp_path, capsys):
+    from gateway_helpers import KEY
+
+    from tokenyard.cli.main import main
+
+    adapter_dir(tmp_path, "extra")
+    with running_gateway(doc(tmp_path)) as srv:
+        common = ["engine", "adapters", "--gateway", srv.base_url, "--engine", "mock", "--key", KEY]
+        assert main([*common[:2], "load", *common[2:], "--name", "extra", "--path", "extra"]) == 0
+        assert json.loads(capsys.readouterr().out)["model"] == "mock:extra"
+        assert main([*common[:2], "list", *common[2:]]) == 0
+        assert [a["name"] for a in json.loads(capsys.readouterr().out)["adapters"]] == ["extra", "sql"]
+        assert main([*common[:2], "load", *common[2:], "--name", "x", "--path", "/etc"]) == 1
+        assert "path_not_allowed" in capsys.readouterr().err
+        assert main([*common[:2], "unload", *common[2:], "--name", "extra"]) == 0
+        assert "mock:extra" not in [f"mock:{a}" for a in srv.gateway.router.adapters_of("mock")]
+        assert main([*common[:2], "unload", *common[2:]]) == 2          # no --name
