@@ -16,7 +16,8 @@ event loop only reads one message per step and sends one per new request or abor
 The link is a private socketpair carrying frames of a 4-byte big-endian length and a pickle; the
 child's end is tokenyard/engines/serving/engine_child.py. Parent to child: ("add", request_id, prompt_ids,
 params, priority, cache_salt), ("abort", request_id), ("grammar", token, response_format),
-("sleep", level), ("wake",) and ("adapter", "load"|"unload", name, path). Child to parent: ("ready", max_model_len, stats, grammar_info) once
+("sleep", level), ("wake",) and ("adapter", "load"|"unload", name, path).
+Child to parent: ("ready", max_model_len, stats, grammar_info) once
 the engine is built, ("out", outputs, stats) after each step, ("grammar", token, error or None) when
 a grammar is compiled, ("slept", seconds, None or (kind, message)) and ("woke", phases) answering
 sleep and wake, ("adapter", result, None or (kind, message), stats) answering an adapter message,

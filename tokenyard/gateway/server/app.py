@@ -35,10 +35,9 @@ from tokenyard.gateway.http import (
     responses_endpoint,
 )
 from tokenyard.gateway.observability.access_log import AccessLog
-from tokenyard.gateway.routes import adapter_admin
+from tokenyard.gateway.routes import adapter_admin, router_admin
 from tokenyard.gateway.routes import policy_api as policy_routes
 from tokenyard.gateway.routes import replica_api as replica_routes
-from tokenyard.gateway.routes import router_admin
 from tokenyard.gateway.routes import spend_api as spend_routes
 from tokenyard.gateway.server import service_routes
 from tokenyard.gateway.spend.usage import UsageSink

@@ -31,7 +31,8 @@ def spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
             "summary": ("Spend and tokens from the hourly rollups, grouped; JSON or CSV (format=csv or "
                         "Accept: text/csv)"),
             "security": auth,
-            "parameters": [*window, query("group_by", ("model, tenant, day, hour, key, user, route, adapter or tag:NAME, or several "
+            "parameters": [*window, query("group_by", ("model, tenant, day, hour, key, user, route, adapter or tag:NAME, or "
+                                                       "several "
                                                        "comma-separated; one of key/user/route/tag from the rollups "
                                                        "(its \"\" group: records without a value), two or more from "
                                                        "the request stream")),
