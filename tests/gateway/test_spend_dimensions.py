@@ -139,3 +139,37 @@ def test_two_dimensions_come_from_the_stream_exactly(ledger_world):
 def test_bad_group_by_names_the_choices(value):
     with pytest.raises(ValueError, match="tag:NAME"):
         reports.parse_group_by(value)
+
+
+def test_spend_per_lora_adapter_is_exact(tmp_path):
+    """model,adapter: each engine's adapters (model ENGINE:ADAPTER) and the base in "(none)", from the
+    adapter rollup; each row equals its records' sum and the rows add up to the total, to the micro-unit."""
+    prefix = unique_prefix("lora")
+    cfg = SpendConfig(spool_dir=tmp_path, max_values_per_dimension=100)
+    now = time.time()
+    rng = random.Random(11)
+    recs = [UsageRecord(request_id=f"a{i}", time=now - rng.randint(0, 3 * 3600), engine=rng.choice(["small", "large"]),
+                        requested_model="x", route_reason="pinned", prompt_tokens=rng.randint(1, 900), cached_tokens=0,
+                        completion_tokens=rng.randint(0, 300), cost_micros=rng.randint(0, 10**6), status="ok",
+                        finish_reason="stop", ttft_s=0.1, e2e_s=0.2, stream=False, tenant=rng.choice(TENANTS),
+                        lora=rng.choice(["", "sql", "chat"])) for i in range(600)]
+
+    async def write() -> None:
+        ledger = SpendLedger(SHARED_REDIS, prefix, cfg, GatewayMetrics(lambda: {}))
+        await ledger._store([r.to_dict() for r in recs], "stored")
+        await ledger.redis.aclose()
+
+    asyncio.run(write())
+    try:
+        data, total, source, _ = _report(prefix, ["model", "adapter"], now)
+        assert source == "rollups"
+        want: dict[tuple[str, str], int] = {}
+        for r in recs:
+            k = (r.engine, r.lora or reports.NONE)
+            want[k] = want.get(k, 0) + r.cost_micros
+        assert {(row["model"], row["adapter"]): row["cost_micros"] for row in data} == want
+        assert sum(row["cost_micros"] for row in data) == total["cost_micros"] == sum(r.cost_micros for r in recs)
+        assert {row["requests"] for row in data if row["adapter"] == "sql"} and \
+            sum(row["requests"] for row in data if row["adapter"] == "sql") == sum(r.lora == "sql" for r in recs)
+    finally:
+        delete_prefix(SHARED_REDIS, prefix)

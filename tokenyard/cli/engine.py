@@ -2,6 +2,7 @@
 
     tokenyard engine serve --engine demo-large --port 9000 [--config deploy.yaml] [--host 0.0.0.0]
     tokenyard engine sleep|wake ...       a replica to sleep and back (tokenyard/cli/engine_sleep.py)
+    tokenyard engine adapters list|load|unload ...   LoRA adapters at run time (tokenyard/cli/engine_adapters.py)
 
 The engine is built from the deployment's engine spec (type, model and engine keys; its
 `replicas`/`replica_pool`/`prices` keys are the gateway's business and are ignored here) and
@@ -26,6 +27,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     serve.set_defaults(func=run)
     from tokenyard.cli.engine_sleep import add_parsers
     add_parsers(sub)      # sleep, wake
+    from tokenyard.cli.engine_adapters import add_parser
+    add_parser(sub)       # adapters list|load|unload
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "(default: the deployment's rate_limits.tokens; 0: no limit of its own)")
     create.add_argument("--max-concurrent", type=int,
                         help="requests queued or running per gateway (default: admission.max_concurrent_per_tenant)")
+    create.add_argument("--adapters", help="LoRA adapters the key may use, comma-separated ENGINE:ADAPTER, ENGINE:* "
+                                           "or * (default: every adapter; '' for none); its tenant's list applies too")
     lst = sub.add_parser("list", help="list keys (never the keys themselves)")
     lst.add_argument("--tenant", help="only this tenant's keys")
     lst.add_argument("--json", action="store_true", help="JSON lines instead of a table")
@@ -72,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
             if args.keys_command == "create":
                 key, rec = store.create(args.tenant, name=args.name, role="admin" if args.admin else "user",
                                         priority=args.priority, rpm=args.rpm, tpm=args.tpm,
-                                        max_concurrent=args.max_concurrent)
+                                        max_concurrent=args.max_concurrent,
+                                        adapters=None if args.adapters is None else
+                                        [a.strip() for a in args.adapters.split(",") if a.strip()])
                 print(key)
                 print(f"key id {rec.key_id}, tenant {rec.tenant}, role {rec.role}, priority {rec.priority} "
                       f"(the key is shown only now; keep it somewhere safe)", file=sys.stderr)

@@ -28,7 +28,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--redis-url", help="Redis to use (default: REDIS_URL, then the deployment's)")
     sub = ap.add_subparsers(dest="spend_command", required=True)
     rep = sub.add_parser("report", help="spend, tokens, cost per 1M tokens and savings, grouped")
-    rep.add_argument("--by", default="model", help=("model, tenant, day, hour, key, user, route or tag:NAME; several "
+    rep.add_argument("--by", default="model", help=("model, tenant, day, hour, key, user, route, adapter or tag:NAME; several "
                                                     "comma-separated (two or more of key/user/route/tag: from the "
                                                     "request stream)"))
     rep.add_argument("--since", default="7d", help="7d, 12h, 30m, 2w before now, or unix seconds / ISO 8601")

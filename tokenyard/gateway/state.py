@@ -25,6 +25,7 @@ from tokenyard.gateway.admission.rate_limiter import RateLimiter
 from tokenyard.gateway.auth.api_keys import DEV_TENANT, KeyStore, new_record
 from tokenyard.gateway.auth.key_cache import KeyCache
 from tokenyard.gateway.auth.sessions import SessionStore
+from tokenyard.gateway.backends.adapter_control import adapters_of
 from tokenyard.gateway.backends.engine_pool import EngineHandle
 from tokenyard.gateway.backends.replica_metrics import ReplicaCollector
 from tokenyard.gateway.config.deployment import Deployment
@@ -61,6 +62,8 @@ class Gateway:
         adapters = {n: sorted(spec.options.get("lora_modules") or {}) for n, spec in deployment.engines.items()}
         self.router = Router([n for n in deployment.engines if n not in bulk] or list(self.handles), deployment.routing,
                              adapters)
+        # ENGINE:ADAPTER names also come from what each engine reports (run-time loads, other gateways')
+        self.router.live = lambda e: adapters_of(self.handles[e].engine) if e in self.handles else []
         self.metrics = GatewayMetrics(lambda: {n: h.engine for n, h in self.handles.items()})
         self.metrics.slo_ttft_s = deployment.web.metrics.slo_ttft_s
         self.metrics.slo_itl_s = deployment.web.metrics.slo_itl_s

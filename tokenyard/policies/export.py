@@ -159,6 +159,8 @@ def _tenant(t: TenantPolicy, cash: Callable[[int | None], Any]) -> dict[str, Any
         out["context"] = _context(t.context)
     if t.fallback is not None:
         out["fallback"] = _fallback(t.fallback)
+    if t.adapters is not None:
+        out["adapters"] = list(t.adapters)
     return out
 
 

@@ -14,6 +14,7 @@ from .schema import AUTO, FALLBACK_ON, PRIORITIES, TRIM_MODES, Action, ContextLi
 from .yaml_nodes import Reader
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")           # engines, rules, classes (as deployment.py)
+MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(?::[A-Za-z0-9][A-Za-z0-9._-]{0,63})?$")   # ENGINE[:ADAPTER]
 TENANT = re.compile(r"^(\*|[A-Za-z0-9][A-Za-z0-9._:@-]{0,127})$")
 _TIME = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])-(?:([01][0-9]|2[0-3]):([0-5][0-9])|(24):(00))$")
 MAX_TOKENS_LIMIT = 10_000_000
@@ -53,6 +54,23 @@ def read_rules(r: Reader, node: Node, priced: tuple[str, ...]) -> tuple[Rule, ..
     return tuple(rules)
 
 
+def model_names(r: Reader, node: Node, path: str, priced: tuple[str, ...], with_auto: bool,
+                one: bool = False) -> tuple[str, ...] | None:
+    """Engine names, or ENGINE:ADAPTER (one of a priced engine's LoRA adapters; which adapters an engine
+    serves is the deployment's business, and they load at run time, so only the form is checked here)."""
+    allowed = (AUTO, *priced) if with_auto else priced
+    got = r.strings(node, path, pattern=MODEL, what="an engine name or ENGINE:ADAPTER") if not one else (
+        None if (v := r.string(node, path, pattern=MODEL, what="an engine name or ENGINE:ADAPTER")) is None else (v,))
+    if got is None:
+        return None
+    for name in got:
+        engine, sep, _ = name.partition(":")
+        if (name not in allowed and not sep) or (sep and engine not in priced):
+            r.problem(node, path, f"must name a priced engine (or ENGINE:ADAPTER of one), got {name!r}", allowed)
+            return None
+    return got
+
+
 def _match(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Match | None:
     m = r.mapping(node, path, MATCH_KEYS)
     if m is None:
@@ -69,7 +87,11 @@ def _match(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Match |
 
     tenants = many("tenants", pattern=TENANT, what="a tenant name")
     keys = many("keys")
-    models = many("models", allowed=(AUTO, *priced))
+    models = ()
+    if "models" in m:
+        models = model_names(r, m["models"], f"{path}.models", priced, with_auto=True)
+        ok = ok and models is not None
+        models = models or ()
     tokens = None
     if "prompt_tokens" in m:
         tokens = _range(r, m["prompt_tokens"], f"{path}.prompt_tokens")
@@ -144,7 +166,8 @@ def _action(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Action
         r.problem(node, path, "must set at least one of the keys", ACTION_KEYS)
         return None
     n = len(r.problems)
-    pin = r.string(m["pin"], f"{path}.pin", priced) if "pin" in m else None
+    pins = model_names(r, m["pin"], f"{path}.pin", priced, with_auto=False, one=True) if "pin" in m else None
+    pin = pins[0] if pins else None
     router = bool(r.boolean(m["router"], f"{path}.router")) if "router" in m else False
     deny = r.string(m["deny"], f"{path}.deny", what="a message") if "deny" in m else None
     if deny is not None and not deny.strip():

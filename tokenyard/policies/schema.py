@@ -120,7 +120,7 @@ class Match:
 
     tenants: tuple[str, ...] = ()
     keys: tuple[str, ...] = ()                 # key names or key ids
-    models: tuple[str, ...] = ()               # requested model: "auto" or an engine name
+    models: tuple[str, ...] = ()               # requested model: "auto", an engine name or ENGINE:ADAPTER
     prompt_tokens: TokenRange | None = None
     tags: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (tag, allowed values), sorted by tag
     time_utc: tuple[TimeRange, ...] = ()
@@ -217,6 +217,9 @@ class TenantPolicy:
     weight: int = 1
     context: ContextLimit | None = None
     fallback: Fallback | None = None
+    # LoRA adapters the tenant's keys may use (ENGINE:ADAPTER, ENGINE:*, *: tokenyard/policies/adapter_access.py);
+    # None: every adapter.
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)

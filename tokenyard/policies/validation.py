@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from yaml.nodes import MappingNode, Node, ScalarNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from .adapter_access import PATTERN as ADAPTER_PATTERN
 from .errors import PolicyError, Problem
 from .rule_validation import NAME, TENANT, read_context_limit, read_fallback, read_rules
 from .schema import (
@@ -49,7 +50,7 @@ ROUTER_KEYS = ("threshold", "target_large_share", "without_score", "quality_targ
 ARTIFACT_REF = re.compile(r"^sha256:[0-9a-f]{64}$")     # a published router artifact's checksum
 ENGINE_KEYS = (*ROLES, "tiers")
 RATE_KEYS = ("requests_per_min", "tokens_per_min", "burst")
-TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context", "fallback")
+TENANT_KEYS = ("rate_class", "budget", "key_budgets", "tag_budgets", "weight", "context", "fallback", "adapters")
 MAX_WEIGHT = 1000
 BUDGET_KEYS = ("per_day", "per_month", "at_limit")
 OVERFLOW_KEYS = ("enabled", "degrade", "upgrade", "degrade_pinned", "shed")
@@ -281,10 +282,27 @@ def _tenants(r: Reader, node: Node, classes: tuple[str, ...], priced: tuple[str,
             if "context" in f and not r.is_null(f["context"]) else None
         fallback = read_fallback(r, f["fallback"], f"{path}.fallback", priced) \
             if "fallback" in f and not r.is_null(f["fallback"]) else None
+        adapters = _adapters(r, f["adapters"], f"{path}.adapters", priced) if "adapters" in f else None
         if len(r.problems) == n and weight is not None:
             out[name] = TenantPolicy(rate_class=rate_class, budget=budget, key_budgets=keys or {},
-                                     tag_budgets=tags or {}, weight=weight, context=context, fallback=fallback)
+                                     tag_budgets=tags or {}, weight=weight, context=context, fallback=fallback,
+                                     adapters=adapters)
     return out
+
+
+def _adapters(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> tuple[str, ...] | None:
+    """A tenant's LoRA allow list: '*', 'ENGINE:*' or 'ENGINE:ADAPTER' of a priced engine; [] allows none."""
+    if isinstance(node, SequenceNode) and not node.value:
+        return ()
+    items = r.strings(node, path, pattern=ADAPTER_PATTERN, what="an adapter pattern: '*', 'ENGINE:*' or 'ENGINE:ADAPTER'")
+    if items is None:
+        return None
+    for item in items:
+        engine = item.partition(":")[0]
+        if item != "*" and engine not in priced:
+            r.problem(node, path, f"{item!r} names engine {engine!r}, which prices does not list", priced)
+            return None
+    return tuple(dict.fromkeys(items))
 
 
 def _key_budgets(r: Reader, node: Node, path: str) -> dict[str, Budget] | None:

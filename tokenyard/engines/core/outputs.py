@@ -87,3 +87,7 @@ class EngineStats:
     lora_loads: int = 0
     lora_evictions: int = 0
     lora_eager_steps: int = 0
+    # The adapters' names a request may use now (start-up and run-time loads), and those in a pool slot now
+    # (a replica pool prefers a replica that holds the request's adapter: tokenyard/gateway/backends/replica_pool.py).
+    lora_names: list[str] = field(default_factory=list)
+    lora_resident: list[str] = field(default_factory=list)

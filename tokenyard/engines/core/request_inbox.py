@@ -60,6 +60,16 @@ class RequestInbox(Generic[T]):
             self._new.clear()
         return live
 
+    def unless_live(self, match: Callable[[T], bool], action: Callable[[], None]) -> int:
+        """Run `action()` under the lock when no live request `match`es; else return how many do (and
+        run nothing). Under the lock, so no add() slips in between the count and the action (a LoRA
+        adapter is unloaded this way: engines compute a request's adapter inside `make`)."""
+        with self._lock:
+            busy = sum(1 for item in self._live.values() if match(item))
+            if not busy:
+                action()
+            return busy
+
     @property
     def has_live(self) -> bool:
         with self._lock:

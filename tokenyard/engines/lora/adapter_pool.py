@@ -20,7 +20,14 @@ slots, the others are read again from disk when a step needs them, taking the le
 that the step does not need. The scheduler never puts more adapters in one step than there are slots
 (SchedulerConfig.max_adapters).
 
-Identity: each registered adapter gets an id at registration; the prefix cache keys blocks by it
+Run time (`register` / `unregister`, on the step thread, between steps): an adapter loaded while the
+engine serves is read and checked like a start-up one, and must also fit the pool as it was sized: rank at
+most the pool's R and only modules the pool has room for (an AdapterError naming the tensor otherwise);
+it takes a free slot at once, else waits on disk for its first step like any evicted adapter. Unloading
+forgets the name and frees its slot; the engine refuses it while requests still run with the adapter.
+
+Identity: each registered adapter gets an id at registration, never reused (an adapter unloaded and
+loaded again gets a new one); the prefix cache keys blocks by it
 (tokenyard/engines/core/block_manager.py), so KV computed under one adapter is never reused by
 another or by the base. Runs on the engine's step thread only.
 """
@@ -35,6 +42,7 @@ import torch
 
 from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.lora.adapter_config import TARGET_MODULES, AdapterError
+from tokenyard.engines.lora.adapter_errors import AdapterConflict, AdapterNotFound, check_adapter_name
 from tokenyard.engines.lora.adapter_loader import GROUPS, Adapter, group_layout, load_adapter
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.kernels.lora_torch import LoraSegments, batched_layout, build_segments
@@ -86,6 +94,7 @@ class AdapterPool:
         self.num_loads = 0
         self.num_evictions = 0
         self.load_seconds = 0.0
+        self._next_id = len(self.ids) + 1      # ids are never reused: the prefix cache keys blocks by them
         for adapter in adapters[:max_loaded]:
             self._put(self.ids[adapter.name], adapter)
         log.info("LoRA adapters: %s (rank %d pool, %d slots, modules %s)", ", ".join(self.ids), R, S,
@@ -114,6 +123,61 @@ class AdapterPool:
             raise ParamError(f"unknown LoRA adapter {name!r}; this engine serves: {', '.join(sorted(self.ids))}",
                              "lora", "lora_not_found")
         return adapter_id
+
+    @property
+    def resident(self) -> list[str]:
+        """The adapters in a slot now, least recently used first."""
+        return [self.names[i] for i in self.loaded]
+
+    # -- run time (step thread, between steps) ------------------------------------------------------
+    def register(self, name: str, path: str | Path) -> dict:
+        """Read, check and register an adapter while the engine serves; AdapterError when it cannot be
+        served (names the tensor), AdapterConflict when the name is taken. Returns what was loaded."""
+        check_adapter_name(name)
+        if name in self.ids:
+            raise AdapterConflict(f"LoRA adapter {name!r} is already loaded (from {self.paths[self.ids[name]]}); "
+                                  f"unload it first to replace it")
+        t0 = time.perf_counter()
+        adapter = load_adapter(name, path, self.base, self.dtype, self.max_rank)
+        self._check_fits(adapter)
+        adapter_id = self._next_id
+        self._next_id += 1
+        if self.free_slots:
+            self._put(adapter_id, adapter)
+        self.names[adapter_id], self.paths[adapter_id] = name, Path(path)
+        self.ids[name] = adapter_id          # last: a request may name it from now on
+        seconds = time.perf_counter() - t0
+        log.info("LoRA adapter %s loaded at run time from %s (rank %d, %.1f ms)", name, path, adapter.config.rank,
+                 seconds * 1000)
+        return {"name": name, "path": str(path), "rank": adapter.config.rank, "alpha": adapter.config.alpha,
+                "modules": sorted(adapter.modules), "bytes": adapter.num_bytes, "seconds": seconds}
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter and free its slot. The caller makes sure no request runs with it."""
+        adapter_id = self.ids.pop(name, None)
+        if adapter_id is None:
+            raise AdapterNotFound(f"no LoRA adapter {name!r}; this engine serves: "
+                                  f"{', '.join(sorted(self.ids)) or 'none'}")
+        slot = self.loaded.pop(adapter_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.names.pop(adapter_id, None)
+        self.paths.pop(adapter_id, None)
+        log.info("LoRA adapter %s unloaded", name)
+
+    def _check_fits(self, adapter: Adapter) -> None:
+        """A run-time adapter must fit the pool sized at start-up: rank and modules (the message names a tensor)."""
+        r = adapter.config.rank
+        for layer, module in sorted(adapter.weights):
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            tensor = f"base_model.model.model.layers.{layer}.{part}.{module}.lora_A.weight"
+            if r > self.rank:
+                raise AdapterError(f"{adapter.path}: tensor {tensor} has rank {r}, over this engine's adapter pool "
+                                   f"rank {self.rank} (the largest rank in lora_modules at start-up)")
+            if module not in self.modules:
+                raise AdapterError(f"{adapter.path}: tensor {tensor} targets {module}, which this engine's adapter "
+                                   f"pool has no room for (its modules: {', '.join(self.modules)}; set by the "
+                                   f"adapters in lora_modules at start-up)")
 
     # -- one step -----------------------------------------------------------------------------------
     def begin_step(self, row_ids: list[int]) -> LoraSegments | None:

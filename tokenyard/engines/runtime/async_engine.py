@@ -282,6 +282,30 @@ class AsyncEngine(SleepControl):
         """Taken on the step thread after the latest step, so it never races the scheduler."""
         return self._stats
 
+    # -- LoRA adapters at run time (tokenyard/engines/lora/adapter_errors.py says what each error means) --
+    async def load_adapter(self, name: str, path: str) -> dict:
+        """Load an adapter on the step executor, between steps; the engine's load_adapter errors pass through."""
+        info = await self._between_steps("load_adapter", name, path)
+        return info
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload on the step executor; AdapterConflict while requests use the adapter."""
+        await self._between_steps("unload_adapter", name)
+
+    async def _between_steps(self, method: str, *args: object) -> object:
+        from tokenyard.engines.lora.adapter_errors import AdapterUnsupported
+
+        if self.dead is not None:
+            raise EngineDeadError(f"engine {self.name} is down: {self.dead}")
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise AdapterUnsupported(f"engine {self.name} cannot load or unload LoRA adapters")
+        engine = self.engine
+        result = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        if self.engine is engine:      # the stats carry the adapters' names (a restart replaced the engine: its own)
+            self._stats = await asyncio.get_running_loop().run_in_executor(self._executor, engine.stats)
+        return result
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         failures = 0

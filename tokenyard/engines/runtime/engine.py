@@ -172,9 +172,12 @@ class Engine:
         if params.lora is not None and self.lora is None:
             raise ParamError(f"LoRA adapter {params.lora!r} requested, but this engine serves no adapters "
                              f"(lora_modules)", "lora", "lora_not_found")
-        lora_id = self.lora.id_of(params.lora) if self.lora is not None else 0
+        lora = self.lora
 
         def make() -> Sequence:  # under the inbox lock: arrival numbers and drawn seeds stay in order
+            # The adapter's id is taken here, under the lock, so a run-time unload (unload_adapter) never
+            # races a request naming it: either the request is live when the unload counts, or it is refused.
+            lora_id = lora.id_of(params.lora) if lora is not None else 0
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             seq = Sequence(request_id, prompt, params, priority, self._arrivals, seed, self.eos_token_ids,
                            cache_salt=cache_salt, constraint=constraint, lora_id=lora_id)
@@ -297,10 +300,33 @@ class Engine:
             kv_bytes_per_block=self.kv_bytes_per_block, num_grammar_closed=self._num_grammar_closed,
             **self._spec_stats(), **self._lora_stats())
 
+    # -- LoRA adapters at run time (tokenyard/engines/lora/adapter_pool.py) ------------------------------
+    def load_adapter(self, name: str, path: str | Path) -> dict:
+        """Register a PEFT adapter while serving; on the step thread, between steps (AsyncEngine and the
+        engine process call it there). AdapterError names the tensor that does not fit this base or pool."""
+        if self.lora is None:
+            from tokenyard.engines.lora.adapter_errors import AdapterUnsupported
+            raise AdapterUnsupported("this engine serves no LoRA adapters: start it with at least one in "
+                                     "lora_modules (that sizes its adapter pool) to load others at run time")
+        return self.lora.register(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter; AdapterConflict while requests (queued or running) use it, AdapterNotFound
+        for an unknown name. Step thread, between steps."""
+        from tokenyard.engines.lora.adapter_errors import AdapterConflict, AdapterNotFound
+        if self.lora is None or name not in self.lora.ids:
+            raise AdapterNotFound(f"no LoRA adapter {name!r} on this engine")
+        adapter_id = self.lora.ids[name]
+        busy = self._inbox.unless_live(lambda seq: seq.lora_id == adapter_id, lambda: self.lora.unregister(name))
+        if busy:
+            raise AdapterConflict(f"LoRA adapter {name!r} has {busy} request(s) in flight; unload it when they "
+                                  f"finished")
+
     def _lora_stats(self) -> dict:
         if self.lora is None:
             return {}
-        return dict(lora_adapters=len(self.lora.ids), lora_loaded=len(self.lora.loaded),
+        return dict(lora_names=sorted(self.lora.ids), lora_resident=self.lora.resident,
+                    lora_adapters=len(self.lora.ids), lora_loaded=len(self.lora.loaded),
                     lora_loads=self.lora.num_loads, lora_evictions=self.lora.num_evictions,
                     lora_eager_steps=getattr(self.runner, "num_lora_eager_steps", 0))
 

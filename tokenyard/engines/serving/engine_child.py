@@ -204,6 +204,8 @@ class _Core:
                 if not _sleep_or_wake(peer, engine, msg):
                     self._fail("engine wake failed", skip=peer)
                     return False
+            elif kind == "adapter":           # a LoRA adapter loaded or unloaded at run time
+                _adapter(peer, engine, msg)
             elif kind == "embed":             # computed between steps (process_embeddings.py)
                 self.embeds.submit(peer.send, msg[1], msg[2])
             elif kind == "grammar":           # compiled on the compiler's thread, which replies
@@ -274,6 +276,29 @@ def _sleep_or_wake(peer: _Peer, engine: Any, msg: tuple) -> bool:
         peer.send(("failed", f"engine wake failed: {type(e).__name__}: {e}", None))
         return False
     return True
+
+
+def _adapter(peer: _Peer, engine: Any, msg: tuple) -> None:
+    """("adapter", "load", name, path) / ("adapter", "unload", name, None) -> ("adapter", result, None, stats)
+    or ("adapter", None, (kind, message), stats) (tokenyard/engines/lora/adapter_errors.py); between steps. The
+    stats carry the adapters' names, so the parent's are current without waiting for a step."""
+    from tokenyard.engines.lora.adapter_errors import error_kind
+
+    _, op, name, path = msg
+    fn = getattr(engine, f"{op}_adapter", None)
+    if fn is None:
+        peer.send(("adapter", None, ("unsupported", "this engine cannot load or unload LoRA adapters"), None))
+        return
+    try:
+        result = fn(name, path) if op == "load" else fn(name)
+    except Exception as e:  # noqa: BLE001 - an adapter that cannot load leaves the engine as it was
+        found = error_kind(e)
+        if found is None:
+            log.exception("engine process: %s of LoRA adapter %s failed", op, name)
+            found = ("invalid", f"{type(e).__name__}: {e}")
+        peer.send(("adapter", None, found, engine.stats()))
+        return
+    peer.send(("adapter", result, None, engine.stats()))
 
 
 def _child_main(sock: socket.socket, listener: socket.socket | None = None) -> None:

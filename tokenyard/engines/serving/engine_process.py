@@ -18,13 +18,13 @@ engines (server.engine_process, tokenyard/gateway/backends/engine_pool.py says w
 The link (tokenyard/engines/serving/engine_link.py): frames of a 4-byte big-endian length and a
 pickle. Parent to core, all the messages one turn of the event loop produced in one frame
 ("msgs", [...]): ("add", request_id, prompt_ids, params, priority, cache_salt), ("abort", request_id),
-("grammar", token, response_format), ("sleep", level), ("wake",) and ("embed", token, prompts)
-(process_embeddings.py). Core to parent: ("ready", max_model_len, stats, grammar_info,
+("grammar", token, response_format), ("sleep", level), ("wake",), ("adapter", "load"|"unload",
+name, path) and ("embed", token, prompts) (process_embeddings.py). Core to parent: ("ready", max_model_len, stats, grammar_info,
 embedding_size) once the engine is built, ("out", outputs, stats, taken, others)
 after each step (every output of the step in one frame; `taken`: adds the core took since its
 previous frame; `others`: requests other gateway workers hold in the engine), ("grammar", token,
 error or None), ("embedded", token, vectors or None, error or None), ("slept", seconds, None or
-(kind, message)) and ("woke", phases), ("failed",
+(kind, message)), ("woke", phases), ("adapter", result, None or (kind, message), stats) and ("failed",
 message, exception). The parent never blocks on the core: its writes are buffered by asyncio, and
 the core reads them between steps (a request waits at most one step to be admitted).
 
@@ -70,6 +70,7 @@ import subprocess
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
@@ -219,6 +220,22 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
             self._send(("abort", request_id))
 
     # -- batching and back-pressure -------------------------------------------------------------
+    # -- LoRA adapters at run time (not in the recipe: a restarted core lacks them; lora_modules keeps one) --
+    async def load_adapter(self, name: str, path: str) -> dict:
+        return await self._adapter("load", name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._adapter("unload", name, None)
+
+    async def _adapter(self, op: str, name: str, path: str | None) -> Any:
+        from tokenyard.engines.lora.adapter_errors import error_of
+        result, err, stats = await self._control(("adapter", op, name, path))
+        if stats is not None:
+            self._stats = stats
+        if err is not None:
+            raise error_of(*err)
+        return result
+
     def _send(self, msg: tuple) -> None:
         self._outbox.append(msg)
         if self._flush_handle is None:
@@ -340,7 +357,7 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
                         self._unacked = max(0, self._unacked - msg[3])
                         self._release_held()
                     self.others_in_flight = msg[4]
-                elif kind in ("slept", "woke"):
+                elif kind in ("slept", "woke", "adapter"):
                     if self._control_reply is not None and not self._control_reply.done():
                         self._control_reply.set_result(msg[1:])
                 elif kind == "embedded":

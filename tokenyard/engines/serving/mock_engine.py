@@ -56,6 +56,8 @@ class MockConfig:
     wake_ms: float = 0.0          # how long waking from sleep takes (either level)
     # LoRA adapter names it answers to (the folders are not read): a request for one gets "[NAME] " before
     # the reply, so tests can see which adapter a request reached; an unknown name is refused as the real engine does.
+    # Adapters loaded at run time (load_adapter) have their adapter_config.json read and checked (rank at most
+    # 64), not their tensors.
     lora_modules: dict[str, str] | None = None
 
     @classmethod
@@ -133,6 +135,29 @@ class MockEngine:
         self._last_step_seconds = 0.0
         self.sleep_level = 0
 
+    # -- LoRA adapters at run time (as tokenyard.engines.Engine.load_adapter / unload_adapter) --------------
+    def load_adapter(self, name: str, path: str | Path) -> dict:
+        from tokenyard.engines.lora.adapter_config import read_adapter_config
+        from tokenyard.engines.lora.adapter_errors import AdapterConflict, check_adapter_name
+
+        check_adapter_name(name)
+        if name in self._replies:
+            raise AdapterConflict(f"LoRA adapter {name!r} is already loaded; unload it first to replace it")
+        cfg = read_adapter_config(path)           # AdapterError names the key
+        self._replies[name] = self._reply_ids(f"[{name}] {self.config.reply}")
+        return {"name": name, "path": str(path), "rank": cfg.rank, "alpha": cfg.alpha,
+                "modules": list(cfg.target_modules), "bytes": 0, "seconds": 0.0}
+
+    def unload_adapter(self, name: str) -> None:
+        from tokenyard.engines.lora.adapter_errors import AdapterConflict, AdapterNotFound
+
+        if name is None or name not in self._replies:
+            raise AdapterNotFound(f"no LoRA adapter {name!r} on this engine")
+        busy = self._inbox.unless_live(lambda seq: seq.params.lora == name, lambda: self._replies.pop(name))
+        if busy:
+            raise AdapterConflict(f"LoRA adapter {name!r} has {busy} request(s) in flight; unload it when they "
+                                  f"finished")
+
     def sleep(self, level: int) -> float:
         level = check_sleep_level(level)
         if self._inbox.has_live or self._running:
@@ -173,7 +198,7 @@ class MockEngine:
                                  code="unsupported_parameter")
         if params.lora is not None and params.lora not in self._replies:
             raise ParamError(f"unknown LoRA adapter {params.lora!r}; this engine serves: "
-                             f"{', '.join(sorted(self.config.lora_modules or {})) or 'none'}", "lora", "lora_not_found")
+                             f"{', '.join(self._adapters()) or 'none'}", "lora", "lora_not_found")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise RequestError("prompt is empty: at least one token is needed")
         if any(not isinstance(t, int) or not 0 <= t < self._vocab for t in prompt_token_ids):
@@ -182,9 +207,15 @@ class MockEngine:
             raise RequestError(f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.max_model_len}")
         room = self.max_model_len - len(prompt_token_ids)
         target = min(params.max_tokens, room)
-        seq = _MockSeq(request_id, len(prompt_token_ids), params, time.monotonic() + self.config.ttft_ms / 1000, target,
-                       self._replies[params.lora])
-        self._inbox.add(request_id, lambda: seq)
+        due = time.monotonic() + self.config.ttft_ms / 1000
+
+        def make() -> _MockSeq:     # under the inbox lock, as the real engine's (an unload cannot slip between)
+            reply = self._replies.get(params.lora)
+            if reply is None:
+                raise ParamError(f"unknown LoRA adapter {params.lora!r}", "lora", "lora_not_found")
+            return _MockSeq(request_id, len(prompt_token_ids), params, due, target, reply)
+
+        self._inbox.add(request_id, make)
 
     def abort(self, request_id: str) -> None:
         self._inbox.abort(request_id)
@@ -246,7 +277,11 @@ class MockEngine:
             last_step_tokens=self._last_step_tokens, last_step_seconds=self._last_step_seconds,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_seqs,
             busy_seconds=self._busy_seconds, output_tokens=self._output_tokens,
-            batch_size_counts=list(self._batch_counts))
+            batch_size_counts=list(self._batch_counts), lora_names=self._adapters(), lora_resident=self._adapters(),
+            lora_adapters=len(self._adapters()))
+
+    def _adapters(self) -> list[str]:
+        return sorted(n for n in self._replies if n is not None)
 
     def _next_token(self, seq: _MockSeq) -> tuple[int, str | None]:
         i = seq.num_out

@@ -11,6 +11,12 @@
                                still in flight after the drain timeout, or an engine that cannot sleep
     POST /v1/engine/wake       -> 200 {"sleep_level": 0, "sleep_state", "seconds", "phases"}; 503 the
                                wake failed (the replica is down or restarting)
+    POST /v1/engine/adapters/load    {"name", "path"} -> 200 what was loaded (rank, modules, seconds);
+                               400 {"error", "code"} an adapter this base or pool cannot serve (names the
+                               tensor) or an engine without adapters; 409 the name is taken
+    POST /v1/engine/adapters/unload  {"name"} -> 200 {"unloaded"}; 404 no such adapter; 409 requests still
+                               run with it (they finish; unload again after)
+    GET  /v1/engine/adapters   {"adapters": names a request may use, "resident": those in a pool slot}
     GET  /v1/engine/stats      EngineStats fields + name, max_model_len, in_flight, draining, dead,
                                failed_steps, model_fingerprint
     GET  /health               liveness: {"status": "ok"|"down", "ready", "draining"} (503 when down)
@@ -166,6 +172,38 @@ def build_app(state: ReplicaState):
         return JSONResponse({"sleep_level": engine.sleep_level, "sleep_state": engine.sleep_state,
                              "seconds": time.perf_counter() - t0, "phases": phases})
 
+    async def adapters(request: Request) -> Response:
+        st = engine.stats()
+        return JSONResponse({"adapters": list(st.lora_names), "resident": list(st.lora_resident)})
+
+    async def adapter_control(request: Request) -> Response:
+        """The gateway checked the path against its lora_roots; the path is this replica's."""
+        from tokenyard.engines.lora.adapter_errors import STATUS, error_kind
+
+        op = request.path_params["op"]
+        if op not in ("load", "unload"):
+            return JSONResponse({"error": f"no adapter action {op!r} (load, unload)"}, 404)
+        try:
+            body = json.loads(await request.body() or b"{}")
+            if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+                raise TypeError("the body must be a JSON object with a string name")
+            if op == "load" and not isinstance(body.get("path"), str):
+                raise TypeError("a load needs a string path")
+        except (ValueError, TypeError) as e:
+            return JSONResponse({"error": f"bad request body: {e}"}, 400)
+        fn = getattr(engine, f"{op}_adapter", None)
+        if fn is None:
+            return JSONResponse({"error": f"engine {engine.name} cannot load or unload LoRA adapters",
+                                 "code": "unsupported"}, 400)
+        try:
+            result = await (fn(body["name"], body["path"]) if op == "load" else fn(body["name"]))
+        except EngineDeadError as e:
+            return JSONResponse({"error": str(e), "code": "replica_down"}, 503)
+        except Exception as e:  # noqa: BLE001 - adapter errors map to their status; anything else is a 400 too
+            kind, message = error_kind(e) or ("invalid", f"{type(e).__name__}: {e}")
+            return JSONResponse({"error": message, "code": kind}, STATUS[kind])
+        return JSONResponse(result if op == "load" else {"unloaded": body["name"]})
+
     async def health(request: Request) -> Response:
         down = engine.dead is not None
         body = {"status": "down" if down else "ok", "ready": state.ready and not state.draining and not down,
@@ -185,6 +223,8 @@ def build_app(state: ReplicaState):
         Route(f"{API}/stats", stats, methods=["GET"]),
         Route(f"{API}/sleep", sleep, methods=["POST"]),
         Route(f"{API}/wake", wake, methods=["POST"]),
+        Route(f"{API}/adapters", adapters, methods=["GET"]),
+        Route(API + "/adapters/{op:str}", adapter_control, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

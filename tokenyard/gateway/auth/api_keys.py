@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
 import secrets
 import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tokenyard.policies.adapter_access import parse_patterns
 from tokenyard.policies.schema import (
     PRIORITIES,  # admission classes, in order: interactive is always served first
 )
@@ -57,6 +59,9 @@ class KeyRecord:
     max_concurrent: int | None = None   # queued + running per gateway; None: the deployment default, 0: no cap
     created: float = 0.0                # unix seconds
     revoked: float | None = None        # unix seconds, when revoked
+    # The LoRA adapters the key may use (ENGINE:ADAPTER, ENGINE:*, *: tokenyard/policies/adapter_access.py);
+    # None: every adapter (its tenant's list, if the policy gives one, still applies). Stored as JSON.
+    adapters: tuple[str, ...] | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -70,7 +75,9 @@ class KeyRecord:
         return hmac.compare_digest(self.key_hash.encode(), key_hash.encode())
 
     def to_redis(self) -> dict[str, str]:
-        return {f.name: "" if getattr(self, f.name) is None else str(getattr(self, f.name)) for f in fields(self)}
+        out = {f.name: "" if getattr(self, f.name) is None else str(getattr(self, f.name)) for f in fields(self)}
+        out["adapters"] = "" if self.adapters is None else json.dumps(list(self.adapters))
+        return out
 
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> "KeyRecord":
@@ -83,11 +90,23 @@ class KeyRecord:
         return cls(key_id=d["key_id"], key_hash=d["key_hash"], tenant=d["tenant"], name=d.get("name", ""),
                    role=d.get("role", "user"), priority=d.get("priority", "interactive"), rpm=opt_int("rpm"),
                    tpm=opt_int("tpm"), max_concurrent=opt_int("max_concurrent"),
-                   created=float(d.get("created") or 0), revoked=float(d["revoked"]) if d.get("revoked") else None)
+                   created=float(d.get("created") or 0), revoked=float(d["revoked"]) if d.get("revoked") else None,
+                   adapters=_adapters_from(d.get("adapters")))
 
     def public(self) -> dict[str, Any]:
         """What `keys list` shows: everything but the hash."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "key_hash"}
+
+
+def _adapters_from(raw: str | None) -> tuple[str, ...] | None:
+    """A stored allow list; one that does not read allows nothing (fail closed), never everything."""
+    if not raw:
+        return None
+    try:
+        items = json.loads(raw)
+        return parse_patterns(items) if isinstance(items, list) else ()
+    except ValueError:
+        return ()
 
 
 def generate_key() -> str:
@@ -117,7 +136,8 @@ def check_tenant(tenant: str) -> str:
 
 
 def new_record(key: str, tenant: str, name: str = "", role: str = "user", priority: str = "interactive",
-               rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None) -> KeyRecord:
+               rpm: int | None = None, tpm: int | None = None, max_concurrent: int | None = None,
+               adapters: list[str] | tuple[str, ...] | None = None) -> KeyRecord:
     check_tenant(tenant)
     if role not in ROLES:
         raise KeySpecError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -126,9 +146,14 @@ def new_record(key: str, tenant: str, name: str = "", role: str = "user", priori
     for label, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", max_concurrent)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise KeySpecError(f"{label} must be an integer >= 0 (0: unlimited), got {value!r}")
+    if adapters is not None:
+        try:
+            adapters = parse_patterns(adapters)
+        except ValueError as e:
+            raise KeySpecError(f"adapters: {e}") from None
     h = hash_key(key)
     return KeyRecord(key_id=key_id_of(h), key_hash=h, tenant=tenant, name=name[:128], role=role, priority=priority,
-                     rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, created=time.time())
+                     rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, created=time.time(), adapters=adapters)
 
 
 class KeyStore:

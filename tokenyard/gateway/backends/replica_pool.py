@@ -33,6 +33,11 @@ a request reaches it). Sleeping replicas are not summed into `stats()` while one
 admission and the autoscaling signals do not count them as capacity. A replica that fails while
 waking fails its requests before their first token: they are retried like any other.
 
+LoRA affinity (as llm-d's): a request for an adapter goes to a replica that reports the adapter in a pool
+slot (stats lora_resident), else to one that has it registered (lora_names; a replica without it would
+refuse the request), else, when none reports it, to any; the choice above applies among those
+(`holding_adapter`).
+
 Retry: a request whose replica failed before sending its first token (refused, reset, 503
 draining) is run on another replica, up to max_attempts replicas in all; once a token was
 streamed it is never retried, and the client gets the error.
@@ -55,6 +60,22 @@ from tokenyard.gateway.backends.remote_engine import RemoteEngine, empty_stats
 from tokenyard.gateway.config.replica_config import PoolConfig
 
 log = logging.getLogger("tokenyard.replicas")
+
+
+def holding_adapter(cands: list["Replica"], adapter: str | None) -> list["Replica"]:
+    """The candidates that hold the request's LoRA adapter in a pool slot, else those that can serve it,
+    else all (stats not polled yet, or nobody reports it: the replica's own answer decides)."""
+    if adapter is None:
+        return cands
+    for held in (lambda st: st.lora_resident, lambda st: st.lora_names):
+        group = [r for r in cands if adapter in held(r.engine.stats())]
+        if group:
+            return group
+    return cands
+
+
+def _adapter_of(params: SamplingParams | dict | None) -> str | None:
+    return params.get("lora") if isinstance(params, dict) else getattr(params, "lora", None)
 
 
 class Replica:
@@ -216,7 +237,9 @@ class ReplicaPool:
             prefix_cache_hit_rate=hit_tokens / queried if queried else 0.0, prefix_cache_hit_tokens=hit_tokens,
             num_steps=sum(s.num_steps for s in known), last_step_tokens=sum(s.last_step_tokens for s in known),
             max_num_seqs=sum(s.max_num_seqs for s in known),
-            max_num_batched_tokens=sum(s.max_num_batched_tokens for s in known))
+            max_num_batched_tokens=sum(s.max_num_batched_tokens for s in known),
+            lora_names=sorted({n for s in known for n in s.lora_names}),
+            lora_resident=sorted({n for s in known for n in s.lora_resident}))
 
     async def start(self) -> None:
         await asyncio.gather(*(r.engine.start() for r in self.replicas))
@@ -239,7 +262,7 @@ class ReplicaPool:
         stream: PoolStream | None = None
         exclude: list[Replica] = []
         while len(exclude) < self.cfg.max_attempts:
-            replica = self.choose(prompt_token_ids, cache_salt, exclude)
+            replica = self.choose(prompt_token_ids, cache_salt, exclude, _adapter_of(params))
             if replica is None:
                 break
             try:
@@ -262,11 +285,12 @@ class ReplicaPool:
             stream.replica.engine.abort(request_id)
 
     # -- choice -------------------------------------------------------------------------------
-    def choose(self, prompt_ids: list[int], salt: str | None, exclude: list[Replica] = ()) -> Replica | None:
+    def choose(self, prompt_ids: list[int], salt: str | None, exclude: list[Replica] = (),
+               adapter: str | None = None) -> Replica | None:
         cands = [r for r in self.replicas if r.routable and r not in exclude]
         if not cands:
             return None
-        cands = self._awake_first(cands)
+        cands = holding_adapter(self._awake_first(cands), adapter)
         turn = next(self._turn)
         order = cands[turn % len(cands):] + cands[:turn % len(cands)]    # ties go in turn
         cfg = self.cfg
@@ -309,7 +333,7 @@ class ReplicaPool:
         self._streams.pop(stream.request_id, None)
         ids, params, priority, salt = stream.call
         while len(stream.tried) < self.cfg.max_attempts:
-            replica = self.choose(ids, salt, stream.tried)
+            replica = self.choose(ids, salt, stream.tried, _adapter_of(params))
             if replica is None:
                 return False
             stream.tried.append(replica)

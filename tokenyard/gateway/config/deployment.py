@@ -62,6 +62,9 @@ class EngineSpec:
     replicas: ReplicaSet | None = None   # `replicas:` / `replica_pool:` (None: one in-process engine)
     upstream: UpstreamSpec | None = None  # type openai: where and how to call it
     embeddings: bool = False      # type torch: /v1/embeddings served from its pooled hidden states
+    # Folders the admin API may load LoRA adapters from at run time (an adapter's folder must lie inside one);
+    # empty: no run-time loads (tokenyard/gateway/routes/adapter_admin.py).
+    lora_roots: tuple[Path, ...] = ()
 
 
 @dataclass(slots=True)
@@ -199,7 +202,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "autoscaling": AUTOSCALING_KEYS,
     "routing": _names(Routing),
     "router": ROUTER_KEYS,
-    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings"}),
+    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings", "lora_roots"}),
     "engines.NAME.prices": _names(Prices),
     "engines.NAME.replica_pool": _names(PoolConfig),
     "batch": BATCH_KEYS,
@@ -431,6 +434,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
         raise DeploymentError(f"{where}.embeddings must be true or false")
     if embeddings and kind != "torch":
         raise DeploymentError(f"{where}.embeddings: only torch engines compute embeddings (a mock has no model)")
+    lora_roots = _lora_roots(spec.pop("lora_roots", []), base, f"{where}.lora_roots")
     try:  # validate the engine keys now, before anything loads
         if kind == "torch":
             from tokenyard.engines.core.config import EngineConfig
@@ -442,7 +446,14 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
         raise DeploymentError(f"{where}: {e}") from e
     if kind == "torch" and spec.get("lora_modules"):   # adapter folders, like the model, relative to the file
         spec["lora_modules"] = {k: str(_path(v, base)) for k, v in spec["lora_modules"].items()}
-    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings)
+    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings, lora_roots=lora_roots)
+
+
+def _lora_roots(raw: Any, base: Path, where: str) -> tuple[Path, ...]:
+    """Folders (relative to this file) that run-time adapter loads may read from, resolved (no symlink games)."""
+    if not isinstance(raw, list) or not all(isinstance(p, str) and p for p in raw):
+        raise DeploymentError(f"{where} must be a list of folders, got {raw!r}")
+    return tuple(_path(p, base) for p in raw)
 
 
 def _prices(spec: dict[str, Any], where: str) -> Prices:

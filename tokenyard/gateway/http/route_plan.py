@@ -49,6 +49,7 @@ from tokenyard.gateway.routing.learned_router import LearnedRouter
 from tokenyard.gateway.routing.traffic_learning import Observation
 from tokenyard.gateway.spend.budget_hold import BudgetCharge, meters_for
 from tokenyard.policies import EngineState, RequestFeatures, TenantSpend, decide
+from tokenyard.policies.adapter_access import allows
 from tokenyard.policies.budgets import over_limit
 from tokenyard.policies.budgets import scopes as budget_scopes
 from tokenyard.policies.evaluate import effective_threshold, small_is_enough
@@ -140,8 +141,10 @@ async def plan_route(gw: "Gateway", req: ChatRequest | CompletionRequest, key: K
     plan = await _route(gw, req, key, deadline, prompt)
     plan.prompt = prompt
     pinned = gw.router.pinned(req.model)
-    if pinned is not None and pinned.lora is not None:
+    if plan.lora is None and pinned is not None and pinned.lora is not None:
         plan.lora = (pinned.engine, pinned.lora)
+    if plan.adapter is not None:
+        check_adapter_access(gw, key, f"{plan.engine}:{plan.adapter}")
     if plan.budget is not None:     # the worst case is reckoned at the prices the request is billed at
         plan.budget.prices = plan.prices or gw.handles[plan.engine].prices
     if req.priority is not None:
@@ -202,7 +205,8 @@ async def _decide(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyR
         else:
             route = gw.router.auto(len(ids))
             engine, reason = route.engine, route.reason
-        plan = Plan(engine, reason, ids, score, max_tokens=req.max_tokens, routed_prompt_tokens=len(ids))
+        plan = _split_adapter(Plan(engine, reason, ids, score, max_tokens=req.max_tokens,
+                                   routed_prompt_tokens=len(ids)))
         if chosen is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in (chosen.scores or {}).items())
             plan.explanation.append(f"router P(good): {shown}; chose {engine}")
@@ -221,6 +225,8 @@ async def _decide(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyR
         reached = any(over_limit(s.budget, *spend.of(s.dim, s.value)) for s in found)
         gw.metrics.budget_checks.labels("unavailable" if not known else "reached" if reached else "within").inc()
     states = engine_states(gw, key.tenant, key.priority_class)
+    if pinned is not None and pinned.lora is not None:    # an adapter's state is its engine's (overflow reads it)
+        states[f"{pinned.engine}:{pinned.lora}"] = states[pinned.engine]
     d = decide(policy, features, spend, states, score, state.router_threshold,
                router_scores=chosen.scores if chosen is not None else None,
                router_pick=chosen.engine if chosen is not None else None)
@@ -243,16 +249,37 @@ async def _decide(gw: "Gateway", req: ChatRequest | CompletionRequest, key: KeyR
     priority = PRIORITIES.index(d.priority) if rule_priority else max(key.priority_class,
                                                                         PRIORITIES.index(d.priority))
     plan = Plan(d.engine, d.reason, ids, score, priority=priority, max_tokens=d.max_tokens,
-                rate=state.rate_for(key.tenant), prices=state.prices.get(d.engine),
+                rate=state.rate_for(key.tenant), prices=state.prices.get(d.engine.partition(":")[0]),
                 baseline_prices=state.prices.get(gw.baseline_engine), policy_version=state.number,
                 engine_state={n: {"predicted_ttft_ms": round(s.predicted_ttft_ms, 3), "healthy": s.healthy}
                               for n, s in states.items()},
                 explanation=d.explanation, context_dropped_tokens=dropped,
                 routed_prompt_tokens=features.prompt_tokens, fallback=policy.fallback_for(key.tenant, d.rule_index))
+    _split_adapter(plan)
     if found:       # held at admission, settled with the usage record (tokenyard/gateway/spend/budget_hold.py)
         plan.budget = BudgetCharge(gw.budgets.holds, key.tenant, meters_for(found, spend.of), None)
     return await prompt_work(req, lambda: _finish(gw, prompt, tok, _fit(gw, prompt, tok, plan,
                                                                           lambda e: state.prices.get(e))))
+
+
+def check_adapter_access(gw: "Gateway", key: KeyRecord, model: str) -> None:
+    """403 adapter_not_allowed unless the key's allow list and its tenant's (the policy's) both allow the
+    LoRA adapter `model` (ENGINE:ADAPTER; tokenyard/policies/adapter_access.py)."""
+    policy = gw.policy.policy
+    tenant = policy.tenant(key.tenant).adapters if policy is not None else None
+    for patterns, whose in ((key.adapters, f"API key {key.name or key.key_id}"), (tenant, f"tenant {key.tenant}")):
+        if not allows(patterns, model):
+            raise Forbidden(f"The {whose} may not use the LoRA adapter '{model}' (allowed: "
+                            f"{', '.join(patterns) or 'none'})", param="model", code="adapter_not_allowed")
+
+
+def _split_adapter(plan: Plan) -> Plan:
+    """A route to ENGINE:ADAPTER (a policy's pin, the router's engine set, a requested adapter the policy
+    honoured) runs on ENGINE with ADAPTER."""
+    engine, sep, adapter = plan.engine.partition(":")
+    if sep:
+        plan.engine, plan.lora = engine, (engine, adapter)
+    return plan
 
 
 def _fit(gw: "Gateway", prompt: RenderedPrompt, tok: Any, plan: Plan, prices_for=None) -> Plan:

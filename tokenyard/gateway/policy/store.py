@@ -72,7 +72,8 @@ def deployment_problems(policy: Policy, engines: Iterable[str]) -> list[Problem]
             problems.append(Problem(f"engines.tiers[{i}]", f"engine {name!r} is not an engine of this deployment",
                                     allowed=allowed))
     for i, rule in enumerate(policy.rules):
-        if rule.action.pin is not None and rule.action.pin not in known:
+        # a pin to ENGINE:ADAPTER needs the engine; its adapters may load at run time
+        if rule.action.pin is not None and rule.action.pin.partition(":")[0] not in known:
             problems.append(Problem(f"rules[{i}].action.pin",
                                     f"engine {rule.action.pin!r} is not an engine of this deployment",
                                     allowed=allowed))

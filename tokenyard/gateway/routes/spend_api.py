@@ -3,7 +3,7 @@
 Visibility (a tenant's key sees its own tenant, an admin key every tenant) is decided by
 spend_queries.visible_tenants before the store is read.
 
-    GET /v1/spend/report?start&end&group_by=model|tenant|day|hour|key|user|route|tag:NAME[,...]&tenant&format=json|csv
+    GET /v1/spend/report?start&end&group_by=model|tenant|day|hour|key|user|route|adapter|tag:NAME[,...]&tenant&format=json|csv
     GET /v1/spend/requests?start&end&tenant&limit&cursor
 """
 from __future__ import annotations

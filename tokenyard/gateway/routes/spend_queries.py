@@ -88,7 +88,7 @@ async def build_report(gw: "Gateway", tenants: list[str], start: float, end: flo
 async def read_report(redis: Any, prefix: str, tenants: list[str], start_hour: int, end_hour: int,
                       group_by: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any], str, list[store.RollupRow]]:
     """(groups, total, source, base rollup rows): from the hourly rollups, with at most one dimension
-    among key, user, route, tag:NAME; else from the request stream (exact within its retention; at
+    among key, user, route, adapter, tag:NAME; else from the request stream (exact within its retention; at
     most MAX_STREAM_REPORT records, BadRequest past that). Grouped by key, rows name their key.
 
     The grouping runs in a worker thread (asyncio.to_thread), as does the parsing of the rollups

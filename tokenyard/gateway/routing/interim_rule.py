@@ -5,13 +5,15 @@ Interim rule (when no learned router is configured), decided on the prompt's tok
     tokens go to small (reason "auto:short_prompt"), longer ones to large ("auto:long_prompt");
   - otherwise "auto" goes to the first engine in the file (reason "auto:default").
 A request naming an engine gets it (reason "pinned"); so does `ENGINE:ADAPTER`, an engine's LoRA
-adapter (its `lora_modules`), with the adapter carried in the route; any other name is a 404.
+adapter (its `lora_modules`, those the admin API loaded, and those the engine reports in its stats: a
+replica another gateway loaded one on), with the adapter carried in the route; any other name is a 404.
 
 The count is taken with the small engine's tokenizer; engines whose tokenizer files are
 identical share one tokenizer object, so the ids are reused and the prompt is tokenised once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenyard.gateway.edge.errors import NotFound
@@ -44,10 +46,33 @@ class Router:
         self._split = rule.small is not None and rule.large is not None
         # engine -> the names of its LoRA adapters, addressed as ENGINE:ADAPTER
         self.adapters = {e: list(names) for e, names in (adapters or {}).items() if names}
+        # engine -> the adapters its backend reports now (set by the gateway once engines attach)
+        self.live: Callable[[str], list[str]] | None = None
+
+    def adapters_of(self, engine: str) -> list[str]:
+        """The adapters of one engine a request may name: this gateway's record and the engine's report."""
+        names = set(self.adapters.get(engine, ()))
+        if self.live is not None:
+            names.update(self.live(engine))
+        return sorted(names)
 
     def adapter_models(self) -> list[tuple[str, str]]:
         """(engine, adapter) for every adapter a request may name, in deployment order."""
-        return [(e, a) for e, names in self.adapters.items() for a in names]
+        engines = list(dict.fromkeys([*self.engines, *self.adapters]))
+        return [(e, a) for e in engines for a in self.adapters_of(e)]
+
+    def add_adapter(self, engine: str, adapter: str) -> None:
+        """An adapter loaded at run time (the admin API) becomes a model: ENGINE:ADAPTER."""
+        names = self.adapters.setdefault(engine, [])
+        if adapter not in names:
+            names.append(adapter)
+
+    def remove_adapter(self, engine: str, adapter: str) -> None:
+        names = self.adapters.get(engine, [])
+        if adapter in names:
+            names.remove(adapter)
+        if not names:
+            self.adapters.pop(engine, None)
 
     def pinned(self, model: str) -> Route | None:
         """The route for an engine name; None for "auto"; NotFound for anything else."""
@@ -56,7 +81,8 @@ class Router:
         if model in self.engines:
             return Route(model, "pinned")
         engine, sep, adapter = model.partition(":")
-        if sep and adapter in self.adapters.get(engine, ()):
+        if sep and (adapter in self.adapters.get(engine, ()) or
+                    (self.live is not None and adapter in self.live(engine))):
             return Route(engine, "pinned", adapter)
         names = [*self.engines, *(f"{e}:{a}" for e, a in self.adapter_models())]
         raise NotFound(f"The model '{model}' does not exist; available: auto, {', '.join(names)}",

@@ -32,6 +32,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+from tokenyard.engines.lora.adapter_errors import NAME as ADAPTER_NAME
 from tokenyard.gateway.routing.decision import RouterDecision, RouterSettings
 from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
 from tokenyard.gateway.routing.interim_rule import Router
@@ -141,9 +142,12 @@ def parse_router_settings(data: Any, base_dir: Path, engines: Mapping[str, Any])
         names = data["engines"]
         if not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) for n in names):
             raise ValueError("router.engines must be a list of at least two engine names")
-        unknown = [n for n in names if n not in engines]
+        # ENGINE:ADAPTER routes to one of an engine's LoRA adapters (loaded at start-up or at run time)
+        unknown = [n for n in names if n.partition(":")[0] not in engines
+                   or (":" in n and not ADAPTER_NAME.match(n.partition(":")[2]))]
         if unknown:
-            raise ValueError(f"router.engines names {', '.join(map(repr, unknown))}, not under engines")
+            raise ValueError(f"router.engines names {', '.join(map(repr, unknown))}, not under engines "
+                             f"(an engine name, or ENGINE:ADAPTER of one)")
         if len(set(names)) != len(names):
             raise ValueError("router.engines lists an engine twice")
         out.engines = list(names)

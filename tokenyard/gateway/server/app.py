@@ -35,9 +35,9 @@ from tokenyard.gateway.http import (
     responses_endpoint,
 )
 from tokenyard.gateway.observability.access_log import AccessLog
+from tokenyard.gateway.routes import adapter_admin, router_admin
 from tokenyard.gateway.routes import policy_api as policy_routes
 from tokenyard.gateway.routes import replica_api as replica_routes
-from tokenyard.gateway.routes import router_admin
 from tokenyard.gateway.routes import spend_api as spend_routes
 from tokenyard.gateway.server import service_routes
 from tokenyard.gateway.spend.usage import UsageSink
@@ -107,7 +107,7 @@ def create_app(deployment: Deployment, *, handles: dict[str, EngineHandle] | Non
     routes += service_routes.routes() + spend_routes.routes()
     if deployment.web.dashboard.enabled:
         routes += dashboard.routes()
-    routes += policy_routes.routes() + replica_routes.routes() + policy_page.routes()
+    routes += policy_routes.routes() + replica_routes.routes() + adapter_admin.routes() + policy_page.routes()
     routes += file_routes.routes() + batch_routes.routes()
     routes += favicon.routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}

@@ -16,7 +16,13 @@ from tokenyard.gateway.edge.completion_request import UNSUPPORTED as TEXT_UNSUPP
 from tokenyard.gateway.edge.messages_openapi import messages_paths
 from tokenyard.gateway.edge.openapi_parts import errors, json_body
 from tokenyard.gateway.edge.tool_request import MAX_TOOLS
-from tokenyard.gateway.server.openapi_admin import dashboard_paths, policy_paths, replica_paths, spend_paths
+from tokenyard.gateway.server.openapi_admin import (
+    adapter_paths,
+    dashboard_paths,
+    policy_paths,
+    replica_paths,
+    spend_paths,
+)
 from tokenyard.gateway.server.openapi_responses import responses_paths
 from tokenyard.gateway.server.openapi_router import router_paths
 
@@ -310,6 +316,7 @@ def openapi_schema() -> dict[str, Any]:
             **dashboard_paths(),
             **policy_paths(auth),
             **replica_paths(auth),
+            **adapter_paths(auth),
             **batch_paths(auth),
             **messages_paths(),
             **responses_paths(auth, request),

@@ -31,7 +31,8 @@ def spend_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
             "summary": ("Spend and tokens from the hourly rollups, grouped; JSON or CSV (format=csv or "
                         "Accept: text/csv)"),
             "security": auth,
-            "parameters": [*window, query("group_by", ("model, tenant, day, hour, key, user, route or tag:NAME, or several "
+            "parameters": [*window, query("group_by", ("model, tenant, day, hour, key, user, route, adapter or tag:NAME, or "
+                                                       "several "
                                                        "comma-separated; one of key/user/route/tag from the rollups "
                                                        "(its \"\" group: records without a value), two or more from "
                                                        "the request stream")),
@@ -190,4 +191,49 @@ def replica_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
             "summary": "Wake a sleeping replica; answers when it serves again", "security": auth,
             "parameters": params,
             "responses": {"200": json_body(state, "awake"), **errors(401, 403, 404, 409, 503)}}},
+    }
+
+
+def adapter_paths(auth: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's LoRA adapters at run time (tokenyard/gateway/routes/adapter_admin.py)."""
+    names = {"type": "array", "items": {"type": "string"}}
+    listing = {"type": "object", "properties": {
+        "engine": {"type": "string"},
+        "adapters": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "model": {"type": "string", "description": "ENGINE:NAME"},
+            "source": {"enum": ["deployment", "runtime"]}}}},
+        "lora_roots": names,
+        "replicas": {"type": "array", "items": {"type": "object", "properties": {
+            "replica": {"type": "string"}, "adapters": names,
+            "resident": {**names, "description": "the adapters in a pool slot now"}}}},
+        "audit": {"type": "array", "items": {"type": "object", "properties": {
+            "at": {"type": "number"}, "actor": {"type": "string"}, "key_id": {"type": "string"},
+            "action": {"enum": ["load", "unload"]}, "engine": {"type": "string"}, "adapter": {"type": "string"},
+            "path": {"type": ["string", "null"]}, "outcome": {"type": "string"}}}}}}
+    loaded = {"type": "object", "properties": {
+        "engine": {"type": "string"}, "model": {"type": "string", "description": "ENGINE:NAME, usable at once"},
+        "name": {"type": "string"}, "path": {"type": "string"}, "rank": {"type": "integer"},
+        "alpha": {"type": "number"}, "modules": names, "bytes": {"type": "integer"},
+        "seconds": {"type": "number"}, "replicas": {**names, "description": "a replica pool: every replica"}}}
+    body = {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["name", "path"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
+            "path": {"type": "string", "description": "the adapter's folder (adapter_config.json + "
+                                                      "adapter_model.safetensors), inside the engine's lora_roots "
+                                                      "(a relative path: inside the first)"}}}}}}
+    return {
+        "/admin/engines/{engine}/adapters": {
+            "get": {"summary": "An engine's LoRA adapters, where they come from, each replica's, and the audit trail",
+                    "security": auth, "parameters": [path_param("engine")],
+                    "responses": {"200": json_body(listing, "the adapters"), **errors(401, 403, 404)}},
+            "post": {"summary": "Load a LoRA adapter while the engine serves (every replica or none); 400 names "
+                                "the tensor of a rank, shape or base mismatch, or a path outside lora_roots",
+                     "security": auth, "parameters": [path_param("engine")], "requestBody": body,
+                     "responses": {"200": json_body(loaded, "loaded"), **errors(400, 401, 403, 404, 409, 503)}}},
+        "/admin/engines/{engine}/adapters/{name}": {"delete": {
+            "summary": "Unload a LoRA adapter; 409 adapter_conflict while requests still run with it (they finish)",
+            "security": auth, "parameters": [path_param("engine"), path_param("name")],
+            "responses": {"200": json_body({"type": "object", "properties": {
+                "engine": {"type": "string"}, "name": {"type": "string"}, "unloaded": {"type": "boolean"}}},
+                "unloaded"), **errors(401, 403, 404, 409, 503)}}},
     }

@@ -7,7 +7,7 @@
 
 One Lua script (tokenyard/gateway/spend/lua/spend_record.lua) per record does, atomically: the idempotency check
 on the request id (SET NX with a TTL), the stream entry (XADD MAXLEN ~, XTRIM MINID ~), and the
-rollup counters of (tenant, engine, hour) and of each dimension (key, user, route, each tag: values
+rollup counters of (tenant, engine, hour) and of each dimension (key, user, route, adapter, each tag: values
 and tag names bounded per tenant-hour, the rest under "(other)"). So a rollup can never disagree with the records, and
 replaying a record twice changes nothing.
 

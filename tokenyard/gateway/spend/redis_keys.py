@@ -5,7 +5,7 @@
     {prefix}spend:{T}:h:{hour}            hash of one hour's rollup: "{engine}|{field}" -> integer
     {prefix}spend:{T}:hours               sorted set of the hours that have a rollup (score = member = hour)
     {prefix}spend:{T}:hd:{hour}           hash of one hour's rollup by one more dimension (key, user, route,
-                                          tag:NAME): '["{dim}", "{value}", "{engine}"]|{field}' -> integer
+                                          adapter, tag:NAME): '["{dim}", "{value}", "{engine}"]|{field}' -> integer
     {prefix}spend:{T}:hv:{hour}:{dim}     set of the values of dim seen that hour (bounded: past
                                           spend.max_values_per_dimension, new values count as "(other)")
     {prefix}spend:{T}:tn:{hour}           set of the tag dimensions (tag:NAME) kept that hour (bounded: past
@@ -65,10 +65,10 @@ def tenants_key(prefix: str) -> str:
 
 def record_dimensions(rec: dict[str, Any]) -> list[tuple[str, str]]:
     """The (dimension, value) pairs a record is rolled up by besides tenant, engine and hour: its
-    key id, user, route reason and each metadata tag (tag:NAME). Empty values are left out: a
+    key id, user, route reason, LoRA adapter and each metadata tag (tag:NAME). Empty values are left out: a
     report's "" group is the rest of the total (which also covers records older than these rollups)."""
     dims = [("key", rec.get("key_id") or ""), ("user", rec.get("user") or ""),
-            ("route", rec.get("route_reason") or "")]
+            ("route", rec.get("route_reason") or ""), ("adapter", rec.get("lora") or "")]
     dims += [(f"tag:{k}", str(v)) for k, v in sorted((rec.get("tags") or {}).items())]
     return [(d, v) for d, v in dims if v]
 

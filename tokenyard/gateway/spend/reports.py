@@ -1,5 +1,6 @@
 """Spend reports: rollup rows grouped by model, tenant, day, hour and at most one more dimension
-(key, user, route, tag:NAME); JSON rows, CSV and text tables.
+(key, user, route, adapter, tag:NAME); JSON rows, CSV and text tables. `model,adapter` is the spend of
+each engine's LoRA adapters (model ENGINE:ADAPTER), the base in the adapter's "(none)" group.
 
 Grouping by a dimension reads that dimension's rollups. Its "(none)" group holds every record without a
 value for it (and records from before dimension rollups existed): the ungrouped total less the
@@ -31,7 +32,7 @@ from tokenyard.gateway.edge.edge_params import read_time
 from tokenyard.gateway.spend.store import RollupRow
 
 GROUPS = ("model", "tenant", "day", "hour")
-DIMENSIONS = ("key", "user", "route")     # and tag:NAME, NAME a metadata key
+DIMENSIONS = ("key", "user", "route", "adapter")     # and tag:NAME, NAME a metadata key; adapter: the LoRA one
 NONE = "(none)"      # a dimension's group of the records without a value for it (CLI, CSV, JSON, dashboard)
 SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_micros", "baseline_cost_micros",
         "errors")
@@ -190,6 +191,8 @@ def record_labels(rec: dict[str, Any], group_by: list[str]) -> tuple[str, ...]:
             out.append(rec.get("user") or NONE)
         elif g == "route":
             out.append(rec.get("route_reason") or NONE)
+        elif g == "adapter":
+            out.append(rec.get("lora") or NONE)
         else:
             out.append(str((rec.get("tags") or {}).get(g[4:], "")) or NONE)
     return tuple(out)

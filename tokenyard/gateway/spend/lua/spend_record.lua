@@ -6,7 +6,7 @@
 -- ARGV[15] oldest hour kept in the hours index (older members point at expired rollups)
 -- KEYS[6] dimension rollup hash (tenant x hour)  KEYS[7] the tag names kept (tenant x hour)
 -- KEYS[8..7+D] one value set per dimension
--- ARGV[16] D, the record's dimensions (key, user, route, tag:NAME with a value)  ARGV[17] values kept per dimension
+-- ARGV[16] D, the record's dimensions (key, user, route, adapter, tag:NAME with a value)  ARGV[17] values kept per dimension
 -- ARGV[18] tag names kept per tenant and hour  ARGV[19] the folded dimension ("tag:(other)")
 -- ARGV[20] the field prefix of the folded dimension's one value ("(other)") on this engine
 -- ARGV[21..] per dimension: its value, the field prefix for it, the field prefix for "(other)", and
