@@ -24,14 +24,14 @@ from tokenyard.gateway.config.deployment import parse_deployment
 DEMO = ROOT / "models" / "demo-small"
 
 
-def test_auto_puts_torch_engines_in_a_process_and_keeps_mock_and_embeddings_ones_in():
+def test_auto_puts_torch_engines_in_a_process_embeddings_ones_too_and_keeps_mock_in():
     dep = parse_deployment({"engines": {
         "t": {"type": "torch", "model": str(DEMO)},
         "emb": {"type": "torch", "model": str(DEMO), "embeddings": True},
         "m": {"type": "mock", "model": str(DEMO)},
         "pool": {"type": "torch", "model": str(DEMO), "replicas": [{"url": "http://127.0.0.1:1"}]}}}, ROOT)
     auto = {n: in_own_process(s, dep.engine_process) for n, s in dep.engines.items()}
-    assert dep.engine_process is None and auto == {"t": True, "emb": False, "m": False, "pool": False}
+    assert dep.engine_process is None and auto == {"t": True, "emb": True, "m": False, "pool": False}
     assert {n: in_own_process(s, True) for n, s in dep.engines.items()} == {"t": True, "emb": True, "m": True,
                                                                              "pool": False}
     assert not any(in_own_process(s, False) for s in dep.engines.values())

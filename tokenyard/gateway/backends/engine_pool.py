@@ -9,7 +9,8 @@ byte-identical share one Tokenizer object, which lets the router reuse a prompt'
 Which engines step in a process of their own (`in_own_process`): none with `replicas` or `upstream`;
 with `server.engine_process: true` every other one, with `false` none; by default ("auto") the torch
 engines (those marked `embeddings: true` included: the core computes the vectors between its steps,
-tokenyard/engines/serving/process_embeddings.py), while mock engines stay in-process (they cost no compute worth a process, and the gateway's tests stay fast).
+tokenyard/engines/serving/process_embeddings.py), while mock engines stay in-process (they cost no
+compute worth a process, and the gateway's tests stay fast).
 With `server.workers` > 1 every built-in engine without replicas runs in the one core the supervisor
 started, whatever its type (each worker holding an engine of its own would not be one engine).
 """
