@@ -37,9 +37,9 @@ from tokenyard.engines.model.attention import resolve_backend
 from tokenyard.engines.model.cpu_allocator import keep_freed_memory
 from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner
-from tokenyard.engines.model.token_masks import PendingMasks
 from tokenyard.engines.model.pooled_embedding import check_prompts, embed_prompts
 from tokenyard.engines.model.runner_config import RunnerConfig
+from tokenyard.engines.model.token_masks import PendingMasks
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
 from tokenyard.engines.runtime.engine_sleep import EngineSleep
