@@ -12,7 +12,11 @@
    finishes: each such step is one output token for every request); the run is repeated (plain
    and constrained interleaved) and the median of the repeat medians is reported.
    Plain requests ignore EOS and constrained ones use a schema that needs more than `tpot-tokens`
-   tokens, so both decode the same number of tokens.
+   tokens, so both decode the same number of tokens. Constrained runs are measured twice, on two
+   engines built alike but for the engine option grammar_mask_overlap: masks filled while the forward
+   runs ("json_schema", the default) and filled inline after it ("json_schema_inline"); each is
+   compared with plain runs on its own engine ("plain", "plain_inline"), and the four kinds rotate
+   their order round by round.
 
 Writes bench/results/structured_outputs.json (structured_outputs_tpot.json with --only tpot)
 through tokenyard.bench.results_io.RunRecorder.
@@ -40,11 +44,11 @@ LONG = {"type": "object", "properties": {"words": {"type": "array", "minItems": 
     "type": "string", "pattern": "^[a-z]{4,12}$"}}}, "required": ["words"], "additionalProperties": False}
 
 
-def make_llm(batch: int, cpu_compile: str = "off") -> LLM:
+def make_llm(batch: int, cpu_compile: str = "off", overlap: bool = True) -> LLM:
     # cpu_compile off by default: the grammar's cost is measured on the eager decode step, whose
     # time does not depend on a compile cache; --cpu-compile auto measures the compiled step.
     return LLM(smollm2_path(), quantization="int4", quant_group_size=32, kv_cache_memory=512 << 20,
-               max_num_seqs=batch, progress=False, cpu_compile=cpu_compile)
+               max_num_seqs=batch, progress=False, cpu_compile=cpu_compile, grammar_mask_overlap=overlap)
 
 
 def validity(llm: LLM, per_schema: int, max_tokens: int) -> dict[str, Any]:
@@ -108,16 +112,29 @@ def tpot_run(llm: LLM, batch: int, tokens: int, constrained: bool, round_no: int
             "finish_reasons": sorted(set(finishes))}
 
 
+# (kind, engine): constrained runs are compared with the plain runs of the same engine
+KINDS = (("plain", "overlap"), ("json_schema", "overlap"), ("plain_inline", "inline"), ("json_schema_inline", "inline"))
+
+
 def tpot(batch: int, tokens: int, repeats: int, cpu_compile: str) -> dict[str, Any]:
-    llm = make_llm(batch, cpu_compile)
-    tpot_run(llm, min(batch, 2), 4, True, -1)    # warm-up: compile the grammar, touch the weights
-    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "json_schema": []}
+    llms = {"overlap": make_llm(batch, cpu_compile), "inline": make_llm(batch, cpu_compile, overlap=False)}
+    for llm in llms.values():
+        tpot_run(llm, min(batch, 2), 4, True, -1)    # warm-up: compile the grammar, touch the weights
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _ in KINDS}
+    n = 0
     for r in tqdm(range(repeats), desc=f"TPOT batch {batch}"):
-        for label in (("plain", "json_schema") if r % 2 == 0 else ("json_schema", "plain")):
-            runs[label].append(tpot_run(llm, batch, tokens, label == "json_schema", r * 2 + (label == "plain")))
+        for k in range(len(KINDS)):
+            kind, engine = KINDS[(r + k) % len(KINDS)]   # rotate: each kind takes each place in turn
+            runs[kind].append(tpot_run(llms[engine], batch, tokens, kind.startswith("json"), n))
+            n += 1
     med = {k: statistics.median(x["tpot_ms_median"] for x in v) for k, v in runs.items()}
+    # per round, constrained over the same engine's plain run of that round
+    ratios = {c: [round((a["tpot_ms_median"] / b["tpot_ms_median"] - 1) * 100, 1) for a, b in zip(runs[c], runs[p])]
+              for c, p in (("json_schema", "plain"), ("json_schema_inline", "plain_inline"))}
     return {"batch": batch, "tokens": tokens, "tpot_ms": {k: round(v, 3) for k, v in med.items()},
-            "overhead_pct": round((med["json_schema"] / med["plain"] - 1) * 100, 1), "runs": runs}
+            "overhead_pct": round((med["json_schema"] / med["plain"] - 1) * 100, 1),
+            "overhead_inline_pct": round((med["json_schema_inline"] / med["plain_inline"] - 1) * 100, 1),
+            "overhead_pct_per_round": ratios, "runs": runs}
 
 
 def main() -> None:
@@ -129,24 +146,29 @@ def main() -> None:
     ap.add_argument("--only", default="validity,tpot")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-compile", default="off", choices=("auto", "on", "off"))
+    ap.add_argument("--batches", default="1,32", help="TPOT batch sizes, comma-separated")
+    ap.add_argument("--name", default="", help="results file name (default: structured_outputs[_tpot])")
     args = ap.parse_args()
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     # One file per part, so the parts can be re-run apart: validity -> structured_outputs.json,
     # tpot -> structured_outputs_tpot.json.
-    rec = RunRecorder("structured_outputs_tpot" if args.only == "tpot" else "structured_outputs")
+    rec = RunRecorder(args.name or ("structured_outputs_tpot" if args.only == "tpot" else "structured_outputs"))
     figures: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     only = set(args.only.split(","))
     if "tpot" in only:
-        for batch in (1, 32):
+        for batch in (int(b) for b in args.batches.split(",")):
             res = tpot(batch, args.tpot_tokens, args.repeats, args.cpu_compile)
             print({k: v for k, v in res.items() if k != "runs"}, flush=True)
             runs.append({"part": "tpot", **res})
             figures[f"tpot_batch_{batch}"] = {"plain_ms": res["tpot_ms"]["plain"],
                                               "json_schema_ms": res["tpot_ms"]["json_schema"],
-                                              "overhead_pct": res["overhead_pct"]}
+                                              "plain_inline_ms": res["tpot_ms"]["plain_inline"],
+                                              "json_schema_inline_ms": res["tpot_ms"]["json_schema_inline"],
+                                              "overhead_pct": res["overhead_pct"],
+                                              "overhead_inline_pct": res["overhead_inline_pct"]}
     if "validity" in only:
         res = validity(make_llm(32), args.per_schema, args.max_tokens)
         print({k: v for k, v in res.items() if k != "per_schema"}, flush=True)

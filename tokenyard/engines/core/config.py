@@ -136,6 +136,9 @@ class EngineConfig:
       comma towards a required key) wherever the grammar allows one, so a small model that loops
       inside a value still returns a complete, valid document instead of running out of tokens
       (tokenyard/engines/core/structured_output.py). 0 turns it off.
+    grammar_mask_overlap: fill a step's grammar masks on a thread of their own while its forward runs
+      (tokenyard/engines/runtime/mask_prefetch.py) rather than between the forward and the sample.
+      The tokens are the same either way; False fills them inline.
     """
 
     dtype: str = "auto"
@@ -181,6 +184,7 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loaded_adapters: int = 4
     max_lora_rank: int = 64
+    grammar_mask_overlap: bool = True
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "EngineConfig":
@@ -207,6 +211,8 @@ class EngineConfig:
         if not isinstance(self.grammar_close_reserve, int) or isinstance(self.grammar_close_reserve, bool) \
                 or self.grammar_close_reserve < 0:
             raise ValueError(f"grammar_close_reserve must be an integer >= 0 (tokens), got {self.grammar_close_reserve!r}")
+        if not isinstance(self.grammar_mask_overlap, bool):
+            raise ValueError(f"grammar_mask_overlap must be true or false, got {self.grammar_mask_overlap!r}")
         if not isinstance(self.grammar_compile_memory_mb, int) or self.grammar_compile_memory_mb < 16:
             raise ValueError(f"grammar_compile_memory_mb must be an integer >= 16, got {self.grammar_compile_memory_mb!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from tokenyard.engines.model.token_masks import for_rows
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -141,20 +143,10 @@ def apply_adjustments(logits: torch.Tensor, adjustments: Sequence[LogitAdjust | 
 def apply_token_masks(logits: torch.Tensor, constraints: Sequence[Any]) -> torch.Tensor:
     """Set to -inf the logits each row's grammar forbids; rows whose constraint is None are untouched.
     A constraint has fill_bitmask(bitmask, row): int32 words, bit t % 32 of word t // 32 allows token t
-    (tokenyard.engines.core.structured_output.Constraint). logits: [S, V] fp32; returns a masked copy."""
+    (tokenyard.engines.core.structured_output.Constraint). logits: [S, V] fp32; returns a masked copy.
+    The masks may have been filled while the forward ran (tokenyard/engines/model/token_masks.py)."""
     rows = [i for i, c in enumerate(constraints) if c is not None]
     if not rows:
         return logits
-    vocab = logits.shape[-1]
-    words = (vocab + 31) // 32
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32)  # the library fills host memory
-    for j, i in enumerate(rows):
-        constraints[i].fill_bitmask(bitmask, j)
-    bits = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), words * 32)[:, :vocab]
-    if len(rows) == logits.shape[0]:
-        return logits.masked_fill(~allowed, float("-inf"))
-    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    banned[torch.tensor(rows, dtype=torch.long, device=logits.device)] = ~allowed
-    return logits.masked_fill(banned, float("-inf"))  # not in place: logits may be an inference tensor
+    masks = for_rows([constraints[i] for i in rows], logits.shape[-1], logits.device)
+    return masks.apply(logits, rows)

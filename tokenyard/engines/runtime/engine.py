@@ -39,10 +39,12 @@ from tokenyard.engines.model.model_config import ModelConfig
 from tokenyard.engines.model.model_runner import ModelRunner
 from tokenyard.engines.model.pooled_embedding import check_prompts, embed_prompts
 from tokenyard.engines.model.runner_config import RunnerConfig
+from tokenyard.engines.model.token_masks import PendingMasks
 from tokenyard.engines.pp.pipeline_runner import uses_pipeline
 from tokenyard.engines.quant.engine_model import load_engine_model, resolve_quantization
 from tokenyard.engines.runtime.engine_sleep import EngineSleep
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget
+from tokenyard.engines.runtime.mask_prefetch import MaskPrefetch
 from tokenyard.engines.runtime.warm_up import warm_up
 from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.engines.tp.tensor_parallel import check_divisible, shard_model_
@@ -132,6 +134,8 @@ class Engine:
         self.grammar_budget = GrammarBudget(float(cfg.grammar_compile_timeout_s), cfg.grammar_compile_memory_mb)
         self.grammar_model_dir: Path | None = model_dir   # whose tokenizer the grammar worker compiles for
         self._grammars_lock = threading.Lock()
+        # Grammar masks filled while the forward runs (grammar_mask_overlap; mask_prefetch.py).
+        self._mask_prefetch = MaskPrefetch(self.device) if cfg.grammar_mask_overlap else None
         self._inbox: RequestInbox[Sequence] = RequestInbox()
         self._arrivals = 0
         self._num_steps = 0
@@ -204,6 +208,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.chunks:
             return outputs
+        pending = self._prefetch_masks(batch)
         try:
             if self.spec is not None:
                 results = [(r.new_tokens, r.num_computed) for r in self.spec.execute(batch)]
@@ -212,7 +217,17 @@ class Engine:
                 results = [([next(tokens)] if c.samples else [], c.num_tokens) for c in batch.chunks]
         except Exception as exc:  # noqa: BLE001 - the step's state is unknown: fail everything
             return outputs + self._fail_all(exc)
+        finally:
+            if pending is not None:
+                pending.wait()   # the fill is over before any constraint accepts a token
         return outputs + self._apply(batch, results, t0)
+
+    def _prefetch_masks(self, batch: SchedulerOutput) -> PendingMasks | None:
+        """Start filling the masks of the batch's constrained rows while the forward runs."""
+        if self._mask_prefetch is None:
+            return None
+        cons = [c.seq.constraint for c in batch.chunks if c.samples and c.seq.constraint is not None]
+        return self._mask_prefetch.start(cons, self.model_config.vocab_size) if cons else None
 
     def _take_aborts(self) -> list[Sequence]:
         """Queue the new requests; return the live sequences whose abort was asked for."""
@@ -348,6 +363,9 @@ class Engine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        prefetch = getattr(self, "_mask_prefetch", None)
+        if prefetch is not None:
+            prefetch.close()
 
     # -- sleep and wake (tokenyard/engines/runtime/engine_sleep.py) -----------------------------
     @property
