@@ -288,8 +288,13 @@ def trial_intent(train: Labelled, cal: Labelled, bench: Bench, keys: list[str], 
             cache[c] = out
         return out
 
+    bench_keys = np.array([task_key(r) for r in bench.rows])
+    accuracy = {w: float((clf.predict(intent_matrix([canonical(F.window_of(t, NORMALISED_WINDOW)) for t in texts]))
+                          == bench_keys).mean()) for w, texts in bench.texts.items()}
     with patched(canonical=canon):
-        return _artifact_trial(train, cal, bench)
+        out = _artifact_trial(train, cal, bench)
+    out["intent_accuracy_bench"] = accuracy      # the classifier's task, right or wrong, per wording
+    return out
 
 
 def trial_oracle_intent(train: Labelled, cal: Labelled, bench: Bench, keys: list[str], cal_keys: list[str]) -> dict:
@@ -496,6 +501,8 @@ def _print(name: str, res: dict) -> None:
         print(f"{name} bench: {_line(res['bench'])}")
     for v, r in res.get("variants", {}).items():
         print(f"{name} [{v}] bench: {_line(r['bench'])}")
+    if "intent_accuracy_bench" in res:
+        print(f"{name}: intent right on " + ", ".join(f"{w} {a * 100:.1f}%" for w, a in res["intent_accuracy_bench"].items()))
     if "prefill_batch1_ms" in res:
         p = res["prefill_batch1_ms"]
         print(f"{name}: demo-small batch-1 prefill p50 {p['p50']:.2f} ms, p99 {p['p99']:.2f} ms")
