@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import time
 import zlib
 from pathlib import Path
