@@ -95,6 +95,16 @@ def test_paired_bootstrap_on_constructed_cases():
     assert rr.paired_bootstrap(scores, small, large, 0.5, 200, 1) == ci
 
 
+def test_confusion_by_task_counts_flips_each_way():
+    tasks = np.array(["copy", "copy", "copy", "sort", "sort"])
+    familiar = np.array([True, True, False, False, False])
+    new = np.array([False, True, True, False, False])
+    needs = np.array([True, False, False, False, True])
+    conf = rr.confusion_by_task(tasks, familiar, new, needs)
+    assert conf["copy"] == {"items": 3, "agreement": 1 / 3, "to_large": 1, "to_small": 1, "to_small_needing_large": 1}
+    assert conf["sort"] == {"items": 2, "agreement": 1.0, "to_large": 0, "to_small": 0, "to_small_needing_large": 0}
+
+
 def test_report_structure_on_a_tiny_sample():
     report = rr.run(limit=24, resamples=30, seed=0)
     assert report["items"] == 24
@@ -110,6 +120,11 @@ def test_report_structure_on_a_tiny_sample():
         for lo, hi in w["ci95"].values():
             assert lo <= hi
         assert abs(w["apgr_minus_familiar"] - (w["apgr"] - fam["apgr"])) < 1e-12
+        conf = w["confusion_by_task"]
+        assert sum(c["items"] for c in conf.values()) == 24
+        # the per-task agreements, weighted by their items, are the overall one (to rounding)
+        assert abs(sum(c["agreement"] * c["items"] for c in conf.values()) / 24 - w["agreement"]) < 1e-12
+        assert all(c["to_small_needing_large"] <= c["to_small"] for c in conf.values())
         if name != rr.FAMILIAR:
             assert w["template_wordings"] == 0
             assert w["in_train_or_calibration"] == 0

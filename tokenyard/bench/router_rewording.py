@@ -159,6 +159,7 @@ def run(labels: Path = LABELS, artifact: Path = ARTIFACT, limit: int | None = No
                   "agreement": float((dec == fam_large).mean()),
                   "mean_prompt_tokens": float(np.mean(tokens[w])),
                   "large_share_by_task": {t: float(dec[tasks == t].mean()) for t in sorted(set(tasks.tolist()))},
+                  "confusion_by_task": confusion_by_task(tasks, fam_large, dec, (large > 0) & (small == 0)),
                   "template_wordings": sum(template_match(r["task"], u) is not None for r, u in zip(rows, user)),
                   "in_train_or_calibration": sum(u in known for u in user),
                   "distinct_wordings": len(set(user)),
@@ -166,6 +167,21 @@ def run(labels: Path = LABELS, artifact: Path = ARTIFACT, limit: int | None = No
     return {"items": n, "quality_small": float(small.mean()), "quality_large": float(large.mean()),
             "threshold": scorer.threshold, "seed": seed, "resamples": resamples,
             "familiar_token_mismatches": token_mismatches, "wordings": out}
+
+
+def confusion_by_task(tasks: np.ndarray, familiar_large: np.ndarray, new_large: np.ndarray,
+                      needs_large: np.ndarray) -> dict[str, dict[str, float | int]]:
+    """Per task: how often the new wording's decision equals the familiar one's, and the flips each
+    way (to_large: small on the familiar wording, large on the new one), with how many of the flips
+    to small hit prompts only the large engine answers (the flips that cost quality)."""
+    out: dict[str, dict[str, float | int]] = {}
+    for t in sorted(set(tasks.tolist())):
+        m = tasks == t
+        f, d = familiar_large[m], new_large[m]
+        out[t] = {"items": int(m.sum()), "agreement": float((f == d).mean()),
+                  "to_large": int((~f & d).sum()), "to_small": int((f & ~d).sum()),
+                  "to_small_needing_large": int((f & ~d & needs_large[m]).sum())}
+    return out
 
 
 def _fmt(v: float, ci: list[float] | None, pct: bool = False, sign: bool = False) -> str:
@@ -200,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"  agreement {_fmt(s['agreement'], ci.get('agreement'), True)}"
                   f"  (template wordings {s['template_wordings']}, seen in train/cal {s['in_train_or_calibration']})")
             print(f"{'':10s} e.g. {s['example']!r}")
+    worst = sorted(((w, t, c) for w, s in report["wordings"].items() if w != FAMILIAR
+                    for t, c in s["confusion_by_task"].items()), key=lambda x: x[2]["agreement"])[:8]
+    print("least agreement (wording, task: agreement, flips to large / to small, of those needing large): " + "; ".join(
+        f"{w} {t} {c['agreement'] * 100:.0f}% {c['to_large']}/{c['to_small']} ({c['to_small_needing_large']})"
+        for w, t, c in worst))
     print("large share by task: " + "; ".join(
         f"{t} " + "/".join(f"{report['wordings'][w]['large_share_by_task'][t] * 100:.0f}" for w in report["wordings"])
         for t in report["wordings"][FAMILIAR]["large_share_by_task"]) + f"  ({' / '.join(report['wordings'])}, %)")
