@@ -21,6 +21,7 @@ from tokenyard.gateway.config import yaml_fields
 from tokenyard.gateway.config.autoscaling_config import AUTOSCALING_KEYS, DesiredReplicasConfig, parse_autoscaling
 from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
 from tokenyard.gateway.config.learning_settings import LEARNING_KEYS, LearningSettings, parse_learning_settings
+from tokenyard.gateway.config.disagg_config import DisaggConfig
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
 from tokenyard.gateway.config.spend_settings import (
@@ -62,6 +63,7 @@ class EngineSpec:
     replicas: ReplicaSet | None = None   # `replicas:` / `replica_pool:` (None: one in-process engine)
     upstream: UpstreamSpec | None = None  # type openai: where and how to call it
     embeddings: bool = False      # type torch: /v1/embeddings served from its pooled hidden states
+    role: str = "both"            # `tokenyard engine serve`'s default role: prefill | decode | both (docs/kv_transfer.md)
 
 
 @dataclass(slots=True)
@@ -192,9 +194,11 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "autoscaling": AUTOSCALING_KEYS,
     "routing": _names(Routing),
     "router": ROUTER_KEYS,
-    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings"}),
+    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings", "role",
+                               "disaggregation"}),
     "engines.NAME.prices": _names(Prices),
     "engines.NAME.replica_pool": _names(PoolConfig),
+    "engines.NAME.disaggregation": _names(DisaggConfig),
     "batch": BATCH_KEYS,
     "pools": POOLS_KEYS,
     "responses": RESPONSES_KEYS,
@@ -398,6 +402,11 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
                               f"package:<distribution>/<file.gguf>")
     model_dir = _model_path(model, base, where)
     replicas = parse_replica_keys(spec, where, DeploymentError)
+    role = spec.pop("role", "both")       # a replica key (`tokenyard engine serve`), not the engine's
+    if role not in ("prefill", "decode", "both"):
+        raise DeploymentError(f"{where}.role must be one of prefill, decode, both, got {role!r}")
+    if role != "both" and kind != "torch":
+        raise DeploymentError(f"{where}.role {role}: only torch engines hand KV blocks over")
     prices = _prices(spec, where)
     embeddings = spec.pop("embeddings", False)   # a gateway key: the engine itself can always embed
     if not isinstance(embeddings, bool):
@@ -415,7 +424,7 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
         raise DeploymentError(f"{where}: {e}") from e
     if kind == "torch" and spec.get("lora_modules"):   # adapter folders, like the model, relative to the file
         spec["lora_modules"] = {k: str(_path(v, base)) for k, v in spec["lora_modules"].items()}
-    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings)
+    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings, role=role)
 
 
 def _prices(spec: dict[str, Any], where: str) -> Prices:
