@@ -16,8 +16,7 @@ from engine_helpers import random_prompts
 from replica_helpers import ROOT, ReplicaProcess
 
 from tokenyard.engines import LLM, SamplingParams
-from tokenyard.gateway.backends.disaggregated import DisaggregatedPool
-from tokenyard.gateway.backends.replica_pool import build_pool
+from tokenyard.gateway.backends.disaggregated import DisaggregatedPool, build_disaggregated
 from tokenyard.gateway.config.deployment import DeploymentError, load_deployment
 from tokenyard.gateway.config.replica_config import parse_replica_keys
 
@@ -50,7 +49,7 @@ def _pool(procs: list[ReplicaProcess], roles: list[str], **disagg) -> Disaggrega
     raw = {"replicas": [{"url": p.url, "role": r} for p, r in zip(procs, roles)],
            "replica_pool": {"policy": "round_robin", "health_interval_s": 0.2, "max_attempts": 2},
            "disaggregation": {"min_prompt_tokens": 32, **disagg}}
-    pool = build_pool("tiny", SimpleNamespace(replicas=parse_replica_keys(raw, "engines.tiny", ValueError)),
+    pool = build_disaggregated("tiny", SimpleNamespace(replicas=parse_replica_keys(raw, "engines.tiny", ValueError)),
                       lambda spec: None)
     assert isinstance(pool, DisaggregatedPool)
     return pool
@@ -234,3 +233,32 @@ def test_roles_in_the_deployment(tmp_path):
                        ({"replicas": [{"url": "http://a:1"}], "disaggregation": {"speed": 1}}, "unknown key")]:
         with pytest.raises(DeploymentError, match=match):
             load({**base, **bad})
+
+
+def test_the_gateway_serves_through_a_prefill_and_a_decode_replica(tmp_path):
+    """The deployment's roles make load_engines build a DisaggregatedPool; a chat request through the
+    HTTP gateway is handed over (min_prompt_tokens 0) and answered, streamed and not."""
+    from gateway_helpers import running_gateway, sse_events
+    procs = _start(tmp_path, "auto", ["prefill", "decode"])
+    try:
+        engine = {"type": "torch", "model": str(DEMO_SMALL),
+                  "replicas": [{"url": procs[0].url, "role": "prefill"}, {"url": procs[1].url, "role": "decode"}],
+                  "replica_pool": {"health_interval_s": 0.2}, "disaggregation": {"min_prompt_tokens": 0}}
+        with running_gateway({"server": {"access_log": False}, "engines": {"tiny": engine}}) as srv:
+            pool = srv.engine("tiny")
+            assert isinstance(pool, DisaggregatedPool)
+            deadline = time.monotonic() + 10
+            while not all(r.routable for r in pool.replicas):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me about the sea " * 8}],
+                    "max_tokens": 6, "temperature": 0}
+            status, _, data = srv.chat(body)
+            assert status == 200 and 1 <= data["usage"]["completion_tokens"] <= 6, data
+            assert data["choices"][0]["finish_reason"] in ("stop", "length")
+            status, _, raw = srv.request("POST", "/v1/chat/completions", {**body, "stream": True})
+            assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+            assert pool.handovers == 2 and pool.colocated == 0
+    finally:
+        for p in procs:
+            p.stop()

@@ -74,13 +74,15 @@ def launch(tmp: Path, engine: dict[str, Any], role: str, threads: int) -> tuple[
 
 def build_engine(setup: str, urls: list[str]):
     """The gateway-side object: a DisaggregatedPool (prefill, decode) or a plain pool of one replica."""
+    from tokenyard.gateway.backends.disaggregated import build_disaggregated
     from tokenyard.gateway.backends.replica_pool import build_pool
     from tokenyard.gateway.config.replica_config import parse_replica_keys
     roles = ["prefill", "decode"] if setup == "disaggregated" else ["both"]
     raw = {"replicas": [{"url": u, "role": r} for u, r in zip(urls, roles)],
            "replica_pool": {"health_interval_s": 1.0, "max_attempts": 1},
            "disaggregation": {"kv_transport": "shm", "min_prompt_tokens": 256}}
-    return build_pool("smollm2", SimpleNamespace(replicas=parse_replica_keys(raw, "bench", ValueError)),
+    build = build_disaggregated if setup == "disaggregated" else build_pool
+    return build("smollm2", SimpleNamespace(replicas=parse_replica_keys(raw, "bench", ValueError)),
                       lambda spec: None)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.kv_transfer.block_payload import BlockPayload
-from tokenyard.engines.kv_transfer.connector import ImportResult, KVConnector
+from tokenyard.engines.kv_transfer.connector import KVConnector
 from tokenyard.engines.kv_transfer.shm_transport import ShmTransport
 from tokenyard.engines.kv_transfer.tcp_transport import KVReceiver, TransferError, send_payload
 
@@ -69,7 +69,6 @@ class KVHandover:
         self.role = check_role(role)
         self.shm = ShmTransport(shm_dir)
         self.receiver: KVReceiver | None = None
-        self._connectors: dict[int, KVConnector] = {}
         # Counters for the stats document (what the gateway and tests read).
         self.num_exported = 0                 # prefill requests handed over
         self.num_imported_blocks = 0
@@ -78,12 +77,9 @@ class KVHandover:
 
     # -- both sides ---------------------------------------------------------------------------
     def _connector(self) -> KVConnector:
-        """The connector of the engine core now in place (a restart replaces the core)."""
-        core = self.engine.engine
-        conn = self._connectors.get(id(core))
-        if conn is None or conn.engine is not core:
-            self._connectors = {id(core): (conn := KVConnector(core))}
-        return conn
+        """A connector over the engine core and cache tensors in place now: made per hand-over, since a
+        restart replaces the core and a wake from sleep level 1 allocates the cache tensors again."""
+        return KVConnector(self.engine.engine)
 
     async def _on_step_thread(self, fn, *args):
         # The AsyncEngine's step executor: the call runs between two steps, never during one.

@@ -141,6 +141,8 @@ def build_app(state: ReplicaState):
             args = (str(body["request_id"]), body["prompt_token_ids"], body.get("cache_salt"),
                     body.get("transport", "shm"), body.get("kv_host"), body.get("kv_port"))
             timeout = float(body.get("timeout_s", 60.0))
+            if not 0 < timeout <= 3600:
+                raise ValueError(f"timeout_s must be in (0, 3600] seconds, got {timeout!r}")
         except (ValueError, KeyError, TypeError) as e:
             return JSONResponse({"error": f"bad request body: {e}"}, 400)
         try:

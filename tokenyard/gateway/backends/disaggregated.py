@@ -47,7 +47,8 @@ log = logging.getLogger("tokenyard.disaggregated")
 
 @dataclass(slots=True)
 class Handover:
-    """What step 2 gave: the decode replica to use it on failed (retry another), or a handle/None."""
+    """What step 2 gave: decode_failed (the decode replica refused the KV: try another), else the shm
+    handle (None over TCP or without a hand-over) and the prefill reply (None: colocated fallback)."""
     decode_failed: str | None = None     # why the decode side refused the KV (transfer stage)
     handle: str | None = None            # shm payload for the decode replica's generate request
     doc: dict[str, Any] | None = None    # the prefill replica's reply (None: fallback, no hand-over)

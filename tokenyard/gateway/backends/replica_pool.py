@@ -370,9 +370,6 @@ class ReplicaPool:
 def build_pool(name: str, spec: Any, build_local: Callable[[Any], Any], model_fingerprint: str = "") -> ReplicaPool:
     """A pool for an EngineSpec with `replicas` (build_local makes the in-process engine core)."""
     from tokenyard.engines.runtime.async_engine import AsyncEngine
-    if spec.replicas.disaggregated:   # prefill and decode replicas: the KV hand-over flow
-        from tokenyard.gateway.backends.disaggregated import build_disaggregated
-        return build_disaggregated(name, spec, build_local, model_fingerprint)
     cfg = spec.replicas.pool
     members = []
     for rs in spec.replicas.replicas:

@@ -20,8 +20,8 @@ import yaml
 from tokenyard.gateway.config import yaml_fields
 from tokenyard.gateway.config.autoscaling_config import AUTOSCALING_KEYS, DesiredReplicasConfig, parse_autoscaling
 from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
-from tokenyard.gateway.config.learning_settings import LEARNING_KEYS, LearningSettings, parse_learning_settings
 from tokenyard.gateway.config.disagg_config import DisaggConfig
+from tokenyard.gateway.config.learning_settings import LEARNING_KEYS, LearningSettings, parse_learning_settings
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
 from tokenyard.gateway.config.spend_settings import (
