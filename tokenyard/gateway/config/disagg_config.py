@@ -10,7 +10,8 @@
         disaggregation: {kv_transport: auto, min_prompt_tokens: 64}
 
 A pool with a prefill and a decode replica is served by gateway/backends/disaggregated.py (engine_pool.py
-builds it instead of a ReplicaPool); replicas of role both (the default) stay the colocated fallback. Every key has a row in docs/deployment.md.
+builds it instead of a ReplicaPool); replicas of role both (the default) stay the colocated fallback.
+Every key has a row in docs/deployment.md.
 """
 from __future__ import annotations
 
