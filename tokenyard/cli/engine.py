@@ -7,6 +7,10 @@
 The engine is built from the deployment's engine spec (type, model and engine keys; its
 `replicas`/`replica_pool`/`prices` keys are the gateway's business and are ignored here) and
 served by tokenyard/engines/serving/replica_server.py. Gateways list the replica under `engines.NAME.replicas`.
+
+Disaggregated serving: `--role prefill` or `--role decode` (default: the engine's `role` key, else
+`both`, today's replica) makes the replica one side of a KV hand-over (engines/serving/kv_handover.py,
+docs/kv_transfer.md); a decode replica takes KV payloads over TCP on `--kv-port` (0: any free port).
 """
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, required=True, help="listen port")
     serve.add_argument("--drain-grace-s", type=float, default=None,
                        help="on SIGTERM, how long requests in flight may take (default: server.drain_grace_s)")
+    serve.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
+                       help="disaggregated serving role (default: the engine's `role` key, else both)")
+    serve.add_argument("--kv-port", type=int, default=0,
+                       help="decode role: TCP port of the KV receiver (default 0: any free port, in /v1/engine/stats)")
     serve.set_defaults(func=run)
     from tokenyard.cli.engine_sleep import add_parsers
     add_parsers(sub)      # sleep, wake
@@ -57,9 +65,25 @@ def run(args: argparse.Namespace) -> int:
     # and the deployment file; then the engine's own phases; serve() adds warm_up and closes at ready.
     startup = StartupPhases()
     startup.add("imports", process_age_s() or 0.0)
-    # server.engine_process; auto (None): a torch engine does (a replica serves no embeddings), a mock does not
-    own = spec.type == "torch" if dep.engine_process is None else dep.engine_process
+    role = args.role or spec.role
+    # server.engine_process; auto (None): a torch engine does (a replica serves no embeddings), a mock does not;
+    # a prefill or decode replica keeps its engine here (the KV hand-over reads and writes its cache tensors)
+    own = (spec.type == "torch" and role == "both") if dep.engine_process is None else dep.engine_process
+    if role != "both" and own:
+        print(f"tokenyard: role {role} needs the engine in this process (server.engine_process false): the KV "
+              f"hand-over reads and writes its cache tensors", file=sys.stderr)
+        return 2
     engine = EngineProcess(_recipe(spec), spec.name) if own else AsyncEngine(_build(spec), spec.name)
+    handover = None
+    if role != "both":
+        from tokenyard.engines.serving.kv_handover import KVHandover
+        handover = KVHandover(engine, role)
+        try:
+            handover.check_engine()
+        except ValueError as e:
+            print(f"tokenyard: engine {spec.name}: {e}", file=sys.stderr)
+            return 2
     startup.merge(getattr(engine, "startup_phases", None) or {})    # an engine process keeps its own: other
     grace = dep.drain_grace_s if args.drain_grace_s is None else args.drain_grace_s
-    return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model), startup=startup)
+    return serve(engine, args.host, args.port, grace, tokenizer_fingerprint(spec.model), startup=startup,
+                 handover=handover, kv_port=args.kv_port)

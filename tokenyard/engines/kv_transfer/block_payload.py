@@ -64,6 +64,20 @@ class BlockPayload:
     def num_tokens(self) -> int:
         return len(self.blocks) * self.layout.block_size
 
+    def head(self, n: int) -> "BlockPayload":
+        """The payload of its first n blocks (the same records, not copies)."""
+        return BlockPayload(self.layout, self.cache_salt, self.token_ids[:n * self.layout.block_size], self.blocks[:n])
+
+    def check_crcs(self) -> int | None:
+        """Check every block's CRC here (off the engine's step thread) and mark the good ones trusted
+        (crc None, as blocks in RAM are); the index of the first bad block, which keeps its CRC so
+        the import refuses it there, else None."""
+        for i, rec in enumerate(self.blocks):
+            if not rec.intact():
+                return i
+            rec.crc = None
+        return None
+
     def to_bytes(self) -> bytes:
         header = json.dumps({
             "layout": self.layout.to_dict(), "cache_salt": self.cache_salt, "token_ids": self.token_ids,

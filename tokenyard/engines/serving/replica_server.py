@@ -4,6 +4,13 @@
                                -> 200 and NDJSON, one StepOutput (its fields) per line, the last
                                   one finished; 400 {"error"} bad input (a response_format over its
                                   compile budget: kind "grammar"); 503 {"error"} draining or down
+                               "kv_handle"? (decode role: a shared-memory KV payload to import first)
+    POST /v1/engine/prefill    prefill role: {"request_id", "prompt_token_ids", "cache_salt", "transport":
+                               "shm"|"tcp", "kv_host"?, "kv_port"?, "timeout_s"?} -> 200 {"transport",
+                               "handle"? (shm), "import"? (tcp), "num_blocks", "num_tokens", "bytes",
+                               "prefill_s", "export_s", "send_s"}; 400 bad input; 409 not a prefill
+                               replica; 502 {"stage": "transfer"} the decode side did not take the KV;
+                               503 draining, down, or the prefill failed (engines/serving/kv_handover.py)
     POST /v1/engine/abort      {"request_id"} -> 200 {"aborted": bool}
     POST /v1/engine/sleep      {"level": 1|2, "drain_timeout_s"?} -> 200 {"sleep_level", "sleep_state",
                                "seconds"} once the requests in flight finished and the memory is
@@ -57,6 +64,7 @@ from tokenyard.engines.core.sleep_level import AWAKE, SleepBusy, SleepLevelError
 from tokenyard.engines.core.startup_phases import StartupPhases, process_age_s
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.runtime.async_engine import AsyncEngine
+from tokenyard.engines.serving.kv_handover import HandoverError, KVHandover
 
 log = logging.getLogger("tokenyard.replica")
 
@@ -66,9 +74,10 @@ API = "/v1/engine"
 class ReplicaState:
     """What the endpoints share: the engine, the drain flag, requests being streamed."""
 
-    def __init__(self, engine: AsyncEngine, model_fingerprint: str = "") -> None:
+    def __init__(self, engine: AsyncEngine, model_fingerprint: str = "", handover: KVHandover | None = None) -> None:
         self.engine = engine
         self.model_fingerprint = model_fingerprint
+        self.handover = handover    # role prefill or decode (disaggregated serving); None: role both
         self.draining = False
         self.ready = False
         self.streaming = 0          # generate responses still open
@@ -95,8 +104,14 @@ def build_app(state: ReplicaState):
             params = body.get("params") or {}
             priority = int(body.get("priority", 0))
             salt = body.get("cache_salt")
+            kv_handle = body.get("kv_handle")
         except (ValueError, KeyError, TypeError) as e:
             return JSONResponse({"error": f"bad request body: {e}"}, 400)
+        if kv_handle is not None:
+            if state.handover is None:
+                log.warning("request %s came with a KV handle but this replica's role is both: recomputed", rid)
+            else:   # the blocks a prefill replica computed: registered in the prefix cache, hit below
+                await state.handover.import_handle(kv_handle)
         try:
             if not isinstance(params, dict):
                 raise RequestError(f"params must be an object, got {type(params).__name__}")
@@ -119,6 +134,33 @@ def build_app(state: ReplicaState):
         except EngineDeadError as e:
             return JSONResponse({"error": str(e), "retryable": True}, 503)
         return _NDJSONStream(state, rid, stream)
+
+    async def prefill(request: Request) -> Response:
+        handover = state.handover
+        if handover is None or handover.role != "prefill":
+            return JSONResponse({"error": f"replica role is {handover.role if handover else 'both'}, not prefill",
+                                 "code": "wrong_role"}, 409)
+        if state.draining or not state.ready:
+            return JSONResponse({"error": "draining" if state.draining else "starting", "retryable": True}, 503)
+        try:
+            body = json.loads(await request.body())
+            args = (str(body["request_id"]), body["prompt_token_ids"], body.get("cache_salt"),
+                    body.get("transport", "shm"), body.get("kv_host"), body.get("kv_port"))
+            timeout = float(body.get("timeout_s", 60.0))
+            if not 0 < timeout <= 3600:
+                raise ValueError(f"timeout_s must be in (0, 3600] seconds, got {timeout!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            return JSONResponse({"error": f"bad request body: {e}"}, 400)
+        try:
+            reply = await handover.prefill(*args, timeout_s=timeout)
+        except HandoverError as e:
+            code = 502 if e.stage == "transfer" else 503
+            return JSONResponse({"error": str(e), "stage": e.stage, "retryable": True}, code)
+        except EngineDeadError as e:
+            return JSONResponse({"error": str(e), "stage": "prefill", "retryable": True}, 503)
+        except (RequestError, ValueError, TypeError) as e:
+            return JSONResponse({"error": str(e)}, 400)
+        return JSONResponse(reply)
 
     async def abort(request: Request) -> Response:
         try:
@@ -219,6 +261,7 @@ def build_app(state: ReplicaState):
 
     return Starlette(routes=[
         Route(f"{API}/generate", generate, methods=["POST"]),
+        Route(f"{API}/prefill", prefill, methods=["POST"]),
         Route(f"{API}/abort", abort, methods=["POST"]),
         Route(f"{API}/stats", stats, methods=["GET"]),
         Route(f"{API}/sleep", sleep, methods=["POST"]),
@@ -238,6 +281,7 @@ def stats_document(state: ReplicaState) -> dict[str, Any]:
                draining=state.draining, dead=eng.dead, failed_steps=eng.num_failed_steps,
                model_fingerprint=state.model_fingerprint, sleep_level=getattr(eng, "sleep_level", 0),
                sleep_state=getattr(eng, "sleep_state", AWAKE), last_wake_s=getattr(eng, "last_wake_s", None))
+    doc.update(state.handover.stats() if state.handover is not None else {"role": "both", "kv_port": None})
     return doc
 
 
@@ -306,15 +350,18 @@ class _NDJSONStream:
 
 
 def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, model_fingerprint: str = "",
-          announce=lambda line: print(line, flush=True), startup: StartupPhases | None = None) -> int:
+          announce=lambda line: print(line, flush=True), startup: StartupPhases | None = None,
+          handover: KVHandover | None = None, kv_port: int = 0) -> int:
     """Run a replica until SIGTERM/SIGINT (drain) and return the exit status. startup: the phases
     measured so far since the process started (`tokenyard engine serve`); from here to ready is
-    warm_up (engine start, server bind), and the whole is closed at the process's age when ready."""
+    warm_up (engine start, server bind), and the whole is closed at the process's age when ready.
+    handover: a prefill or decode role (kv_handover.py); a decode replica takes KV payloads over TCP
+    on host:kv_port (0: any free port; the stats document says which)."""
     import uvicorn
 
     serve_t0 = time.perf_counter()
 
-    state = ReplicaState(engine, model_fingerprint)
+    state = ReplicaState(engine, model_fingerprint, handover)
     app = build_app(state)
 
     class _Server(uvicorn.Server):
@@ -328,6 +375,9 @@ def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, mode
 
         async def startup(self, sockets=None) -> None:
             await engine.start()
+            if handover is not None and handover.role == "decode":
+                await handover.start_receiver(host, kv_port)
+                announce(f"tokenyard: decode replica takes KV payloads on {host}:{handover.receiver.port}")
             await super().startup(sockets)
             if startup is not None:
                 startup.add("warm_up", time.perf_counter() - serve_t0)
@@ -355,6 +405,8 @@ def serve(engine: AsyncEngine, host: str, port: int, grace_s: float = 30.0, mode
 
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)
+            if handover is not None:
+                await handover.close()
             await engine.stop()
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

@@ -92,7 +92,10 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool | None = Non
         tok = tokenizers.get(fp)
         if tok is None:
             tok = tokenizers[fp] = Tokenizer.from_dir(spec.model)
-        if spec.replicas is not None:   # remote and/or local replicas behind one pool
+        if spec.replicas is not None and spec.replicas.disaggregated:   # prefill and decode replicas
+            from tokenyard.gateway.backends.disaggregated import build_disaggregated
+            engine = build_disaggregated(name, spec, _build, fp)
+        elif spec.replicas is not None:   # remote and/or local replicas behind one pool
             from tokenyard.gateway.backends.replica_pool import build_pool
             engine = build_pool(name, spec, _build, fp)
         elif name in sockets:    # the supervisor's core, shared with the other workers; it restarts the core

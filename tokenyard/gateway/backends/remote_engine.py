@@ -107,13 +107,17 @@ class RemoteEngine:
             self._session = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> RemoteStream:
+                    priority: int = 0, cache_salt: str | None = None, kv_handle: str | None = None) -> RemoteStream:
+        """kv_handle: a shared-memory KV payload a prefill replica made for this prompt (disaggregated.py);
+        the replica imports it first."""
         if self._session is None:
             raise EngineDeadError(f"replica {self.url} of engine {self.name} is not started")
         if isinstance(params, SamplingParams):
             params = asdict(params)
         body = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "params": params or {},
                 "priority": priority, "cache_salt": cache_salt}
+        if kv_handle is not None:
+            body["kv_handle"] = kv_handle
         stream = RemoteStream(request_id)
         self._streams[request_id] = stream
         self._tasks[request_id] = asyncio.get_running_loop().create_task(self._run(request_id, body, stream))

@@ -20,6 +20,7 @@ import yaml
 from tokenyard.gateway.config import yaml_fields
 from tokenyard.gateway.config.autoscaling_config import AUTOSCALING_KEYS, DesiredReplicasConfig, parse_autoscaling
 from tokenyard.gateway.config.batch_settings import BATCH_KEYS, POOLS_KEYS, BatchSettings, parse_batch_settings
+from tokenyard.gateway.config.disagg_config import DisaggConfig
 from tokenyard.gateway.config.learning_settings import LEARNING_KEYS, LearningSettings, parse_learning_settings
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
@@ -65,6 +66,7 @@ class EngineSpec:
     # Folders the admin API may load LoRA adapters from at run time (an adapter's folder must lie inside one);
     # empty: no run-time loads (tokenyard/gateway/routes/adapter_admin.py).
     lora_roots: tuple[Path, ...] = ()
+    role: str = "both"            # `tokenyard engine serve`'s default role: prefill | decode | both (docs/kv_transfer.md)
 
 
 @dataclass(slots=True)
@@ -202,9 +204,11 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "autoscaling": AUTOSCALING_KEYS,
     "routing": _names(Routing),
     "router": ROUTER_KEYS,
-    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings", "lora_roots"}),
+    "engines.NAME": frozenset({"type", "model", "prices", "replicas", "replica_pool", "embeddings", "lora_roots",
+                               "role", "disaggregation"}),
     "engines.NAME.prices": _names(Prices),
     "engines.NAME.replica_pool": _names(PoolConfig),
+    "engines.NAME.disaggregation": _names(DisaggConfig),
     "batch": BATCH_KEYS,
     "pools": POOLS_KEYS,
     "responses": RESPONSES_KEYS,
@@ -428,6 +432,11 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
                               f"package:<distribution>/<file.gguf>")
     model_dir = _model_path(model, base, where)
     replicas = parse_replica_keys(spec, where, DeploymentError)
+    role = spec.pop("role", "both")       # a replica key (`tokenyard engine serve`), not the engine's
+    if role not in ("prefill", "decode", "both"):
+        raise DeploymentError(f"{where}.role must be one of prefill, decode, both, got {role!r}")
+    if role != "both" and kind != "torch":
+        raise DeploymentError(f"{where}.role {role}: only torch engines hand KV blocks over")
     prices = _prices(spec, where)
     embeddings = spec.pop("embeddings", False)   # a gateway key: the engine itself can always embed
     if not isinstance(embeddings, bool):
@@ -446,7 +455,8 @@ def _engine(name: str, spec: Any, base: Path) -> EngineSpec:
         raise DeploymentError(f"{where}: {e}") from e
     if kind == "torch" and spec.get("lora_modules"):   # adapter folders, like the model, relative to the file
         spec["lora_modules"] = {k: str(_path(v, base)) for k, v in spec["lora_modules"].items()}
-    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings, lora_roots=lora_roots)
+    return EngineSpec(name, kind, model_dir, spec, prices, replicas, embeddings=embeddings, lora_roots=lora_roots,
+                      role=role)
 
 
 def _lora_roots(raw: Any, base: Path, where: str) -> tuple[Path, ...]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlparse
 
+from tokenyard.gateway.config.disagg_config import DisaggConfig, parse_disagg
+
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 
@@ -25,6 +27,7 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin")
 class ReplicaSpec:
     url: str | None = None        # a remote replica (http://host:port); None: in-process
     local: bool = False
+    role: str = "both"            # prefill | decode | both: its part in disaggregated serving (docs/kv_transfer.md)
 
 
 @dataclass(slots=True)
@@ -48,15 +51,25 @@ class PoolConfig:
 class ReplicaSet:
     replicas: list[ReplicaSpec] = field(default_factory=list)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    @property
+    def disaggregated(self) -> bool:
+        """A replica of role prefill and one of role decode: served by gateway/backends/disaggregated.py."""
+        roles = {r.role for r in self.replicas}
+        return "prefill" in roles and "decode" in roles
 
 
 def parse_replica_keys(spec: dict[str, Any], where: str, error: type[Exception]) -> ReplicaSet | None:
     """Pop `replicas` and `replica_pool` from an engine's mapping; None when it has no `replicas`."""
     raw = spec.pop("replicas", None)
     pool_raw = spec.pop("replica_pool", None)
+    disagg_raw = spec.pop("disaggregation", None)
     if raw is None:
         if pool_raw is not None:
             raise error(f"{where}.replica_pool needs {where}.replicas")
+        if disagg_raw is not None:
+            raise error(f"{where}.disaggregation needs {where}.replicas")
         return None
     if not isinstance(raw, list) or not raw:
         raise error(f"{where}.replicas must be a non-empty list of {{url: ...}} or {{local: true}}")
@@ -66,8 +79,16 @@ def parse_replica_keys(spec: dict[str, Any], where: str, error: type[Exception])
         at = f"{where}.replicas[{i}]"
         if isinstance(item, str):
             item = {"url": item}
+        role = item.get("role", "both") if isinstance(item, dict) else "both"
+        if isinstance(item, dict) and "role" in item:
+            if role not in ("prefill", "decode", "both"):
+                raise error(f"{at}.role must be one of prefill, decode, both, got {role!r}")
+            if "url" not in item:
+                raise error(f"{at}.role: only a remote replica ({{url: ...}}) takes a role")
+            item = {k: v for k, v in item.items() if k != "role"}
         if not isinstance(item, dict) or set(item) - {"url", "local"} or len(item) != 1:
-            raise error(f"{at} must be {{url: http://host:port}} or {{local: true}}, got {item!r}")
+            raise error(f"{at} must be {{url: http://host:port}} (role: prefill|decode|both optional) or "
+                        f"{{local: true}}, got {item!r}")
         if "local" in item:
             if item["local"] is not True:
                 raise error(f"{at}.local must be true")
@@ -84,11 +105,16 @@ def parse_replica_keys(spec: dict[str, Any], where: str, error: type[Exception])
         if url in seen:
             raise error(f"{at}.url {url} is listed twice")
         seen.add(url)
-        out.replicas.append(ReplicaSpec(url=url))
+        out.replicas.append(ReplicaSpec(url=url, role=role))
     if pool_raw is not None:
         if not isinstance(pool_raw, dict):
             raise error(f"{where}.replica_pool must be a mapping")
         _pool(pool_raw, f"{where}.replica_pool", out.pool, error)
+    out.disagg = parse_disagg(disagg_raw, f"{where}.disaggregation", error)
+    roles = [r.role for r in out.replicas]
+    if ("prefill" in roles) != ("decode" in roles):
+        raise error(f"{where}.replicas: disaggregated serving needs a replica of role prefill and one of role "
+                    f"decode (got roles {', '.join(sorted(set(roles)))})")
     return out
 
 
