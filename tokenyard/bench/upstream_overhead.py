@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=640, help="per round and mode")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--litellm", default=None, help="the litellm command (litellm[proxy]) to compare with")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="gateway worker processes (server.workers) and LiteLLM's --num_workers: the rate per machine")
     ap.add_argument("--upstream-delay-ms", type=float, default=0.0,
                     help="the stub waits this long before each reply, as a real model does (0: answers at once, "
                          "so the gateway's CPU is the bottleneck and 32 clients queue behind it)")
@@ -93,6 +95,8 @@ def main() -> None:
     name = "upstream_overhead" if args.concurrency == 32 else f"upstream_overhead_c{args.concurrency}"
     if args.upstream_delay_ms:
         name += f"_delay{args.upstream_delay_ms:g}ms"
+    if args.workers != 1:
+        name += f"_workers{args.workers}"
     rec = RunRecorder(name)
     stub_port, gw_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "tokenyard.bench.openai_stub", "--port", str(stub_port)], cwd=ROOT,
@@ -102,7 +106,7 @@ def main() -> None:
     try:
         wait_ready(f"http://127.0.0.1:{stub_port}", 30, stub, path="/v1/models")
         redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
-        doc = {"server": {"access_log": False}, "redis_url": redis_url,
+        doc = {"server": {"access_log": False, "workers": args.workers}, "redis_url": redis_url,
                "redis_prefix": f"tybench:up:{secrets.token_hex(4)}:",
                "rate_limits": {"requests": 10**9, "tokens": 10**12},
                "admission": {"max_concurrent_per_tenant": 0},
@@ -123,7 +127,7 @@ def main() -> None:
                 "model": "openai/stub", "api_base": f"http://127.0.0.1:{stub_port}/v1", "api_key": "none"}}],
                 "litellm_settings": {"set_verbose": False}, "general_settings": {"master_key": KEY}}))
             peer = subprocess.Popen([args.litellm, "--config", str(peer_cfg), "--port", str(peer_port),
-                                     "--num_workers", "1"], cwd=cfg.parent, stdout=subprocess.DEVNULL,
+                                     "--num_workers", str(args.workers)], cwd=cfg.parent, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env={**os.environ, "LITELLM_LOG": "ERROR"})
             wait_ready(f"http://127.0.0.1:{peer_port}", 120, peer, path="/health/liveliness")
             urls["litellm"] = f"http://127.0.0.1:{peer_port}/v1/chat/completions"
@@ -143,7 +147,8 @@ def main() -> None:
                 ttft[mode] += got
         ms = lambda v: round(v * 1000, 3)  # noqa: E731
         figures: dict[str, Any] = {"concurrency": args.concurrency, "rounds": args.rounds,
-                                   "requests_per_round": args.requests, "upstream_delay_ms": args.upstream_delay_ms}
+                                   "requests_per_round": args.requests, "upstream_delay_ms": args.upstream_delay_ms,
+                                   "workers": args.workers}
         for mode in urls:
             figures[f"{mode}_p50_ms"] = ms(_pct(lat[mode], 0.5))
             figures[f"{mode}_p99_ms"] = ms(_pct(lat[mode], 0.99))
@@ -158,8 +163,13 @@ def main() -> None:
                                and figures["added_ttft_p99_ms"] <= 2)
         if "litellm" in urls:
             figures["rps_vs_litellm"] = round(figures["gateway_rps_median"] / figures["litellm_rps_median"], 2)
-            figures["litellm_goal"] = "gateway requests/s per worker >= 10x LiteLLM's proxy"
-            figures["litellm_goal_met"] = figures["rps_vs_litellm"] >= 10
+            if args.workers == 1:
+                figures["litellm_goal"] = "gateway requests/s per worker >= 10x LiteLLM's proxy (issue 48)"
+                figures["litellm_goal_met"] = figures["rps_vs_litellm"] >= 10
+            else:
+                figures["litellm_goal"] = (f"requests/s per machine, {args.workers} workers each, "
+                                           ">= 20x LiteLLM's proxy (issue 49)")
+                figures["litellm_goal_met"] = figures["rps_vs_litellm"] >= 20
         print(figures)
         rec.write(figures, [{"rps": rps}], driver="aiohttp clients, stub upstream, tokenyard serve (spend on)")
     finally:
