@@ -11,7 +11,7 @@ adapter_model.safetensors) in bf16, a few hundred KB, so it loads into any engin
 (`LLM(base, lora_modules={"sort": dir})`, `lora_modules:` in a deployment).
 
 Seeded: the seed fixes the LoRA init and the data order, so on one machine (same wheels, same
-thread count) a rerun gives the same adapter. Training runs in fp32 (the base is small: about 0.25 s
+thread count) a rerun gives the same adapter. Training runs in fp32 (the base is small: 0.25-0.45 s
 a step of 32 items on two cores).
 """
 from __future__ import annotations
