@@ -114,6 +114,8 @@ def _test_deployment() -> dict:
             engines[name] = {"type": "mock", "model": str(_model_dir("demo-small"))}
         else:
             engines[name] = {**spec, "model": str((deploy / spec["model"]).resolve())}
+            if spec.get("lora_modules"):   # adapter folders are relative to the file too
+                engines[name]["lora_modules"] = {k: str((deploy / v).resolve()) for k, v in spec["lora_modules"].items()}
     return {"server": {"access_log": False}, "engines": engines, "routing": doc["routing"],
             "router": {**doc["router"], "artifact": str((deploy / doc["router"]["artifact"]).resolve())},
             "policy": str((deploy / doc["policy"]).resolve())}

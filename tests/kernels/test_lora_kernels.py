@@ -79,25 +79,47 @@ def test_torch_matches_the_reference(case, dtype, tol):
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_batched_form_matches_the_reference(case):
-    """lora_add_batched on the pool's layout (B as [out, slots, R]): segments padded, two bmm."""
+    """lora_add_batched on the pool's layout (B transposed, [slots, R, out]): segments padded, two bmm."""
     x, a, b, scales, y, row_slots, ref = _case(*case, torch.float32)
     seg = _segments(row_slots, case[5], scales, torch.device("cpu"), False)
-    lora_torch.batched_layout(seg, case[3], torch.float32, torch.device("cpu"))
+    lora_torch.batched_layout(seg, len(row_slots), case[3], torch.float32, torch.device("cpu"))
     out = y.clone()
-    lora_torch.lora_add_batched(out[:, case[2]:], x, a, b.transpose(0, 1).contiguous(), seg)
+    lora_torch.lora_add_batched(out[:, case[2]:], x, a, b.transpose(1, 2).contiguous(), seg)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    base_rows = [i for i, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(out[base_rows], y[base_rows])
+
+
+@pytest.mark.parametrize("row_slots", [
+    [0, 1, -1, 0, 1, -1],     # every slot's rows equal (no padding left): base rows need one more position
+    [1, 0, 0, 1],             # no base row, no padding
+    [-1, 2, -1, -1],          # one adapter, the other slots empty
+])
+def test_the_batched_form_where_padding_runs_out(row_slots):
+    """The base rows read a zero-scaled padding position; batched_layout adds one when none is left."""
+    slots, n = 3, 24
+    x, a, b, scales, y, _, _ = _case(len(row_slots), 32, n, slots, 8, [8, 4, 8], torch.float32)
+    ref = y.clone()
+    for i, s in enumerate(row_slots):
+        if s >= 0:
+            ref[i, n:] += scales[s] * (x[i] @ a[s].T) @ b[s].T
+    seg = _segments(row_slots, [8, 4, 8], scales, torch.device("cpu"), False)
+    lora_torch.batched_layout(seg, len(row_slots), slots, torch.float32, torch.device("cpu"))
+    out = y.clone()
+    lora_torch.lora_add_batched(out[:, n:], x, a, b.transpose(1, 2).contiguous(), seg)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     base_rows = [i for i, s in enumerate(row_slots) if s < 0]
     assert torch.equal(out[base_rows], y[base_rows])
 
 
 def test_triton_reads_the_pools_strided_b():
-    """The pool keeps B as [out, slots, R]; the kernel gets its [slots, out, R] view, strided."""
+    """The pool keeps B transposed, [slots, R, out]; the kernel gets its [slots, out, R] view, strided."""
     case = CASES[0]
     x, a, b, scales, y, row_slots, ref = _case(*case, torch.float32)
     seg = _segments(row_slots, case[5], scales, DEVICE, True)
-    pool_b = b.transpose(0, 1).contiguous().to(DEVICE)          # [N, slots, R]
+    pool_b = b.transpose(1, 2).contiguous().to(DEVICE)          # [slots, R, N]
     out = y.to(DEVICE)
-    lora_triton.lora_add(out[:, case[2]:], x.to(DEVICE), a.to(DEVICE), pool_b.transpose(0, 1), scales.to(DEVICE), seg)
+    lora_triton.lora_add(out[:, case[2]:], x.to(DEVICE), a.to(DEVICE), pool_b.transpose(1, 2), scales.to(DEVICE), seg)
     assert ((out.float().cpu() - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
 

@@ -7,7 +7,10 @@ projections (PEFT's format, written here; tokenyard/engines/lora):
   "adapters" is the engine as it runs (the batched form for steps of <= BATCHED_MAX_ROWS rows on a CPU),
   "adapters_segments" the same batch through the segment loop (BATCHED_MAX_ROWS set to 0), for comparison;
 - adapter load time: reading and checking one adapter and copying it into a pool slot (the pool has
-  one slot, so every acquire of the other adapter is a load; median): the goal is <= 50 ms.
+  one slot, so every acquire of the other adapter is a load; median): the goal is <= 50 ms;
+- start-up cost of the shipped demo adapters (tokenyard/models/demo-large-lora, in the default
+  deployment's demo-large engine): Engine construction of the base with and without them, interleaved,
+  median of `--startup-rounds`.
 
     python -m tokenyard.bench.lora_bench [--model tokenyard/models/demo-large] [--batch 32] [--adapters 8]
 """
@@ -72,6 +75,26 @@ def decode_step_times(engine, names: list[str | None], steps: int, prompt_len: i
     return times
 
 
+def demo_adapter_startup(base: Path, rounds: int) -> dict:
+    """Engine start-up of base with and without the committed demo adapters (medians, ms)."""
+    from tokenyard.demo.train_lora import ADAPTERS
+    from tokenyard.engines import Engine
+
+    modules = {p.name: str(p) for p in sorted(ADAPTERS.iterdir()) if (p / "adapter_config.json").is_file()}
+    if not modules or rounds <= 0:
+        return {}
+    times: dict[str, list[float]] = {"base": [], "with_adapters": []}
+    for _ in range(rounds):
+        for mode, lora in (("base", None), ("with_adapters", modules)):
+            t0 = time.perf_counter()
+            engine = Engine(base, lora_modules=lora, kv_cache_memory=128 << 20, progress=False)
+            times[mode].append(time.perf_counter() - t0)
+            del engine
+    base_ms, with_ms = (statistics.median(times[m]) * 1e3 for m in ("base", "with_adapters"))
+    return {"demo_adapters": sorted(modules), "startup_base_ms": base_ms, "startup_with_demo_adapters_ms": with_ms,
+            "startup_demo_adapters_extra_ms": with_ms - base_ms}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "tokenyard" / "models" / "demo-large"))
@@ -83,6 +106,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--loads", type=int, default=20)
+    ap.add_argument("--startup-rounds", type=int, default=5)
     ap.add_argument("--no-results", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -121,6 +145,7 @@ def main() -> None:
             pool.acquire({pool.id_of(names[(i + 1) % 2])})
             loads.append({"acquire_s": time.perf_counter() - t0, "read_check_s": pool.load_seconds - before})
         slot_mib = pool.slot_bytes / 2**20
+    startup = demo_adapter_startup(base, args.startup_rounds)
     med = {m: statistics.median(s for run in runs if run["mode"] == m for s in run["step_s"])
            for m in ("base", "adapters", "adapters_segments")}
     figures = {"batch": args.batch, "adapters": args.adapters, "rank": args.rank, "threads": args.threads,
@@ -129,7 +154,7 @@ def main() -> None:
                "adapters_segments_step_ms": med["adapters_segments"] * 1e3,
                "adapters_segments_over_base": med["adapters_segments"] / med["base"],
                "adapter_load_ms": statistics.median(x["acquire_s"] for x in loads) * 1e3, "goal_load_ms": 50,
-               "pool_slot_mib": slot_mib, "lora_eager_steps": engine.stats().lora_eager_steps}
+               "pool_slot_mib": slot_mib, "lora_eager_steps": engine.stats().lora_eager_steps, **startup}
     print(json.dumps(figures, indent=1))
     if not args.no_results:
         print("wrote", rec.write(figures, runs, loads=loads, model=str(base), steps=args.steps,

@@ -25,7 +25,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ev.add_argument("--items", type=int, default=640)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default="bench/out/demo_eval.json")
+    ev.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="also measure this LoRA adapter on the (one) model, as column MODEL:NAME (repeatable)")
+    ev.add_argument("--tasks", nargs="+", help="only these task families (default: all)")
     ev.set_defaults(func=_eval)
+    tl = sub.add_parser("train-lora", help="train a small LoRA adapter of a demo model on one task family")
+    from tokenyard.demo.train_lora import add_arguments as lora_arguments
+    lora_arguments(tl)
+    tl.set_defaults(func=_train_lora)
     pl = sub.add_parser("plot", help="learning curves PNG from the training runs")
     pl.add_argument("--run-dir", default=".tokenyard/train")
     pl.add_argument("--out", default="bench/demo_learning_curves.png")
@@ -58,8 +65,23 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from tokenyard.demo.evaluate import run
 
-    run(args.models, args.items, args.seed, Path(args.out) if args.out else None, _eval_command(args))
+    loras = {}
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora wants NAME=PATH, got {spec!r}")
+        loras[name] = path
+    if loras and len(args.models) != 1:
+        raise SystemExit("--lora adapters belong to one base: give that one model with --models")
+    run(args.models, args.items, args.seed, Path(args.out) if args.out else None, _eval_command(args), loras=loras,
+        tasks=args.tasks)
     return 0
+
+
+def _train_lora(args: argparse.Namespace) -> int:
+    from tokenyard.demo.train_lora import run
+
+    return run(args)
 
 
 def _eval_command(args: argparse.Namespace) -> str:
@@ -68,6 +90,9 @@ def _eval_command(args: argparse.Namespace) -> str:
     defaults = [str(DEFAULT_MODELS / "demo-small"), str(DEFAULT_MODELS / "demo-large")]
     if [str(Path(m).resolve()) for m in args.models] != defaults:
         parts += ["--models", *map(shlex.quote, args.models)]
+    parts += [f"--lora={shlex.quote(spec)}" for spec in args.lora]
+    if args.tasks:
+        parts += ["--tasks", *args.tasks]
     parts += ["--items", str(args.items), "--seed", str(args.seed)]
     if args.out:
         parts += ["--out", shlex.quote(args.out)]

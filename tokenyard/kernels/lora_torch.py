@@ -15,9 +15,12 @@ added in place through index_add_, which writes through the view.
 The batched form (`lora_add_batched`, small steps on a CPU) trades a little work for far fewer calls:
 the rows are laid out as [slots, M, K] (M: the longest segment; shorter segments and slots without rows
 padded with row 0 at scale 0) and each fused projection is two batched GEMMs (torch.bmm) against every
-slot's A and B, a per-row scale (zero for padding) between them, and one index_add_: five calls per
-projection whatever the number of adapters, against five per segment, and no product of a row with
-another adapter's weights. The result is the segment form's up to summation order.
+slot's A and B, a per-row scale (zero for padding) between them, and one gather of the products back
+into the rows' order (`pad_inv`: each row's padded position; a base row points at a padding position,
+whose product is zero) added to y: five calls per projection whatever the number of adapters, and no
+product of a row with another adapter's weights. B is read as [slots, R, N], contiguous (the pool's
+layout), so the expand GEMM streams it once; a gather + add_ is about half an index_add_'s time at
+these sizes (tokenyard/bench/lora_bench.py). The result is the segment form's up to summation order.
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ class LoraSegments:
     slots_t: torch.Tensor | None = None
     max_len: int = 0            # the longest segment's row count
     # the batched form (batched_layout): row index per (slot, position) and its scale (0: padding)
-    pad_idx: torch.Tensor | None = None        # [slots * M] long
+    pad_idx: torch.Tensor | None = None        # [slots * M] long: the row at each padded position
     pad_scale: torch.Tensor | None = None      # [slots, M, 1]
+    pad_inv: torch.Tensor | None = None        # [T] long: each row's padded position (base rows: a padding one)
 
     @property
     def num_segments(self) -> int:
@@ -82,25 +86,38 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         y.index_add_(0, rows, (t @ b[slot, :, :r].T).to(y.dtype))
 
 
-def batched_layout(seg: LoraSegments, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill seg.pad_idx / seg.pad_scale for lora_add_batched (every pool slot, M = the longest segment)."""
+def batched_layout(seg: LoraSegments, num_rows: int, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill seg.pad_idx / pad_scale / pad_inv for lora_add_batched, for a step of num_rows rows (every
+    pool slot, M = the longest segment, one more when the step has base rows and no padding position
+    is left for them to read)."""
+    rows = num_rows
     m = seg.max_len
-    idx = torch.zeros(num_slots, m, dtype=torch.long)
+    if rows > seg.starts[-1] and num_slots * m == seg.starts[-1]:
+        m += 1
+    used = [0] * num_slots
+    for i, slot in enumerate(seg.slots):
+        used[slot] = seg.starts[i + 1] - seg.starts[i]
+    # a padding position for the base rows to read (zero product); 0 when there are neither
+    spare = next((slot * m + n for slot, n in enumerate(used) if n < m), 0)
+    idx = torch.zeros(num_slots * m, dtype=torch.long)
     scale = torch.zeros(num_slots, m, 1, dtype=dtype)
+    inv = torch.full((rows,), spare, dtype=torch.long)
     perm = seg.perm.cpu()
     for i, slot in enumerate(seg.slots):
         lo, hi = seg.starts[i], seg.starts[i + 1]
-        idx[slot, :hi - lo] = perm[lo:hi]
+        pos = torch.arange(slot * m, slot * m + hi - lo)
+        idx[pos] = perm[lo:hi]
+        inv[perm[lo:hi]] = pos
         scale[slot, :hi - lo] = seg.scales[i]
-    seg.pad_idx, seg.pad_scale = idx.view(-1).to(device), scale.to(device)
+    seg.pad_idx, seg.pad_scale, seg.pad_inv = idx.to(device), scale.to(device), inv.to(device)
 
 
 def lora_add_batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: LoraSegments) -> None:
-    """y [T, N] += for each row, its slot's scale * B(Ax), in place. a: [slots, R, K]; b: [N, slots, R]
-    (the pool's layout); seg: with batched_layout's tensors."""
-    assert seg.pad_idx is not None and seg.pad_scale is not None
+    """y [T, N] += for each row, its slot's scale * B(Ax), in place. a: [slots, R, K]; b: [slots, R, N]
+    (the pool's layout, B transposed); seg: with batched_layout's tensors."""
+    assert seg.pad_idx is not None and seg.pad_scale is not None and seg.pad_inv is not None
     slots, m = seg.pad_scale.shape[0], seg.pad_scale.shape[1]
     xp = x.index_select(0, seg.pad_idx).view(slots, m, -1)
-    t = torch.bmm(xp, a.transpose(1, 2)) * seg.pad_scale
-    out = torch.bmm(t, b.permute(1, 2, 0))
-    y.index_add_(0, seg.pad_idx, out.view(slots * m, -1))
+    t = torch.bmm(xp, a.transpose(1, 2)).mul_(seg.pad_scale)
+    out = torch.bmm(t, b).view(slots * m, -1)
+    y.add_(out.index_select(0, seg.pad_inv))

@@ -51,7 +51,7 @@ def _shrink_kernel(x_ptr, a_ptr, scale_ptr, t_ptr, perm_ptr, starts_ptr, slots_p
 
 @triton.jit
 def _expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, starts_ptr, slots_ptr,
-                   N, R, stride_tm, stride_bs, stride_bn, stride_ym,
+                   N, R, stride_tm, stride_bs, stride_bn, stride_br, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     seg = tl.program_id(0)
     start = tl.load(starts_ptr + seg)
@@ -70,7 +70,7 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, starts_ptr, slots_ptr,
         r_ok = r < R
         tt = tl.load(t_ptr + p.to(tl.int64)[:, None] * stride_tm + r[None, :], mask=p_ok[:, None] & r_ok[None, :],
                      other=0.0)
-        bt = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None],
+        bt = tl.load(b_ptr + slot * stride_bs + n[None, :] * stride_bn + r[:, None] * stride_br,
                      mask=n_ok[None, :] & r_ok[:, None], other=0.0)   # [BLOCK_R, BLOCK_N]: B[slot].T
         acc = tl.dot(tt, bt.to(tl.float32), acc=acc, input_precision="ieee")
     dst = y_ptr + rows[:, None] * stride_ym + n[None, :]
@@ -82,10 +82,11 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, starts_ptr, slots_ptr,
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
              seg: LoraSegments) -> None:
     """y [T, N] += the adapters' products of x [T, K], in place (y may be a column slice: its rows'
-    stride is kept). a: [slots, R, K] and b: [slots, N, R], contiguous in their last dimension;
+    stride is kept). a: [slots, R, K], contiguous in its last dimension; b: [slots, N, R], any strides
+    (the pool's b_of view is strided: its R runs along the pool's rows);
     scales: [slots] fp32. seg needs its tensors (build_segments(..., with_tensors=True))."""
     assert seg.starts_t is not None and seg.slots_t is not None, "segments built without their tensors"
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.stride(2) == 1
     k, r, n = x.shape[1], a.shape[1], y.shape[1]
     rows = seg.starts[-1]
     t = torch.empty(rows, r, dtype=torch.float32, device=x.device)
@@ -94,5 +95,5 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         x, a, scales, t, seg.perm, seg.starts_t, seg.slots_t, k, r, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K)
     _expand_kernel[(seg.num_segments, m_tiles, triton.cdiv(n, BLOCK_N))](
-        t, b, y, seg.perm, seg.starts_t, seg.slots_t, n, r, t.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        t, b, y, seg.perm, seg.starts_t, seg.slots_t, n, r, t.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R)

@@ -7,14 +7,15 @@
     pool.end_step()
 
 Memory is fixed at start-up, per fused projection of the decoder (qkv, o, gate_up, down: the model's
-own groups) that any adapter touches: A [layers, slots, G * R, in] and B [layers, out, slots, G * R] in
-the model's dtype, G the group's modules, R the largest rank among the registered adapters. Module j of
-a group has A rows j*R..(j+1)*R and, in B, its own output rows times those columns (B is block-diagonal
-over the modules: G x the memory of separate B's, for G <= 3). A slot holds one adapter, zero-padded
-past its own rank and in modules it does not adapt (zeros add nothing). So a layer's group is one
-[slots, G * R, in] and one [out, slots, G * R]: the batched form of tokenyard/kernels/lora_torch.py is a
-few calls per fused projection for every adapter at once; `a_of` / `b_of` are the per-module
-[slots, R, in] / [slots, out, R] views the segment kernels read. Every adapter is read and checked at
+own groups) that any adapter touches: A [layers, slots, G * R, in] and B transposed, [layers, slots,
+G * R, out], in the model's dtype, G the group's modules, R the largest rank among the registered
+adapters. Module j of a group has A rows j*R..(j+1)*R and, in B, those rows times its own output columns
+(B is block-diagonal over the modules: G x the memory of separate B's, for G <= 3). A slot holds one
+adapter, zero-padded past its own rank and in modules it does not adapt (zeros add nothing). So a
+layer's group is one [slots, G * R, in] and one [slots, G * R, out], both contiguous per slot: the
+batched form of tokenyard/kernels/lora_torch.py is a few calls per fused projection for every adapter
+at once, its expand GEMM reading B in order; `a_of` / `b_of` are the per-module [slots, R, in] /
+[slots, out, R] views the segment kernels read (b_of strided). Every adapter is read and checked at
 start-up (a bad one fails the engine's start, naming the tensor); the first max_loaded stay in their
 slots, the others are read again from disk when a step needs them, taking the least recently used slot
 that the step does not need. The scheduler never puts more adapters in one step than there are slots
@@ -83,7 +84,7 @@ class AdapterPool:
         # module -> (group, index in the group, output offset, output width)
         self.place = {m: (g, j, off, n) for g in self.groups for j, (m, off, n) in enumerate(layout[g][2])}
         self.a = {g: torch.zeros(L, S, self.width[g], layout[g][0], dtype=dtype, device=device) for g in self.groups}
-        self.b = {g: torch.zeros(L, layout[g][1], S, self.width[g], dtype=dtype, device=device) for g in self.groups}
+        self.b = {g: torch.zeros(L, S, self.width[g], layout[g][1], dtype=dtype, device=device) for g in self.groups}
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
         self.slot_rank = [0] * S
         self.slot_scale = [0.0] * S
@@ -112,7 +113,7 @@ class AdapterPool:
     def b_of(self, module: str, layer: int) -> torch.Tensor:
         """B of every slot for one layer's module: a [slots, out, R] view (strided)."""
         g, j, off, n = self.place[module]
-        return self.b[g][layer][off:off + n, :, j * self.rank:(j + 1) * self.rank].transpose(0, 1)
+        return self.b[g][layer][:, j * self.rank:(j + 1) * self.rank, off:off + n].transpose(1, 2)
 
     def id_of(self, name: str | None) -> int:
         """0 for the base (None), else the adapter's id; ParamError for a name not registered."""
@@ -193,7 +194,7 @@ class AdapterPool:
         seg.ranks = [self.slot_rank[s] for s in seg.slots]
         seg.scales = [self.slot_scale[s] for s in seg.slots]
         if not self.triton and len(row_ids) <= BATCHED_MAX_ROWS:
-            batched_layout(seg, self.num_slots, self.dtype, self.device)
+            batched_layout(seg, len(row_ids), self.num_slots, self.dtype, self.device)
         self.segments = seg
         return seg
 
@@ -230,12 +231,12 @@ class AdapterPool:
         with torch.no_grad():
             for g in self.groups:
                 self.a[g][:, slot].zero_()
-                self.b[g][:, :, slot].zero_()
+                self.b[g][:, slot].zero_()
             for (layer, m), (a, b) in adapter.weights.items():
                 g, j, off, n = self.place[m]
                 col = j * self.rank
                 self.a[g][layer, slot, col:col + r].copy_(a)
-                self.b[g][layer, off:off + n, slot, col:col + r].copy_(b)
+                self.b[g][layer, slot, col:col + r, off:off + n].copy_(b.T)
             self.scales[slot] = adapter.config.scale
         self.slot_rank[slot] = r
         self.slot_scale[slot] = adapter.config.scale
