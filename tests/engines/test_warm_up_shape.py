@@ -16,6 +16,8 @@ def test_the_default_shape_is_a_multi_token_prompt_and_several_decode_steps() ->
 def test_the_shape_fills_no_block_and_fits_the_context(block_size: int, max_model_len: int) -> None:
     n_prompt, n_out = warm_up.request_shape(block_size, max_model_len)
     assert n_prompt >= 1 and n_out >= 1
+    if min(block_size - 1, max_model_len) >= 3:    # room for a decode step: the warm-up runs one
+        assert n_out >= 2
     if block_size > 2:                     # a 2-token block cannot hold prompt + output below it
         assert n_prompt + n_out <= block_size - 1
     if max_model_len >= 2:

@@ -50,10 +50,14 @@ MAX_STEPS = 16
 
 def request_shape(block_size: int, max_model_len: int) -> tuple[int, int]:
     """(prompt tokens, output tokens) of the warm-up request: PROMPT_TOKENS and MAX_TOKENS where they
-    fit, else less, so that the sequence fills no KV block (no prefix-cache entry) and fits the context."""
+    fit, else less, so that the sequence fills no KV block (no prefix-cache entry) and fits the context.
+    Where it can, the prompt gives way first: two output tokens are at least one decode step, the fast
+    path the warm-up is for (the prefill alone never runs it)."""
     total = max(2, min(PROMPT_TOKENS + MAX_TOKENS, block_size - 1, max_model_len))
-    n_prompt = max(1, min(PROMPT_TOKENS, total - 1))
-    return n_prompt, max(1, total - n_prompt)
+    if total < 3:
+        return 1, 1
+    n_out = min(MAX_TOKENS, max(2, total - PROMPT_TOKENS))
+    return total - n_out, n_out
 
 
 def wants_warm_up(engine: Engine) -> bool:
