@@ -18,6 +18,9 @@ from collections.abc import Iterable
 ANY = "*"
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 PATTERN = re.compile(rf"^(?:\*|{_PART}:(?:\*|{_PART}))$")
+# an adapter's own name (the part after ENGINE: in a model name); the engine checks the same form
+# (tokenyard/engines/lora/adapter_errors.py NAME) when it loads one
+ADAPTER_NAME = re.compile(rf"^{_PART}$")
 
 
 def pattern_problem(item: object) -> str | None:

@@ -93,8 +93,9 @@ class _Core:
             self.sel.register(listener, selectors.EVENT_READ, None)
 
     def ready_msg(self) -> tuple:
+        phases = getattr(self.engine, "startup_phases", None)     # what building the engine took, by phase
         return ("ready", self.engine.max_model_len, self.engine.stats(), grammar_info(self.engine),
-                embedding_size(self.engine))
+                embedding_size(self.engine), phases.as_dict() if phases is not None else {})
 
     def add_peer(self, link: _Link) -> _Peer:
         self._next += 1

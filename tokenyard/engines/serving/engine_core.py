@@ -4,7 +4,7 @@
     proc = start_listening_core(recipe, "w2", Path("w2.sock"))   # several, each connecting to the path
     sock, hello = connect_core(Path("w2.sock"))                  # a gateway worker's link to it
 
-`hello` is the core's ("ready", max_model_len, stats, grammar_info, embedding_size). Building fails loudly: the
+`hello` is the core's ("ready", max_model_len, stats, grammar_info, embedding_size, startup_phases). Building fails loudly: the
 recipe's own exception (a bad option) is raised here, in the caller, as it would be in-process.
 The loop the core runs is tokenyard/engines/serving/engine_child.py; the parent's side,
 tokenyard/engines/serving/engine_process.py.

@@ -20,7 +20,8 @@ pickle. Parent to core, all the messages one turn of the event loop produced in 
 ("msgs", [...]): ("add", request_id, prompt_ids, params, priority, cache_salt), ("abort", request_id),
 ("grammar", token, response_format), ("sleep", level), ("wake",), ("adapter", "load"|"unload",
 name, path) and ("embed", token, prompts) (process_embeddings.py). Core to parent: ("ready", max_model_len, stats, grammar_info,
-embedding_size) once the engine is built, ("out", outputs, stats, taken, others)
+embedding_size, startup_phases) once the engine is built (startup_phases: {phase: seconds} of building
+it in the core, tokenyard/engines/core/startup_phases.py), ("out", outputs, stats, taken, others)
 after each step (every output of the step in one frame; `taken`: adds the core took since its
 previous frame; `others`: requests other gateway workers hold in the engine), ("grammar", token,
 error or None), ("embedded", token, vectors or None, error or None), ("slept", seconds, None or
@@ -124,7 +125,7 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
         self._control_lock: asyncio.Lock | None = None
         self.last_wake_s: float | None = None
         self._proc, self._sock, hello = self._spawn()
-        _, self._max_model_len, self._stats, grammar, self._embedding_size = hello
+        _, self._max_model_len, self._stats, grammar, self._embedding_size, self.startup_phases = hello
         # The grammar worker is the parent's: it outlives the core's restarts, and so do its verdicts.
         self._grammars = None if grammar is None else ProcessGrammars(
             GrammarWorker(Path(grammar[0]), GrammarBudget(grammar[1], grammar[2]), name))
@@ -398,7 +399,7 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
             log.error("engine %s declared dead: %s", self.name, self.dead)
             return False
         self._proc, self._sock, hello = spawned
-        _, self._max_model_len, self._stats, _, self._embedding_size = hello
+        _, self._max_model_len, self._stats, _, self._embedding_size, _ = hello
         self.num_restarts += 1
         self.dead = None
         log.warning("engine %s restarted (%d restart(s) so far)", self.name, self.num_restarts)

@@ -146,8 +146,8 @@ class DisaggregatedPool(ReplicaPool):
                 self.handovers += hand.doc is not None
                 self.colocated += hand.doc is None
                 try:
-                    inner = dec.engine.add_request(rid, ids, params, priority, salt, **(
-                        {"kv_handle": hand.handle} if hand.handle is not None else {}))
+                    inner = (dec.engine.add_request(rid, ids, params, priority, salt) if hand.handle is None
+                             else dec.engine.add_handed_over(rid, ids, params, priority, salt, hand.handle))
                 except EngineDeadError as e:
                     why = str(e)
                     continue

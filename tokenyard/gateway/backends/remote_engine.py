@@ -107,9 +107,13 @@ class RemoteEngine:
             self._session = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
-                    priority: int = 0, cache_salt: str | None = None, kv_handle: str | None = None) -> RemoteStream:
-        """kv_handle: a shared-memory KV payload a prefill replica made for this prompt (disaggregated.py);
-        the replica imports it first."""
+                    priority: int = 0, cache_salt: str | None = None) -> RemoteStream:
+        return self.add_handed_over(request_id, prompt_token_ids, params, priority, cache_salt, None)
+
+    def add_handed_over(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | dict | None,
+                        priority: int, cache_salt: str | None, kv_handle: str | None) -> RemoteStream:
+        """add_request for a decode replica: kv_handle is a shared-memory KV payload a prefill replica made
+        for this prompt (disaggregated.py), which the replica imports first (None: nothing to import)."""
         if self._session is None:
             raise EngineDeadError(f"replica {self.url} of engine {self.name} is not started")
         if isinstance(params, SamplingParams):

@@ -32,10 +32,10 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from tokenyard.engines.lora.adapter_errors import NAME as ADAPTER_NAME
 from tokenyard.gateway.routing.decision import RouterDecision, RouterSettings
 from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
 from tokenyard.gateway.routing.interim_rule import Router
+from tokenyard.policies.adapter_access import ADAPTER_NAME
 from tokenyard.policies.evaluate import small_is_enough
 from tokenyard.router_models.runtime.artifact import ArtifactError
 from tokenyard.router_models.runtime.engine_set import EngineSet, load_router
