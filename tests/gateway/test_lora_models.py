@@ -34,6 +34,7 @@ def test_a_request_for_an_adapter_reaches_the_engine_with_it_and_is_recorded():
         status, _, reply = srv.chat({**BODY, "model": "mock:sql"})
         assert status == 200, reply
         assert reply["choices"][0]["message"]["content"].startswith("[sql] ")
+        assert reply["model"] == "mock:sql"        # the reply names the adapter that answered, as it was asked
         status, _, base = srv.chat({**BODY, "model": "mock"})
         assert status == 200 and not base["choices"][0]["message"]["content"].startswith("[")
         deadline = time.monotonic() + 5

@@ -87,11 +87,11 @@ def _match(r: Reader, node: Node, path: str, priced: tuple[str, ...]) -> Match |
 
     tenants = many("tenants", pattern=TENANT, what="a tenant name")
     keys = many("keys")
-    models = ()
+    models: tuple[str, ...] = ()
     if "models" in m:
-        models = model_names(r, m["models"], f"{path}.models", priced, with_auto=True)
-        ok = ok and models is not None
-        models = models or ()
+        named = model_names(r, m["models"], f"{path}.models", priced, with_auto=True)
+        ok = ok and named is not None
+        models = named or ()
     tokens = None
     if "prompt_tokens" in m:
         tokens = _range(r, m["prompt_tokens"], f"{path}.prompt_tokens")

@@ -55,5 +55,5 @@ def render_chat(gen: GenerationGroup, req: Any, completion_id: str) -> dict:
         return {"index": index, "message": message, "logprobs": g.logprobs_field(), "finish_reason": finish}
 
     return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
-            "model": gen.handle.name, "system_fingerprint": None,
+            "model": gen.model_name, "system_fingerprint": None,
             "choices": [choice(i, g) for i, g in enumerate(gen.choices)], "usage": gen.usage()}

@@ -38,7 +38,7 @@ async def completions(request: Request) -> Any:
 def render_text(gen: GenerationGroup, completion_id: str) -> dict:
     """The text_completion object of a finished request (also a Batch API line's response body)."""
     return {"id": completion_id, "object": "text_completion", "created": int(time.time()),
-            "model": gen.handle.name, "system_fingerprint": None,
+            "model": gen.model_name, "system_fingerprint": None,
             "choices": [{"text": g.text, "index": i, "logprobs": g.legacy_logprobs_field(),
                          "finish_reason": g.finish_reason} for i, g in enumerate(gen.choices)],
             "usage": gen.usage()}

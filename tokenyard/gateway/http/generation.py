@@ -69,6 +69,12 @@ class Generation:
     tokens used (None: never ran); on_first_token is called once, when the prefill is done; counted:
     False when another choice of the same request counts it in the request metrics."""
 
+    @property
+    def model_name(self) -> str:
+        """The `model` of the reply: the engine, or ENGINE:ADAPTER when a LoRA adapter answered."""
+        lora = self.context.lora
+        return f"{self.handle.name}:{lora}" if lora else self.handle.name
+
     def __init__(self, setup: GenerationSetup, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  on_end: Callable[[int | None], None] | None = None,
                  on_first_token: Callable[[], None] | None = None, counted: bool = True) -> None:

@@ -67,6 +67,10 @@ class GenerationGroup:
         return self.first.handle
 
     @property
+    def model_name(self) -> str:
+        return self.first.model_name
+
+    @property
     def params(self) -> Any:
         return self.first.params
 

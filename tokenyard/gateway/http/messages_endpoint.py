@@ -95,7 +95,7 @@ def render_message(gen: GenerationGroup, req: Any, message_id: str) -> dict[str,
     reason, sequence = stop_reason(finish, g.stop_string)
     if reason == "tool_use" and not any(b["type"] == "tool_use" for b in content):
         reason = "end_turn"     # the only call was malformed and is given back as text
-    return {"id": message_id, "type": "message", "role": "assistant", "model": gen.handle.name,
+    return {"id": message_id, "type": "message", "role": "assistant", "model": gen.model_name,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage_of(g.num_prompt_tokens, g.num_cached_tokens, g.num_completion_tokens)}
 
@@ -119,7 +119,7 @@ class MessagesSSEResponse(SSEResponse):
     def _start(self) -> dict[str, Any]:
         g = self.gen.first
         return {"type": "message_start", "message": {
-            "id": self.message_id, "type": "message", "role": "assistant", "model": self.gen.handle.name,
+            "id": self.message_id, "type": "message", "role": "assistant", "model": self.gen.model_name,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": usage_of(g.num_prompt_tokens, g.num_cached_tokens, 0)}}
 

@@ -92,7 +92,7 @@ def reply(request: Request, started: Started, turn: Turn) -> Any:
 
 async def render_response(gen: GenerationGroup, tools: Any, turn: Turn) -> dict[str, Any]:
     """The Response object of a finished request (stored first when store is on)."""
-    builder = turn.builder(gen.handle.name)
+    builder = turn.builder(gen.model_name)
     g = gen.first
     finish = g.finish_reason
     if tools is not None:
@@ -118,7 +118,7 @@ class ResponsesSSE(SSEResponse):
         super().__init__(gen, turn.response_id, int(time.time()), False, headers, buffer_bytes, write_timeout_s,
                          tool_stream)
         self.turn = turn
-        self.builder = turn.builder(gen.handle.name)
+        self.builder = turn.builder(gen.model_name)
 
     def _emit(self, events: list[dict[str, Any]]) -> None:
         for event in events:

@@ -69,7 +69,7 @@ class SSEResponse:
         self.write_timeout_s = write_timeout_s
         # Every chunk shares this head; only "choices" (and "usage") change.
         self._head = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                      "model": gen.handle.name, "system_fingerprint": None}
+                      "model": gen.model_name, "system_fingerprint": None}
         self._buf: list[bytes] = []
         self._buffered = 0
         self._ready = asyncio.Event()
@@ -199,7 +199,7 @@ class TextSSEResponse(SSEResponse):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head = {"id": self._head["id"], "object": "text_completion", "created": self._head["created"],
-                      "model": self.gen.handle.name, "system_fingerprint": None}
+                      "model": self.gen.model_name, "system_fingerprint": None}
 
     def _opening(self, st: _ChoiceState) -> dict[str, Any] | None:
         return None
