@@ -17,10 +17,11 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+from tokenyard.cli.admin_call import send
 
 
 def add_parser(sub: Any) -> None:
@@ -72,14 +73,4 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(req, str):
         print(f"tokenyard: {req}", file=sys.stderr)
         return 2
-    try:
-        with urllib.request.urlopen(req, timeout=args.timeout_s) as resp:
-            print(json.dumps(json.loads(resp.read()), indent=2))
-            return 0
-    except urllib.error.HTTPError as e:
-        text = e.read().decode(errors="replace")
-        print(f"tokenyard: adapters {args.adapters_action} refused ({e.code}): {text}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        print(f"tokenyard: adapters {args.adapters_action} failed: {e}", file=sys.stderr)
-        return 1
+    return send(req, f"adapters {args.adapters_action}", args.timeout_s)

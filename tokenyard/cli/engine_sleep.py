@@ -15,10 +15,11 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+from tokenyard.cli.admin_call import send
 
 
 def add_parsers(sub: Any) -> None:
@@ -61,14 +62,4 @@ def run(args: argparse.Namespace) -> int:
         print("tokenyard: give either --gateway (with --engine and --replica) or --url", file=sys.stderr)
         return 2
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=args.timeout_s) as resp:
-            print(json.dumps(json.loads(resp.read()), indent=2))
-            return 0
-    except urllib.error.HTTPError as e:
-        text = e.read().decode(errors="replace")
-        print(f"tokenyard: {args.sleep_action} refused ({e.code}): {text}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        print(f"tokenyard: {args.sleep_action} failed: {e}", file=sys.stderr)
-        return 1
+    return send(req, args.sleep_action, args.timeout_s)
