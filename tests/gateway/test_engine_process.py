@@ -12,26 +12,12 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+from engine_process_helpers import MODEL, collect, recipe
 from gateway_helpers import ROOT, mock_deployment, running_gateway, sse_events
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe, _child_main, _Link
 from tokenyard.engines.serving.mock_engine import MockEngine
-
-MODEL = ROOT / "models" / "demo-small"
-
-
-def recipe(**options) -> EngineRecipe:
-    return EngineRecipe("mock", MODEL, options)
-
-
-async def collect(stream, timeout: float = 10.0) -> list:
-    outs = []
-    while True:
-        out = await asyncio.wait_for(stream.get(), timeout)
-        outs.append(out)
-        if out.finished:
-            return outs
 
 
 def test_streams_tokens_stats_and_stop():

@@ -8,25 +8,10 @@ import asyncio
 import os
 import signal
 
-from gateway_helpers import ROOT
+from engine_process_helpers import collect, recipe
 
 from tokenyard.engines.serving.engine_link import _HEADER
-from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
-
-MODEL = ROOT / "models" / "demo-small"
-
-
-def recipe(**options) -> EngineRecipe:
-    return EngineRecipe("mock", MODEL, options)
-
-
-async def collect(stream, timeout: float = 10.0) -> list:
-    outs = []
-    while True:
-        out = await asyncio.wait_for(stream.get(), timeout)
-        outs.append(out)
-        if out.finished:
-            return outs
+from tokenyard.engines.serving.engine_process import EngineProcess
 
 
 def tokens(outs) -> list[int]:
