@@ -13,6 +13,9 @@ Engines (tokenyard/engines/model):
 Kernels (tokenyard/kernels):
 - TOKENYARD_CPU_ATTENTION: `torch` keeps the torch decode-attention forms; anything else (default
   native) uses the C kernel (cpu_decode_native.py).
+- TOKENYARD_MASKED_ARGMAX: `torch` masks a constrained greedy row's logits with torch.where before its
+  argmax; anything else (default native) picks the token in C from the grammar's bitmask
+  (cpu_masked_argmax.py).
 - TOKENYARD_NATIVE_MARCH: the -march= value for the C decode step's build; native when unset or empty
   (cpu_decode_step.py).
 - TOKENYARD_STEP_SPIN: pause instructions an idle pool worker spins before it sleeps, a whole number
@@ -85,6 +88,11 @@ def cpu_onednn_linear() -> str:
 def cpu_attention_native() -> bool:
     """TOKENYARD_CPU_ATTENTION: False when it is `torch` (the torch attention forms), else True."""
     return _get("TOKENYARD_CPU_ATTENTION", "native").lower() != "torch"
+
+
+def masked_argmax_native() -> bool:
+    """TOKENYARD_MASKED_ARGMAX: False when it is `torch` (the torch select), else True."""
+    return _get("TOKENYARD_MASKED_ARGMAX", "native").lower() != "torch"
 
 
 def native_march() -> str:

@@ -16,7 +16,9 @@
    engines built alike but for the engine option grammar_mask_overlap: masks filled while the forward
    runs ("json_schema", the default) and filled inline after it ("json_schema_inline"); each is
    compared with plain runs on its own engine ("plain", "plain_inline"), and the four kinds rotate
-   their order round by round.
+   their order round by round. `--compare argmax` instead runs one engine with constrained greedy rows
+   picked in C from the bitmask ("json_schema", the default) and masked by torch.where before the argmax
+   ("json_schema_torch_argmax", TOKENYARD_MASKED_ARGMAX=torch), each against the same plain runs.
 
 Writes bench/results/structured_outputs.json (structured_outputs_tpot.json with --only tpot)
 through tokenyard.bench.results_io.RunRecorder.
@@ -24,10 +26,12 @@ through tokenyard.bench.results_io.RunRecorder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jsonschema
 from tqdm import tqdm
@@ -112,29 +116,56 @@ def tpot_run(llm: LLM, batch: int, tokens: int, constrained: bool, round_no: int
             "finish_reasons": sorted(set(finishes))}
 
 
-# (kind, engine): constrained runs are compared with the plain runs of the same engine
-KINDS = (("plain", "overlap"), ("json_schema", "overlap"), ("plain_inline", "inline"), ("json_schema_inline", "inline"))
+# (kind, engine, TOKENYARD_MASKED_ARGMAX): constrained runs are compared with the plain runs of the same engine
+KINDS = {
+    # --compare overlap: masks filled while the forward runs vs inline (two engines)
+    "overlap": (("plain", "overlap", None), ("json_schema", "overlap", None), ("plain_inline", "inline", None),
+                ("json_schema_inline", "inline", None)),
+    # --compare argmax: greedy constrained rows picked in C from the bitmask vs masked by torch.where (one engine)
+    "argmax": (("plain", "overlap", None), ("json_schema", "overlap", None),
+               ("json_schema_torch_argmax", "overlap", "torch")),
+}
+BASELINE = {"json_schema": "plain", "json_schema_inline": "plain_inline", "json_schema_torch_argmax": "plain"}
 
 
-def tpot(batch: int, tokens: int, repeats: int, cpu_compile: str) -> dict[str, Any]:
-    llms = {"overlap": make_llm(batch, cpu_compile), "inline": make_llm(batch, cpu_compile, overlap=False)}
+def tpot(batch: int, tokens: int, repeats: int, cpu_compile: str, compare: str = "overlap") -> dict[str, Any]:
+    kinds = KINDS[compare]
+    llms = {"overlap": make_llm(batch, cpu_compile)}
+    if compare == "overlap":
+        llms["inline"] = make_llm(batch, cpu_compile, overlap=False)
     for llm in llms.values():
         tpot_run(llm, min(batch, 2), 4, True, -1)    # warm-up: compile the grammar, touch the weights
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _ in KINDS}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k, _, _ in kinds}
     n = 0
     for r in tqdm(range(repeats), desc=f"TPOT batch {batch}"):
-        for k in range(len(KINDS)):
-            kind, engine = KINDS[(r + k) % len(KINDS)]   # rotate: each kind takes each place in turn
-            runs[kind].append(tpot_run(llms[engine], batch, tokens, kind.startswith("json"), n))
+        for k in range(len(kinds)):
+            kind, engine, argmax = kinds[(r + k) % len(kinds)]   # rotate: each kind takes each place in turn
+            with _masked_argmax(argmax):
+                runs[kind].append(tpot_run(llms[engine], batch, tokens, kind.startswith("json"), n))
             n += 1
     med = {k: statistics.median(x["tpot_ms_median"] for x in v) for k, v in runs.items()}
+    pairs = [(c, BASELINE[c]) for c in runs if c in BASELINE]
     # per round, constrained over the same engine's plain run of that round
     ratios = {c: [round((a["tpot_ms_median"] / b["tpot_ms_median"] - 1) * 100, 1) for a, b in zip(runs[c], runs[p])]
-              for c, p in (("json_schema", "plain"), ("json_schema_inline", "plain_inline"))}
-    return {"batch": batch, "tokens": tokens, "tpot_ms": {k: round(v, 3) for k, v in med.items()},
-            "overhead_pct": round((med["json_schema"] / med["plain"] - 1) * 100, 1),
-            "overhead_inline_pct": round((med["json_schema_inline"] / med["plain_inline"] - 1) * 100, 1),
+              for c, p in pairs}
+    return {"batch": batch, "tokens": tokens, "compare": compare, "tpot_ms": {k: round(v, 3) for k, v in med.items()},
+            **{f"overhead{c[len('json_schema'):]}_pct": round((med[c] / med[p] - 1) * 100, 1) for c, p in pairs},
             "overhead_pct_per_round": ratios, "runs": runs}
+
+
+@contextlib.contextmanager
+def _masked_argmax(mode: str | None) -> Iterator[None]:
+    """TOKENYARD_MASKED_ARGMAX set to mode for one run (None: as it was)."""
+    old = os.environ.get("TOKENYARD_MASKED_ARGMAX")
+    if mode is not None:
+        os.environ["TOKENYARD_MASKED_ARGMAX"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENYARD_MASKED_ARGMAX", None)
+        else:
+            os.environ["TOKENYARD_MASKED_ARGMAX"] = old
 
 
 def main() -> None:
@@ -147,6 +178,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-compile", default="off", choices=("auto", "on", "off"))
     ap.add_argument("--batches", default="1,32", help="TPOT batch sizes, comma-separated")
+    ap.add_argument("--compare", default="overlap", choices=sorted(KINDS),
+                    help="overlap: masks while the forward runs vs inline; argmax: C masked argmax vs torch.where")
     ap.add_argument("--name", default="", help="results file name (default: structured_outputs[_tpot])")
     args = ap.parse_args()
     if args.threads:
@@ -160,15 +193,11 @@ def main() -> None:
     only = set(args.only.split(","))
     if "tpot" in only:
         for batch in (int(b) for b in args.batches.split(",")):
-            res = tpot(batch, args.tpot_tokens, args.repeats, args.cpu_compile)
+            res = tpot(batch, args.tpot_tokens, args.repeats, args.cpu_compile, args.compare)
             print({k: v for k, v in res.items() if k != "runs"}, flush=True)
             runs.append({"part": "tpot", **res})
-            figures[f"tpot_batch_{batch}"] = {"plain_ms": res["tpot_ms"]["plain"],
-                                              "json_schema_ms": res["tpot_ms"]["json_schema"],
-                                              "plain_inline_ms": res["tpot_ms"]["plain_inline"],
-                                              "json_schema_inline_ms": res["tpot_ms"]["json_schema_inline"],
-                                              "overhead_pct": res["overhead_pct"],
-                                              "overhead_inline_pct": res["overhead_inline_pct"]}
+            figures[f"tpot_batch_{batch}"] = {**{f"{k}_ms": v for k, v in res["tpot_ms"].items()},
+                                              **{k: v for k, v in res.items() if k.startswith("overhead") and k.endswith("_pct")}}
     if "validity" in only:
         res = validity(make_llm(32), args.per_schema, args.max_tokens)
         print({k: v for k, v in res.items() if k != "per_schema"}, flush=True)

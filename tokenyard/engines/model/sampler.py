@@ -65,10 +65,11 @@ def sample(logits: torch.Tensor, greedy: list[bool], temperature: list[float], t
     adjustments: per row, penalties and bias (applied before temperature, greedy rows too) or None."""
     if adjustments is not None:
         logits = apply_adjustments(logits, adjustments)
-    if constraints is not None:
-        logits = apply_token_masks(logits, constraints)
     out = [0] * logits.shape[0]
-    greedy_rows = [i for i, g in enumerate(greedy) if g]
+    done: set[int] = set()   # constrained greedy rows, picked under their masks without a masked copy
+    if constraints is not None:
+        logits, done = _constrained(logits, constraints, greedy, out)
+    greedy_rows = [i for i, g in enumerate(greedy) if g and i not in done]
     if greedy_rows:
         if len(greedy_rows) == len(greedy):
             return greedy_tokens(logits)
@@ -138,6 +139,25 @@ def apply_adjustments(logits: torch.Tensor, adjustments: Sequence[LogitAdjust | 
         flat.index_add_(0, torch.tensor(bias_idx, dtype=torch.long, device=dev),
                         torch.tensor(values, dtype=logits.dtype, device=dev))
     return logits + delta
+
+
+def _constrained(logits: torch.Tensor, constraints: Sequence[Any], greedy: list[bool],
+                 out: list[int]) -> tuple[torch.Tensor, set[int]]:
+    """The grammar masks: a greedy row's token is picked under its mask now (into out; TokenMasks.greedy
+    reads the bitmask, no masked copy), the other constrained rows' logits are masked for the draw.
+    Returns (the logits to draw from, the rows already picked)."""
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return logits, set()
+    masks = for_rows([constraints[i] for i in rows], logits.shape[-1], logits.device)
+    picked = [j for j, i in enumerate(rows) if greedy[i]]
+    if picked:
+        for j, tok in zip(picked, masks.select(picked).greedy(logits, [rows[j] for j in picked])):
+            out[rows[j]] = tok
+    drawn = [j for j, i in enumerate(rows) if not greedy[i]]
+    if drawn:
+        logits = masks.select(drawn).apply(logits, [rows[j] for j in drawn])
+    return logits, {rows[j] for j in picked}
 
 
 def apply_token_masks(logits: torch.Tensor, constraints: Sequence[Any]) -> torch.Tensor:

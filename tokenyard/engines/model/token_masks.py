@@ -2,6 +2,7 @@
 
     masks = TokenMasks.fill(constraints, vocab, device)   # xgrammar's fill, then the bits unpacked
     masked = masks.apply(logits, rows)                   # logits [S, V]: rows[j] gets masks row j
+    tokens = masks.greedy(logits, rows)                  # or, for greedy rows, the tokens straight away
 
 Rules:
 - Everything that does not need the logits happens in `fill`: the int32 bitmask (xgrammar, one row
@@ -12,6 +13,8 @@ Rules:
 - On a GPU the 4-byte words travel (32x less than the bools) and are unpacked there.
 - `apply` returns a new tensor: forbidden logits -inf, the others bit for bit the input's (the caller's
   logits are read again for logprobs, and may be an inference tensor or a CUDA graph's output).
+- `greedy` picks a greedy row's token in C from the bitmask words (tokenyard/kernels/cpu_masked_argmax.py)
+  without a masked copy of the logits; the same tokens as `apply` then argmax (the torch path elsewhere).
 - `PendingMasks` is a fill running elsewhere; `for_rows` takes it when the constraints it covers
   carry it (Constraint.prefetched; accept() drops it), else fills now. Same masks either way.
 """
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from tokenyard.engines.core.structured_output import fill_bitmasks
+from tokenyard.kernels import cpu_masked_argmax
 
 _NEG_INF = float("-inf")
 
@@ -68,6 +72,21 @@ class TokenMasks:
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         # index_copy, not in place: logits may be an inference tensor (and is read again for logprobs)
         return logits.index_copy(0, index, torch.where(allowed, logits.index_select(0, index), ninf))
+
+    def greedy(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """Row j: the first highest logit of logits[rows[j]] among the tokens mask row j allows (a NaN
+        wins; 0 when nothing allowed beats -inf), as argmax over apply()'s rows would give."""
+        if logits.shape[-1] != self.vocab:
+            raise ValueError(f"masks for a vocabulary of {self.vocab}, logits of {logits.shape[-1]}")
+        kernel = cpu_masked_argmax.load() if logits.device.type == "cpu" else None
+        if kernel is not None and kernel.supports(logits):
+            return kernel.argmax(logits, rows, self.bitmask, self.vocab)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        masked = TokenMasks(self.bitmask, self.allowed, self.vocab).apply(logits.index_select(0, index),
+                                                                         list(range(len(rows))))
+        if masked.device.type == "cpu" and masked.dtype == torch.float32:
+            return masked.numpy().argmax(axis=-1).tolist()
+        return masked.argmax(dim=-1).tolist()
 
 
 class PendingMasks:
