@@ -13,6 +13,8 @@ Engines (tokenyard/engines/model):
 Kernels (tokenyard/kernels):
 - TOKENYARD_CPU_ATTENTION: `torch` keeps the torch decode-attention forms; anything else (default
   native) uses the C kernel (cpu_decode_native.py).
+- TOKENYARD_CPU_LORA: `torch` keeps the torch forms of the LoRA adapters' products on a CPU; anything
+  else (default native) uses the C kernel (cpu_lora_native.py) for fp32 pools.
 - TOKENYARD_NATIVE_MARCH: the -march= value for the C decode step's build; native when unset or empty
   (cpu_decode_step.py).
 - TOKENYARD_STEP_SPIN: pause instructions an idle pool worker spins before it sleeps, a whole number
@@ -85,6 +87,11 @@ def cpu_onednn_linear() -> str:
 def cpu_attention_native() -> bool:
     """TOKENYARD_CPU_ATTENTION: False when it is `torch` (the torch attention forms), else True."""
     return _get("TOKENYARD_CPU_ATTENTION", "native").lower() != "torch"
+
+
+def cpu_lora_native() -> bool:
+    """TOKENYARD_CPU_LORA: False when it is `torch` (the torch LoRA forms), else True."""
+    return _get("TOKENYARD_CPU_LORA", "native").lower() != "torch"
 
 
 def native_march() -> str:
