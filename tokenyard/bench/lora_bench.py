@@ -14,7 +14,7 @@ projections (PEFT's format, written here; tokenyard/engines/lora):
   deployment's demo-large engine): Engine construction of the base with and without them, interleaved,
   median of `--startup-rounds`.
 
-    python -m tokenyard.bench.lora_bench [--model tokenyard/models/demo-large] [--batch 32] [--adapters 8]
+    python -m tokenyard.bench.lora_bench [--model tokenyard/models/demo-large] [--batch 32] [--adapters 8] [--name N]
 """
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--loads", type=int, default=20)
     ap.add_argument("--startup-rounds", type=int, default=5)
+    ap.add_argument("--name", default="lora_adapters", help="results file: bench/results/NAME.json")
     ap.add_argument("--no-results", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,7 +119,7 @@ def main() -> None:
     from tokenyard.engines.lora import adapter_pool
     from tokenyard.engines.lora.adapter_pool import AdapterPool
 
-    rec = RunRecorder("lora_adapters")
+    rec = RunRecorder(args.name)
     base = Path(args.model)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         names = [f"a{i}" for i in range(args.adapters)]
