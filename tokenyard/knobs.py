@@ -16,6 +16,10 @@ Kernels (tokenyard/kernels):
 - TOKENYARD_MASKED_ARGMAX: `torch` masks a constrained greedy row's logits with torch.where before its
   argmax; anything else (default native) picks the token in C from the grammar's bitmask
   (cpu_masked_argmax.py).
+
+
+- TOKENYARD_CPU_LORA: `torch` keeps the torch forms of the LoRA adapters' products on a CPU; anything
+  else (default native) uses the C kernel (cpu_lora_native.py) for fp32 pools.
 - TOKENYARD_NATIVE_MARCH: the -march= value for the C decode step's build; native when unset or empty
   (cpu_decode_step.py).
 - TOKENYARD_STEP_SPIN: pause instructions an idle pool worker spins before it sleeps, a whole number
@@ -93,6 +97,11 @@ def cpu_attention_native() -> bool:
 def masked_argmax_native() -> bool:
     """TOKENYARD_MASKED_ARGMAX: False when it is `torch` (the torch select), else True."""
     return _get("TOKENYARD_MASKED_ARGMAX", "native").lower() != "torch"
+
+
+def cpu_lora_native() -> bool:
+    """TOKENYARD_CPU_LORA: False when it is `torch` (the torch LoRA forms), else True."""
+    return _get("TOKENYARD_CPU_LORA", "native").lower() != "torch"
 
 
 def native_march() -> str:

@@ -59,6 +59,15 @@ def test_cpu_attention(monkeypatch):
     assert knobs.cpu_attention_native()
 
 
+def test_cpu_lora(monkeypatch):
+    monkeypatch.delenv("TOKENYARD_CPU_LORA", raising=False)
+    assert knobs.cpu_lora_native()
+    monkeypatch.setenv("TOKENYARD_CPU_LORA", " Torch ")
+    assert not knobs.cpu_lora_native()
+    monkeypatch.setenv("TOKENYARD_CPU_LORA", "native")
+    assert knobs.cpu_lora_native()
+
+
 def test_native_march(monkeypatch):
     monkeypatch.delenv("TOKENYARD_NATIVE_MARCH", raising=False)
     assert knobs.native_march() == "native"
@@ -140,5 +149,5 @@ def test_every_variable_is_documented():
     """Each knob's variable is named in the module's docstring list (the docs point there)."""
     source = (ROOT / "knobs.py").read_text()
     named = set(re.findall(r'"(TOKENYARD_[A-Z_]+)"', source))
-    assert len(named) == 11
+    assert len(named) == 13
     assert all(name in knobs.__doc__ for name in named)

@@ -77,8 +77,13 @@ def adapter_logits(llm, tokens: list[int], name: str | None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["a", "b", "rs"])
-@pytest.mark.parametrize("length", [40, 100])   # the batched form (<= 64 rows, adapter_pool.BATCHED_MAX_ROWS), segments
-def test_logits_match_the_merged_peft_model(setup, llm, name, length):
+@pytest.mark.parametrize("length", [40, 100])   # torch: the batched form (<= 64 rows, adapter_pool.BATCHED_MAX_ROWS), segments
+@pytest.mark.parametrize("form", ["native", "torch"])   # the C kernel (tokenyard/kernels/cpu_lora.c), the torch forms
+def test_logits_match_the_merged_peft_model(setup, llm, name, length, form, monkeypatch):
+    if form == "native" and llm.engine.lora.native is None:
+        pytest.skip("the C LoRA kernel is unavailable here (no C compiler)")
+    if form == "torch":
+        monkeypatch.setattr(llm.engine.lora, "native", None)
     base, adapters = setup
     ref = merged_model(base, adapters[name])
     prompt = random_prompts(1, length, length, ref.config.vocab_size, seed=5)[0]

@@ -4,15 +4,17 @@ Figures, on one engine of the base with `--adapters` random rank-`--rank` adapte
 projections (PEFT's format, written here; tokenyard/engines/lora):
 - decode step time of `--batch` sequences, all on the base vs spread evenly over the adapters
   (the same engine, rounds interleaved; median over the timed steps): the issue's goal is <= 1.3x;
-  "adapters" is the engine as it runs (the batched form for steps of <= BATCHED_MAX_ROWS rows on a CPU),
-  "adapters_segments" the same batch through the segment loop (BATCHED_MAX_ROWS set to 0), for comparison;
+  "adapters" is the engine as it runs (on a CPU with an fp32 base: the C kernel, one call per fused
+  projection, tokenyard/kernels/cpu_lora.c), "adapters_torch" the same batch through the torch forms
+  (the kernel off: the batched form for steps of <= BATCHED_MAX_ROWS rows), "adapters_segments" through the
+  torch segment loop (the kernel off, BATCHED_MAX_ROWS set to 0), all in the same run for comparison;
 - adapter load time: reading and checking one adapter and copying it into a pool slot (the pool has
   one slot, so every acquire of the other adapter is a load; median): the goal is <= 50 ms;
 - start-up cost of the shipped demo adapters (tokenyard/models/demo-large-lora, in the default
   deployment's demo-large engine): Engine construction of the base with and without them, interleaved,
   median of `--startup-rounds`.
 
-    python -m tokenyard.bench.lora_bench [--model tokenyard/models/demo-large] [--batch 32] [--adapters 8]
+    python -m tokenyard.bench.lora_bench [--model tokenyard/models/demo-large] [--batch 32] [--adapters 8] [--name N]
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+MODES = ("base", "adapters", "adapters_torch", "adapters_segments")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -107,6 +110,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--loads", type=int, default=20)
     ap.add_argument("--startup-rounds", type=int, default=5)
+    ap.add_argument("--name", default="lora_adapters", help="results file: bench/results/NAME.json")
     ap.add_argument("--no-results", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,7 +119,7 @@ def main() -> None:
     from tokenyard.engines.lora import adapter_pool
     from tokenyard.engines.lora.adapter_pool import AdapterPool
 
-    rec = RunRecorder("lora_adapters")
+    rec = RunRecorder(args.name)
     base = Path(args.model)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         names = [f"a{i}" for i in range(args.adapters)]
@@ -125,14 +129,21 @@ def main() -> None:
                         progress=False)
         spread = [names[i % args.adapters] for i in range(args.batch)]
         runs = []
+        lora_pool = engine.lora
+        native = lora_pool.native          # the C kernel, or None (no compiler, TOKENYARD_CPU_LORA=torch, not fp32)
         for r in range(args.rounds):
-            for mode, batch_names in (("base", [None] * args.batch), ("adapters", spread), ("adapters_segments", spread)):
+            for mode in MODES:
+                if mode == "adapters_torch" and native is None:
+                    continue            # without the kernel "adapters" already is the torch batched form
+                batch_names = [None] * args.batch if mode == "base" else spread
                 batched_rows = adapter_pool.BATCHED_MAX_ROWS
                 adapter_pool.BATCHED_MAX_ROWS = 0 if mode == "adapters_segments" else batched_rows
+                lora_pool.native = None if mode in ("adapters_torch", "adapters_segments") else native
                 try:
                     t = decode_step_times(engine, batch_names, args.steps, args.prompt_len, f"{mode}{r}")
                 finally:
                     adapter_pool.BATCHED_MAX_ROWS = batched_rows
+                    lora_pool.native = native
                 runs.append({"round": r, "mode": mode, "step_s": t})
                 print(mode, r, f"median step {statistics.median(t) * 1e3:.2f} ms", flush=True)
         # load: a one-slot pool of two adapters, acquired in turn: every acquire reads one from disk
@@ -147,12 +158,15 @@ def main() -> None:
         slot_mib = pool.slot_bytes / 2**20
     startup = demo_adapter_startup(base, args.startup_rounds)
     med = {m: statistics.median(s for run in runs if run["mode"] == m for s in run["step_s"])
-           for m in ("base", "adapters", "adapters_segments")}
+           for m in MODES if any(run["mode"] == m for run in runs)}
     figures = {"batch": args.batch, "adapters": args.adapters, "rank": args.rank, "threads": args.threads,
                "base_step_ms": med["base"] * 1e3, "adapters_step_ms": med["adapters"] * 1e3,
                "adapters_over_base": med["adapters"] / med["base"], "goal_step_ratio": 1.3,
                "adapters_segments_step_ms": med["adapters_segments"] * 1e3,
                "adapters_segments_over_base": med["adapters_segments"] / med["base"],
+               "lora_native": native is not None,
+               "adapters_torch_step_ms": med["adapters_torch"] * 1e3 if "adapters_torch" in med else None,
+               "adapters_torch_over_base": med["adapters_torch"] / med["base"] if "adapters_torch" in med else None,
                "adapter_load_ms": statistics.median(x["acquire_s"] for x in loads) * 1e3, "goal_load_ms": 50,
                "pool_slot_mib": slot_mib, "lora_eager_steps": engine.stats().lora_eager_steps, **startup}
     print(json.dumps(figures, indent=1))

@@ -46,6 +46,8 @@ class LoraSegments:
     pad_idx: torch.Tensor | None = None        # [slots * M] long: the row at each padded position
     pad_scale: torch.Tensor | None = None      # [slots, M, 1]
     pad_inv: torch.Tensor | None = None        # [T] long: each row's padded position (base rows: a padding one)
+    # the C kernel's descriptor of these segments (tokenyard/kernels/cpu_lora_native.py), when it serves
+    native: object | None = None
 
     @property
     def num_segments(self) -> int:

@@ -46,10 +46,15 @@ from tokenyard.engines.lora.adapter_config import TARGET_MODULES, AdapterError
 from tokenyard.engines.lora.adapter_errors import AdapterConflict, AdapterNotFound, check_adapter_name
 from tokenyard.engines.lora.adapter_loader import GROUPS, Adapter, group_layout, load_adapter
 from tokenyard.engines.model.model_config import ModelConfig
+from tokenyard.kernels import cpu_lora_native
 from tokenyard.kernels.lora_torch import LoraSegments, batched_layout, build_segments
 
 log = logging.getLogger(__name__)
 
+# On a CPU with an fp32 pool the products run in C (tokenyard/kernels/cpu_lora_native.py): one call per fused
+# projection for every adapter segment of a step, whatever the number of rows; the segments' descriptor is made
+# once per step (begin_step). The torch forms below serve other dtypes, machines without a C compiler and
+# TOKENYARD_CPU_LORA=torch.
 # Steps of at most this many token rows (decode batches, short mixed steps) take the batched form of the
 # torch products on a CPU: every slot's rows padded to the longest segment and multiplied in two batched
 # GEMMs per fused projection (tokenyard/kernels/lora_torch.py), instead of a loop over the adapters'
@@ -92,6 +97,8 @@ class AdapterPool:
         self.free_slots = list(range(S))
         self.segments: LoraSegments | None = None             # the current step's, while a forward runs
         self.triton = device.type == "cuda"
+        # the C kernel for the products (None: the torch forms); LayerLora reads it when it is attached
+        self.native = cpu_lora_native.load() if device.type == "cpu" and dtype == torch.float32 else None
         self.num_loads = 0
         self.num_evictions = 0
         self.load_seconds = 0.0
@@ -193,7 +200,9 @@ class AdapterPool:
         assert seg is not None
         seg.ranks = [self.slot_rank[s] for s in seg.slots]
         seg.scales = [self.slot_scale[s] for s in seg.slots]
-        if not self.triton and len(row_ids) <= BATCHED_MAX_ROWS:
+        if self.native is not None and not self.triton:
+            seg.native = self.native.segments(seg.perm, seg.starts, seg.slots, seg.ranks, seg.scales)
+        elif not self.triton and len(row_ids) <= BATCHED_MAX_ROWS:
             batched_layout(seg, len(row_ids), self.num_slots, self.dtype, self.device)
         self.segments = seg
         return seg

@@ -10,8 +10,8 @@ keeps a group's B block-diagonal over its modules, tokenyard/engines/lora/adapte
 
 The layer holds a LayerLora only when the engine serves adapters; while no step has set the pool's
 segments (base-only steps, embeddings, the decode fast paths) apply() returns y untouched. The
-products run in torch (tokenyard/kernels/lora_torch.py) on a CPU and in Triton
-(tokenyard/kernels/lora_triton.py) on CUDA.
+products run in C on a CPU with an fp32 pool (tokenyard/kernels/cpu_lora.c, one call per fused projection),
+else in torch (tokenyard/kernels/lora_torch.py), and in Triton (tokenyard/kernels/lora_triton.py) on CUDA.
 """
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ class LayerLora:
         # group and step (a decode step calls apply 4 x layers times).
         self.a = {g: pool.a[g][layer] for g in pool.groups}
         self.b = {g: pool.b[g][layer] for g in pool.groups}
+        # The C kernel's descriptor of each group (tokenyard/kernels/cpu_lora_native.py), when the pool has
+        # the kernel: made once, as it points into the pool's tensors (allocated once, written in place).
+        self.native = {}
+        if pool.native is not None:
+            for g in pool.groups:
+                mods = [(j, off, n) for j, (m, off, n) in enumerate(group_layout(cfg)[g][2]) if m in pool.modules]
+                if mods and pool.native.supports(self.a[g], len(mods), pool.rank):
+                    self.native[g] = pool.native.group(self.a[g], self.b[g], pool.rank, mods)
 
     def apply(self, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x) plus this step's adapter products, for the rows that have one."""
@@ -42,6 +50,9 @@ class LayerLora:
         if seg is None:
             return y
         if not self.slices[group]:
+            return y
+        if seg.native is not None and group in self.native and y.stride(1) == 1:   # CPU, fp32: one C call
+            self.pool.native.add(y, x, self.native[group], seg.native)
             return y
         if seg.pad_idx is not None:   # small CPU steps: the whole group, every slot, batched GEMMs
             lora_torch.lora_add_batched(y, x, self.a[group], self.b[group], seg)
