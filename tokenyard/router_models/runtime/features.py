@@ -36,7 +36,9 @@ novelty crosses still place it. Version 3 (`spec.normalise`, issue 51) computes 
 on `view(text)`: the layout-free form of the prompt's end (layout.canonical: "instruction words :
 input" on one line, from the sentence that holds the input), without the instruction words the
 training prompts never used (one typo repaired first), and without the token count in the size
-crosses; the dense token count stays. Version-2 specs (text as written) still load and score.
+crosses; the dense token count stays. Version 4 (`spec.difficulty`) adds payload_difficulty's
+signatures (the count of the letter asked about, read from the window as written) to the size
+signatures of the cross block. Version-2 and -3 specs still load and score as they did.
 
 Hashes: word and character n-grams are polynomial hashes (mod 2^64) of code points, mixed by a
 multiply-shift, modulo the block size; the few instruction words and signatures are crc32 of
