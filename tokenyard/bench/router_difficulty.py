@@ -20,7 +20,8 @@ their committed outcomes; tokenyard.bench.router_rewording):
            every new wording): logistic regressions fitted on the train and calibration splits'
            phrasing 0-2 rows with the TRUE task (the suite's label, combo split by kind), level,
            system prompt and payload features parsed by the suite's own templates (word count, word
-           identities, the counted letter's answer, digits and carries, the numbers' count),
+           identities, the counted letter's answer, digits and carries, the numbers' count; once
+           more without the count task's features, to see what the count alone is worth),
            scoring P(small right) - P(large right); plus in-sample cell means (task x level
            [x system prompt]) on the test items themselves, an optimistic ceiling for a router
            that knows those cells. With bootstrap intervals of APGR and CPT(95%).
@@ -173,7 +174,7 @@ def told_features(row: dict, parts: tuple[str, ...]) -> dict[str, float]:
             f[key + ":n"] = len(words)
             for w in words:
                 f[f"{key}:w={w}"] = 1.0
-        if "seq" in fields:
+        if "seq" in fields and "no_count" not in parts:
             seq = fields["seq"].split()
             c = seq.count(fields["letter"])
             f.update({"count:n": len(seq), "count:answer": c, f"count:answer={c}": 1.0,
@@ -202,6 +203,7 @@ def bound(resamples: int) -> dict:
     out: dict[str, dict] = {"fit_rows": len(fit_rows), "test_items": len(test)}
     for name, parts in (("task_level", ("level",)), ("task_level_system", ("level", "system")),
                         ("task_level_system_payload", ("level", "system", "payload")),
+                        ("task_level_system_payload_without_count", ("level", "system", "payload", "no_count")),
                         ("task_system_payload", ("system", "payload"))):
         vec = DictVectorizer()
         X = vec.fit_transform([told_features(r, parts) for r in fit_rows])
