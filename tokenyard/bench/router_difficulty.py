@@ -191,6 +191,27 @@ def told_features(row: dict, parts: tuple[str, ...]) -> dict[str, float]:
     return f
 
 
+def repeated_inputs() -> dict[str, dict[str, int]]:
+    """Per split (familiar phrasings): inputs asked more than once (another phrasing or system
+    prompt) and how many of those got different outcomes: what wording alone decides, which a
+    wording-free router cannot know."""
+    out = {}
+    for name in ("train.jsonl", "calibration.jsonl", "test.jsonl"):
+        seen: dict[tuple, set] = collections.defaultdict(set)
+        rows: collections.Counter = collections.Counter()
+        for r in T.read_jsonl(rr.LABELS / name):
+            if r["phrasing"] not in task_suite.TRAIN_PHRASINGS:
+                continue
+            fields = task_suite.get_task(r["task"]).parse(r["messages"][-1]["content"], r["phrasing"])
+            key = (r["task"], tuple(sorted(fields.items())))
+            seen[key].add((r["small_correct"], r["large_correct"]))
+            rows[key] += 1
+        repeated = [k for k, n in rows.items() if n > 1]
+        out[name] = {"inputs": len(rows), "repeated": len(repeated),
+                     "repeated_with_other_outcomes": sum(len(seen[k]) > 1 for k in repeated)}
+    return out
+
+
 def bound(resamples: int) -> dict:
     from sklearn.feature_extraction import DictVectorizer
     from sklearn.linear_model import LogisticRegression
@@ -226,6 +247,7 @@ def bound(resamples: int) -> dict:
             scores[idx] = (small[idx] - large[idx]).mean()
         a, c = _stats(scores, small, large)
         out[f"in_sample_cells_{name}"] = {"apgr": a, "cpt_95": c, "cells": len(cells)}
+    out["repeated_inputs"] = repeated_inputs()
     oracle = np.where((small == 0) & (large == 1), 0.0, np.where((small == 1) & (large == 0), 1.0, 0.5))
     a, c = _stats(oracle, small, large)
     out["oracle_labels"] = {"apgr": a, "cpt_95": c}
