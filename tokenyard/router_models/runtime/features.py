@@ -532,8 +532,7 @@ def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = Non
     if weights is not None and weights.values.shape[0] != spec.dim:
         raise ValueError(f"weights must have {spec.dim} columns (rows of the matrix), got {weights.values.shape[0]}")
     if c.kernel is None:
-        return _with_sums(_row_numpy(view(text, spec), tokens, spec, *_text_parts(text, spec), _hard(text, spec)),
-                          weights)
+        return _with_sums(row_numpy(text, tokens, spec), weights)
     hard = _hard(text, spec)
     text = view(text, spec)
     window = window_of(text, spec.window)
@@ -557,7 +556,8 @@ def _with_sums(r: Row, weights: Weights | None) -> Row:
 
 def row_numpy(text: str, tokens: int, spec: FeatureSpec) -> Row:
     """`row` through numpy alone: the reference the C kernel is tested against, and its fallback."""
-    return _row_numpy(view(text, spec), tokens, spec, *_text_parts(text, spec), _hard(text, spec))
+    c, window, words, padded, ins, novelty = _text_parts(text, spec)
+    return _row_numpy(view(text, spec), tokens, spec, c, window, words, padded, ins, novelty, _hard(text, spec))
 
 
 def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: str, words: list[str],
