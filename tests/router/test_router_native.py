@@ -180,3 +180,16 @@ def test_normalised_features_give_the_numpy_row(text, tokens):
                                           cross_dim=1 << 10),
                                     ["Sort these numbers: 1 2", "Write in capital letters: frog dog", "reverse the words"])
     _same(text, tokens, spec)
+
+
+@kernel_required
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["Count", "the", "letter", "a", "b", "c", "c's", "bs", "in", ":", "how", "many",
+                                 "?", ".", "\n", "frog", "12", "I"]), max_size=60).map(" ".join),
+       st.integers(0, 5000))
+def test_difficulty_features_give_the_numpy_row(text, tokens):
+    # version 4: payload_difficulty's signatures reach both paths' cross blocks alike
+    spec = features.with_vocabulary(_spec(normalise=True, window=256, difficulty=True, version=4, word_dim=1 << 8,
+                                          char_dim=1 << 9, cross_dim=1 << 10),
+                                    ["Count the letter a in: a b c", "Write in capital letters: frog dog"])
+    _same(text, tokens, spec)

@@ -36,7 +36,9 @@ novelty crosses still place it. Version 3 (`spec.normalise`, issue 51) computes 
 on `view(text)`: the layout-free form of the prompt's end (layout.canonical: "instruction words :
 input" on one line, from the sentence that holds the input), without the instruction words the
 training prompts never used (one typo repaired first), and without the token count in the size
-crosses; the dense token count stays. Version-2 specs (text as written) still load and score.
+crosses; the dense token count stays. Version 4 (`spec.difficulty`) adds payload_difficulty's
+signatures (the count of the letter asked about, read from the window as written) to the size
+signatures of the cross block. Version-2 and -3 specs still load and score as they did.
 
 Hashes: word and character n-grams are polynomial hashes (mod 2^64) of code points, mixed by a
 multiply-shift, modulo the block size; the few instruction words and signatures are crc32 of
@@ -61,9 +63,10 @@ import numpy as np
 
 from tokenyard.router_models.runtime import native
 from tokenyard.router_models.runtime.layout import canonical, stem
+from tokenyard.router_models.runtime.payload_difficulty import signatures
 
-FEATURE_VERSION = 3
-SUPPORTED_VERSIONS = (2, 3)      # 2: read as written; 3 adds `normalise` (layout.py)
+FEATURE_VERSION = 4
+SUPPORTED_VERSIONS = (2, 3, 4)   # 2: read as written; 3 adds `normalise` (layout.py); 4 `difficulty`
 DENSE_NAMES = ("tokens", "chars", "words", "digits", "numbers", "longest_number", "operators",
                "capitals", "punctuation", "distinct_words", "lines", "question", "novelty", "novel_grams")
 MAX_WINDOW = 1 << 14
@@ -103,6 +106,7 @@ class FeatureSpec:
     dense_mean: tuple[float, ...] = field(default_factory=tuple)   # set by `fit_normalisation`
     dense_scale: tuple[float, ...] = field(default_factory=tuple)
     normalise: bool = False                             # version 3: score layout.canonical(text)
+    difficulty: bool = False                            # version 4: payload_difficulty signatures
     version: int = FEATURE_VERSION
 
     @property
@@ -117,8 +121,10 @@ class FeatureSpec:
         d = asdict(self)
         for key in ("word_ngrams", "char_ngrams", "vocabulary", "dense", "dense_mean", "dense_scale"):
             d[key] = list(getattr(self, key))
+        if self.version < 4:
+            del d["difficulty"]     # version 2 and 3 files are written as they were
         if self.version == 2:
-            del d["normalise"]      # version 2 files are written as they were
+            del d["normalise"]
         return d
 
     @classmethod
@@ -128,6 +134,8 @@ class FeatureSpec:
             raise ValueError(f"feature spec version {d.get('version')!r} is not supported (this code: "
                              f"{', '.join(map(str, SUPPORTED_VERSIONS))}); retrain the router with "
                              "`tokenyard router train`")
+        if int(d["version"]) < 4:       # version 2 and 3 specs predate `difficulty`
+            known.discard("difficulty")
         if int(d["version"]) == 2:      # version 2 specs predate `normalise`: text as written
             known.discard("normalise")
         extra = set(d) - known
@@ -144,7 +152,8 @@ class FeatureSpec:
                    dense=tuple(str(x) for x in d["dense"]),
                    dense_mean=tuple(float(x) for x in d["dense_mean"]),
                    dense_scale=tuple(float(x) for x in d["dense_scale"]),
-                   normalise=bool(d.get("normalise", False)), version=int(d["version"]))
+                   normalise=bool(d.get("normalise", False)), difficulty=bool(d.get("difficulty", False)),
+                   version=int(d["version"]))
 
     def validate(self) -> None:
         if self.version not in SUPPORTED_VERSIONS:
@@ -152,6 +161,8 @@ class FeatureSpec:
                              f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
         if self.version == 2 and self.normalise:
             raise ValueError("feature spec version 2 has no normalise; it needs version 3")
+        if self.version < 4 and self.difficulty:
+            raise ValueError(f"feature spec version {self.version} has no difficulty; it needs version 4")
         if tuple(self.dense) != DENSE_NAMES:
             raise ValueError(f"feature spec dense features {list(self.dense)} differ from this code's "
                              f"{list(DENSE_NAMES)}")
@@ -465,11 +476,12 @@ def _token_stats(toks: _Tokens) -> tuple[int, int, int]:
 _CROSS_ALONE = 3        # the kind and the two novelty entries also stand alone in the cross block
 
 
-def _cross_parts(ins: Instruction, kind: str, novelty: float, tokens: int) -> tuple[list[int], list[int]]:
+def _cross_parts(ins: Instruction, kind: str, novelty: float, tokens: int,
+                 hard: Sequence[str] = ()) -> tuple[list[int], list[int]]:
     """The cross block's left entries (instruction words, then the kind and the novelty) and its
-    size signatures, as crc32 values."""
+    size signatures (and `hard`: payload_difficulty's signatures), as crc32 values."""
     sizes = [f"p{len(ins.tail.split())}", f"n{len(ins.numbers)}",
-             f"d{max((len(n) for n in ins.numbers), default=0)}"]
+             f"d{max((len(n) for n in ins.numbers), default=0)}", *hard]
     if tokens >= 0:
         sizes.append(f"k{tokens // 4}")
     nov = 0 if novelty <= 0 else 1 if novelty <= 1 / 3 else 2 if novelty <= 2 / 3 else 3
@@ -484,8 +496,13 @@ def _size_tokens(tokens: int, spec: FeatureSpec) -> int:
     return -1 if spec.normalise else tokens
 
 
-def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int) -> np.ndarray:
-    left_l, sizes = _cross_parts(ins, kind, novelty, tokens)
+def _hard(text: str, spec: FeatureSpec) -> list[str]:
+    """payload_difficulty's signatures of the prompt's window as written (version 4), else none."""
+    return signatures(window_of(text, spec.window)) if spec.difficulty else []
+
+
+def _cross_hashes(ins: Instruction, kind: str, novelty: float, tokens: int, hard: Sequence[str] = ()) -> np.ndarray:
+    left_l, sizes = _cross_parts(ins, kind, novelty, tokens, hard)
     left, hs = np.array(left_l, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
     # every instruction word, the kind and the novelty alone and crossed with each size; sizes alone
     return np.concatenate([(left[:, None] * _U(0x100000001) + hs[None, :]).ravel(), left[-_CROSS_ALONE:], hs])
@@ -515,12 +532,13 @@ def row(text: str, tokens: int, spec: FeatureSpec, weights: Weights | None = Non
     if weights is not None and weights.values.shape[0] != spec.dim:
         raise ValueError(f"weights must have {spec.dim} columns (rows of the matrix), got {weights.values.shape[0]}")
     if c.kernel is None:
-        return _with_sums(_row_numpy(view(text, spec), tokens, spec, *_text_parts(text, spec)), weights)
+        return _with_sums(row_numpy(text, tokens, spec), weights)
+    hard = _hard(text, spec)
     text = view(text, spec)
     window = window_of(text, spec.window)
     ins = instruction(window)
     novelty = _novelty(ins, c.vocabulary)
-    left, sizes = _cross_parts(ins, _payload_kind(ins), novelty[0], _size_tokens(tokens, spec))
+    left, sizes = _cross_parts(ins, _payload_kind(ins), novelty[0], _size_tokens(tokens, spec), hard)
     r = c.kernel.row(window.lower() if spec.lowercase else window, window, text, tokens, left, sizes,
                      _CROSS_ALONE, novelty, c.params, c.norm_at, None if weights is None else weights.address,
                      1 if weights is None else weights.models)
@@ -538,11 +556,12 @@ def _with_sums(r: Row, weights: Weights | None) -> Row:
 
 def row_numpy(text: str, tokens: int, spec: FeatureSpec) -> Row:
     """`row` through numpy alone: the reference the C kernel is tested against, and its fallback."""
-    return _row_numpy(view(text, spec), tokens, spec, *_text_parts(text, spec))
+    c, window, words, padded, ins, novelty = _text_parts(text, spec)
+    return _row_numpy(view(text, spec), tokens, spec, c, window, words, padded, ins, novelty, _hard(text, spec))
 
 
 def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: str, words: list[str],
-               padded: str, ins: Instruction, novelty: tuple[float, int]) -> Row:
+               padded: str, ins: Instruction, novelty: tuple[float, int], hard: Sequence[str] = ()) -> Row:
     cp = _codepoints(padded)
     toks = _tokens(cp)
     raw = np.array(_raw_dense(text, window, words, *_token_stats(toks), tokens, novelty), dtype=np.float64)
@@ -554,7 +573,7 @@ def _row_numpy(text: str, tokens: int, spec: FeatureSpec, c: _Compiled, window: 
         word_parts.append(h[:-1] * _U(_P) + h[1:] + _SALT_BIGRAM)
     word_h = (np.concatenate(word_parts) if len(word_parts) > 1 else word_parts[0] if word_parts else h[:0]) ^ _SALT_WORD
     char_h = (_char_hashes(cp, *spec.char_ngrams) if words else cp[:0]) ^ _SALT_CHAR
-    cross_h = _cross_hashes(ins, _payload_kind(ins), novelty[0], _size_tokens(tokens, spec)) ^ _SALT_CROSS
+    cross_h = _cross_hashes(ins, _payload_kind(ins), novelty[0], _size_tokens(tokens, spec), hard) ^ _SALT_CROSS
     ends = (word_h.size, word_h.size + char_h.size, word_h.size + char_h.size + cross_h.size)
     # one multiply-shift for the three blocks, then each block's size and first column
     mixed = (np.concatenate([word_h, char_h, cross_h]) * _MIX) >> _SHIFT

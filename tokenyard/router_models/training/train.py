@@ -79,6 +79,7 @@ DEFAULT_FOLDS = 0
 DEFAULT_TARGET_LARGE_SHARE = 0.3
 DEFAULT_AUGMENT = 2              # perturbed copies per training prompt (augment.py; issue 51)
 DEFAULT_NORMALISE = True        # feature version 3: the layout-free prompt form (layout.py)
+DEFAULT_DIFFICULTY = True       # feature version 4: payload_difficulty's signatures in the cross block
 NORMALISED_WINDOW = 256         # characters it reads: a request's last sentences (its cost grows with it)
 AUGMENT_SEED = 0
 def from_rows(rows: Sequence[dict[str, Any]], source: str = "rows") -> Labelled:
@@ -138,7 +139,8 @@ def fold_of(data: Labelled, folds: int) -> np.ndarray:
 def prepare_spec(train: Labelled, spec: FeatureSpec | None = None) -> FeatureSpec:
     """The feature spec with the novelty vocabulary and the dense normalisation of `train`."""
     spec = with_vocabulary(spec or FeatureSpec(cross_weight=DEFAULT_CROSS_WEIGHT, normalise=DEFAULT_NORMALISE,
-                                               window=NORMALISED_WINDOW if DEFAULT_NORMALISE else DEFAULT_WINDOW),
+                                               window=NORMALISED_WINDOW if DEFAULT_NORMALISE else DEFAULT_WINDOW,
+                                               difficulty=DEFAULT_DIFFICULTY),
                            train.texts)
     return fit_normalisation(spec, train.texts, train.tokens)
 
