@@ -1,0 +1,159 @@
+"""An engine core in a process of its own warms its grammar set, and its parent (given `idle`) starts
+the grammar worker, only in the engine's first lull (tokenyard/engines/serving/process_grammars.py):
+beside the first requests after ready they made a SmolLM2 replica's first request 2-7x the rest."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway_helpers import ROOT
+
+from tokenyard.engines import Engine
+from tokenyard.engines.core.sampling_params import SamplingParams
+from tokenyard.engines.serving.process_grammars import ChildCompiler, ProcessGrammars
+
+
+class _Engine:
+    """What ChildCompiler uses of an engine: has_unfinished, warm_grammars, prepare_grammar."""
+
+    def __init__(self) -> None:
+        self.busy = True
+        self.calls: list[str] = []
+
+    def has_unfinished(self) -> bool:
+        return self.busy
+
+    def warm_grammars(self) -> None:
+        self.calls.append("warm")
+
+    def prepare_grammar(self, fmt: dict) -> None:
+        self.calls.append(f"compile {fmt['type']}")
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_the_child_warms_in_the_first_lull_once() -> None:
+    engine, sent = _Engine(), []
+    compiler = ChildCompiler(engine, sent.append, idle_s=0.2)
+    try:
+        time.sleep(0.5)
+        assert engine.calls == [], "warmed while the engine had requests to run"
+        engine.busy = False
+        assert _wait(compiler.warmed.is_set)
+        engine.busy = True
+        time.sleep(0.3)
+        assert engine.calls == ["warm"] and sent == []
+    finally:
+        compiler.close()
+
+
+def test_a_compile_asked_for_before_the_lull_warms_at_once_then_compiles() -> None:
+    engine, sent = _Engine(), []
+    compiler = ChildCompiler(engine, sent.append, idle_s=60.0)
+    try:
+        compiler.submit(7, {"type": "json_object"})
+        assert _wait(lambda: len(sent) == 1)
+        assert engine.calls == ["warm", "compile json_object"]
+        assert sent == [("grammar", 7, None)]
+    finally:
+        compiler.close()
+
+
+def test_a_compiler_closed_before_the_lull_never_warms() -> None:
+    engine, sent = _Engine(), []
+    compiler = ChildCompiler(engine, sent.append, idle_s=0.2)
+    compiler.close()
+    engine.busy = False
+    time.sleep(0.5)
+    assert engine.calls == [] and sent == [] and not compiler.warmed.is_set()
+
+
+class _Worker:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.starts = 0
+        self.closed = False
+
+    async def start(self) -> None:
+        self.starts += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_the_parent_given_idle_starts_its_worker_in_the_first_lull() -> None:
+    async def main() -> None:
+        busy = {"in_flight": 1}
+        worker = _Worker()
+        grammars = ProcessGrammars(worker, idle=lambda: busy["in_flight"] == 0, idle_s=0.2)  # type: ignore[arg-type]
+        await grammars.start()
+        await grammars.start()                     # a second start schedules nothing more
+        await asyncio.sleep(0.5)
+        assert worker.starts == 0, "the worker started while a request was in flight"
+        busy["in_flight"] = 0
+        for _ in range(100):
+            if worker.starts:
+                break
+            await asyncio.sleep(0.02)
+        assert worker.starts == 1
+        grammars.close()
+        assert worker.closed
+        waiting = ProcessGrammars(_Worker(), idle=lambda: True, idle_s=0.2)  # type: ignore[arg-type]
+        await waiting.start()
+        waiting.close()                            # cancels the wait: no worker after close
+        await asyncio.sleep(0.4)
+        assert waiting.worker.starts == 0
+
+    asyncio.run(main())
+
+
+def test_the_parent_without_idle_starts_its_worker_at_once() -> None:
+    async def main() -> None:
+        worker = _Worker()
+        grammars = ProcessGrammars(worker)  # type: ignore[arg-type]
+        await grammars.start()
+        assert worker.starts == 1
+        grammars.close()
+
+    asyncio.run(main())
+
+
+def test_a_real_engine_stepped_back_to_back_is_not_warmed_until_it_rests() -> None:
+    """The demo engine, stepped on this thread the way the core's loop steps it, while the compiler's
+    thread watches it: no warm-up while requests follow each other, one in the lull after them, and a
+    json_object grammar compiled after that serves a constrained request."""
+    engine = Engine(ROOT / "models" / "demo-small", dtype="float32", kv_cache_memory=8 << 20)
+    sent: list[tuple] = []
+    began: list[float] = []
+    real_warm = engine.warm_grammars
+    engine.warm_grammars = lambda: (began.append(time.monotonic()), real_warm())[1]  # type: ignore[method-assign]
+    compiler = ChildCompiler(engine, sent.append, idle_s=0.3)
+    try:
+        end = time.monotonic() + 1.0
+        n = 0
+        while time.monotonic() < end:              # always a request to run: never a lull of 0.3 s
+            engine.add_request(f"r{n}", [1, 2, 3, 4, 5, 6, 7, 8],
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            n += 1
+            assert not began, "the grammar set's warm-up began beside the requests"
+        rest = time.monotonic()
+        assert _wait(compiler.warmed.is_set, 60.0), "never warmed in the lull"
+        assert len(began) == 1 and began[0] >= rest
+        fmt = {"type": "json_object"}
+        compiler.submit(1, fmt)
+        assert _wait(lambda: sent == [("grammar", 1, None)], 60.0), sent
+        engine.add_request("json", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, response_format=fmt))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        compiler.close()
