@@ -127,8 +127,10 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
         self._proc, self._sock, hello = self._spawn()
         _, self._max_model_len, self._stats, grammar, self._embedding_size, self.startup_phases = hello
         # The grammar worker is the parent's: it outlives the core's restarts, and so do its verdicts.
+        # It starts in the first lull (its torch import beside the first requests slowed them 3x).
         self._grammars = None if grammar is None else ProcessGrammars(
-            GrammarWorker(Path(grammar[0]), GrammarBudget(grammar[1], grammar[2]), name))
+            GrammarWorker(Path(grammar[0]), GrammarBudget(grammar[1], grammar[2]), name),
+            idle=lambda: not self._streams and not self.others_in_flight)
 
     # -- the backend interface ----------------------------------------------------------------
     @property
