@@ -1,7 +1,8 @@
 """The engine process's link under load and failure (tokenyard/engines/serving/engine_process.py), with the
 mock engine in the child: one frame per loop turn, a bound on adds in flight, and a child killed with
 SIGKILL mid-run (requests without a token yet are sent again and finish whole; streaming ones end with
-an error; no token is lost or sent twice)."""
+an error; no token is lost or sent twice); with the demo model, LoRA adapters loaded and unloaded at run
+time are replayed on the fresh core before the kept requests reach it."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,13 @@ import os
 import signal
 
 from engine_process_helpers import collect, recipe
+from gateway_helpers import ROOT
 
+from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.serving.engine_link import _HEADER
-from tokenyard.engines.serving.engine_process import EngineProcess
+from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
+
+LORA = ROOT / "tokenyard" / "models" / "demo-large-lora"
 
 
 def tokens(outs) -> list[int]:
@@ -111,5 +116,46 @@ def test_a_request_that_keeps_killing_its_core_is_failed_after_max_resubmits():
         outs = await collect(stream, 30)
         assert outs[-1].finish_reason == "error" and tokens(outs) == [] and ep.num_resubmitted == 1
         await ep.stop()
+
+    asyncio.run(main())
+
+
+def test_run_time_adapter_loads_and_unloads_are_replayed_on_a_core_killed_with_sigkill():
+    """demo-large with `add` from the deployment: `rev` (the committed reverse adapter) is loaded and `add`
+    unloaded at run time. A request for `rev` waits in the core (max_num_seqs 1, a long base request runs)
+    when the core is killed: it is sent again to the fresh core after the replay and gives the tokens it
+    gave before the crash; `add` stays unloaded."""
+    prompt = [1956, *range(300, 316)]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+
+    async def main():
+        ep = EngineProcess(EngineRecipe("torch", ROOT / "tokenyard" / "models" / "demo-large", {
+            "dtype": "float32", "kv_cache_memory": 8 << 20, "max_num_seqs": 1,
+            "lora_modules": {"add": str(LORA / "add")}}), "lora", restart_backoff_s=0.01)
+        await ep.start()
+        try:
+            await ep.load_adapter("rev", str(LORA / "reverse"))
+            await ep.unload_adapter("add")
+            rev = SamplingParams(max_tokens=8, lora="rev", **greedy)
+            want = tokens(await collect(ep.add_request("w", prompt, rev), 60))
+            base = tokens(await collect(ep.add_request("b", prompt, SamplingParams(max_tokens=8, **greedy)), 60))
+            assert len(want) == 8 and want != base          # the adapter answers, not the base
+            blocker = ep.add_request("block", prompt, SamplingParams(max_tokens=400, **greedy))
+            assert (await asyncio.wait_for(blocker.get(), 60)).new_token_ids
+            kept = ep.add_request("kept", prompt, rev)
+            while ep._unacked:                               # the core took it; it waits behind the blocker
+                await asyncio.sleep(0.01)
+            old = ep.pid
+            os.kill(old, signal.SIGKILL)
+            outs = await collect(kept, 60)
+            assert outs[-1].finish_reason == "length", outs[-1]
+            assert tokens(outs) == want                      # served by `rev` on the fresh core
+            assert (await collect(blocker, 60))[-1].finish_reason == "error"
+            assert ep.num_restarts == 1 and ep.num_resubmitted == 1 and ep.pid != old
+            assert ep.stats().lora_names == ["rev"]          # `add` stays unloaded
+            gone = await collect(ep.add_request("add", prompt, SamplingParams(max_tokens=4, lora="add", **greedy)), 60)
+            assert gone[-1].finish_reason == "error" and gone[-1].bad_request and tokens(gone) == []
+        finally:
+            await ep.stop()
 
     asyncio.run(main())
