@@ -1,7 +1,8 @@
 """The engine process's link under load and failure (tokenyard/engines/serving/engine_process.py), with the
 mock engine in the child: one frame per loop turn, a bound on adds in flight, and a child killed with
 SIGKILL mid-run (requests without a token yet are sent again and finish whole; streaming ones end with
-an error; no token is lost or sent twice); with the demo model, LoRA adapters loaded and unloaded at run
+an error; no token is lost or sent twice); a worker link that stops reading a shared core is dropped
+and never stalls the others; with the demo model, LoRA adapters loaded and unloaded at run
 time are replayed on the fresh core before the kept requests reach it."""
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from engine_process_helpers import collect, recipe
 from gateway_helpers import ROOT
 
 from tokenyard.engines.core.sampling_params import SamplingParams
-from tokenyard.engines.serving.engine_link import _HEADER
+from tokenyard.engines.serving.engine_core import connect_core, reap, start_listening_core
+from tokenyard.engines.serving.engine_link import _HEADER, _Link
 from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
 
 LORA = ROOT / "tokenyard" / "models" / "demo-large-lora"
@@ -159,3 +161,51 @@ def test_run_time_adapter_loads_and_unloads_are_replayed_on_a_core_killed_with_s
             await ep.stop()
 
     asyncio.run(main())
+
+
+def test_a_worker_link_that_stops_reading_is_dropped_and_never_stalls_the_other_workers(tmp_path):
+    """A core shared by two links (server.workers 2), worker_stall_s 1: one link adds 8 long requests and
+    then never reads (a worker stopped with SIGSTOP looks the same to the core). The core's frames to it
+    fill its socket; the other link's requests still finish within a bound, and the stalled link is
+    dropped: its requests are aborted (the engine runs none of them, its blocks are free) and its
+    socket closed."""
+    path = tmp_path / "core.sock"
+    proc = start_listening_core(recipe(token_ms=2, output_len=100_000), "m", path, stall_s=1.0)
+
+    async def main():
+        ep = EngineProcess(recipe(), "m", connect=path)
+        await ep.start()
+        sock, _ = connect_core(path)
+        try:
+            long = {"max_tokens": 4000, "ignore_eos": True}     # 8 s each at 2 ms a token: they outlive the drop
+            _Link(sock).send(("msgs", [("add", f"s{i}", [1, 2, 3], long, 0, None) for i in range(8)]))
+            while ep.others_in_flight != 8:
+                await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            for round_ in range(3):        # before, during and after the stalled link's socket fills
+                streams = [ep.add_request(f"r{round_}.{i}", [1, 2, 3], {"max_tokens": 20}) for i in range(4)]
+                for st in streams:
+                    outs = await collect(st, 5)
+                    assert outs[-1].finish_reason == "length" and len(tokens(outs)) == 20
+                await asyncio.sleep(0.5)
+            while ep.others_in_flight:     # the stalled link's requests left the engine
+                assert loop.time() - t0 < 5, ep.others_in_flight
+                await asyncio.sleep(0.02)
+            assert loop.time() - t0 < 6                           # dropped long before they could finish
+            st = ep.stats()
+            assert st.num_running == 0 and st.num_waiting == 0 and st.num_free_blocks == st.num_total_blocks
+            sock.settimeout(10)
+            while sock.recv(1 << 20):      # what it was sent, then the end: the core closed the link
+                pass
+            outs = await collect(ep.add_request("after", [1, 2, 3], {"max_tokens": 5}), 5)
+            assert len(tokens(outs)) == 5 and ep.num_restarts == 0     # the live link was never touched
+        finally:
+            sock.close()
+            await ep.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        reap(proc)
