@@ -7,6 +7,7 @@ time are replayed on the fresh core before the kept requests reach it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -209,3 +210,45 @@ def test_a_worker_link_that_stops_reading_is_dropped_and_never_stalls_the_other_
     finally:
         proc.terminate()
         reap(proc)
+
+
+def test_a_shared_core_started_again_gets_its_run_time_adapters_back_from_the_worker_that_changed_them(tmp_path):
+    """Two links to one core (server.workers 2), mock engine with `chat` from the deployment: worker a loads
+    `sql` and unloads `chat`; the core is killed and started again (as the supervisor does). Both links
+    link again; a replays its changes, so worker b, which never loaded `sql`, is served with it, and
+    `chat` stays unloaded."""
+    folder = tmp_path / "sql"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
+    path = tmp_path / "core.sock"
+    rec = recipe(token_ms=2, output_len=1000, lora_modules={"chat": "unused"})
+    procs = [start_listening_core(rec, "m", path)]
+
+    async def main():
+        a = EngineProcess(rec, "a", connect=path, restart_backoff_s=0.01)
+        b = EngineProcess(rec, "b", connect=path, restart_backoff_s=0.01)
+        await a.start()
+        await b.start()
+        try:
+            await a.load_adapter("sql", str(folder))
+            await a.unload_adapter("chat")
+            os.kill(procs[0].pid, signal.SIGKILL)
+            procs[0].wait()
+            procs.append(await asyncio.to_thread(start_listening_core, rec, "m", path))
+            while a.num_restarts < 1 or b.num_restarts < 1 or a.dead or b.dead:
+                await asyncio.sleep(0.01)
+            outs = await collect(b.add_request("q", [1, 2, 3], SamplingParams(max_tokens=4, lora="sql")), 10)
+            assert outs[-1].finish_reason == "length" and len(tokens(outs)) == 4
+            assert b.stats().lora_names == ["sql"]
+            refused = await collect(b.add_request("c", [1, 2, 3], SamplingParams(max_tokens=4, lora="chat")), 10)
+            assert refused[-1].finish_reason == "error" and refused[-1].bad_request
+        finally:
+            await a.stop()
+            await b.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for proc in procs:
+            proc.terminate()
+            reap(proc)
