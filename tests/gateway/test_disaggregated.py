@@ -206,6 +206,59 @@ def test_hung_decode_replica_times_out_and_the_client_gets_an_error(tmp_path):
             p.stop()
 
 
+def test_a_request_aborted_at_the_gateway_cancels_its_prefill_on_the_prefill_replica(tmp_path):
+    """The prefill replica (max_num_seqs 1) is busy with long requests, so the hand-over's prefill waits
+    in its engine; the gateway aborts the request: the replica sees the connection close and aborts the
+    prefill (it leaves the engine while the long requests still run; nothing is exported afterwards,
+    when they are gone)."""
+    pre_engine = {**_engine("auto", "prefill"), "max_num_seqs": 1}
+    procs = [ReplicaProcess(tmp_path, pre_engine, name="tiny"), ReplicaProcess(tmp_path, _engine("auto", "decode"),
+                                                                                 name="tiny")]
+    try:
+        for p in procs:
+            p.wait_ready(60)
+        pool = _pool(procs, ["prefill", "decode"])
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+        def wait_for(check, what: str, timeout: float = 10.0) -> dict:
+            deadline = time.monotonic() + timeout
+            while True:
+                doc = procs[0].stats()
+                if check(doc):
+                    return doc
+                assert time.monotonic() < deadline, f"{what}: {doc}"
+                time.sleep(0.02)
+
+        async def run():
+            await _started(pool)
+            prefill_replica = pool.replicas[0].engine
+            try:
+                blockers = [prefill_replica.add_request(f"long{i}", PROMPTS[1][:20], long) for i in range(20)]
+                assert (await asyncio.wait_for(blockers[0].get(), 30)).new_token_ids
+                stream = pool.add_request("gone", PROMPTS[0], GREEDY)
+                await asyncio.to_thread(wait_for, lambda d: d["in_flight"] == 21, "the prefill never arrived")
+                pool.abort("gone")
+                assert (await asyncio.wait_for(stream.get(), 5)).finish_reason == "abort"
+                doc = await asyncio.to_thread(wait_for, lambda d: d["kv_prefills_cancelled"] == 1,
+                                              "the prefill was not cancelled", 5)
+                assert doc["kv_exported"] == 0 and doc["in_flight"] <= 20     # only long requests are left
+                assert not blockers[-1].finished      # ... and they still run: the prefill never got its turn
+                for i in range(20):
+                    prefill_replica.abort(f"long{i}")
+                await asyncio.to_thread(wait_for, lambda d: d["in_flight"] == 0 and d["num_running"] == 0,
+                                        "the long requests did not end")
+            finally:
+                await pool.stop()
+
+        asyncio.run(run())
+        st = procs[0].stats()
+        assert st["kv_exported"] == 0 and st["kv_prefills_cancelled"] == 1 and st["num_waiting"] == 0
+        assert pool.handovers == 0
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def test_roles_in_the_deployment(tmp_path):
     base = {"type": "torch", "model": str(DEMO_SMALL)}
 

@@ -19,7 +19,7 @@ import yaml
 from gateway_helpers import ROOT, SHARED_REDIS, delete_prefix, unique_prefix
 
 from tokenyard.gateway.backends.engine_pool import in_own_process
-from tokenyard.gateway.config.deployment import parse_deployment
+from tokenyard.gateway.config.deployment import DeploymentError, parse_deployment
 
 DEMO = ROOT / "models" / "demo-small"
 
@@ -35,6 +35,15 @@ def test_auto_puts_torch_engines_in_a_process_embeddings_ones_too_and_keeps_mock
     assert {n: in_own_process(s, True) for n, s in dep.engines.items()} == {"t": True, "emb": True, "m": True,
                                                                              "pool": False}
     assert not any(in_own_process(s, False) for s in dep.engines.values())
+
+
+def test_worker_stall_s_is_a_positive_number_of_seconds():
+    engines = {"m": {"type": "mock", "model": str(DEMO)}}
+    assert parse_deployment({"engines": engines}, ROOT).worker_stall_s == 30.0
+    assert parse_deployment({"server": {"worker_stall_s": 2.5}, "engines": engines}, ROOT).worker_stall_s == 2.5
+    for bad in (0, -1, "30", True):
+        with pytest.raises(DeploymentError, match="server.worker_stall_s must be a number > 0"):
+            parse_deployment({"server": {"worker_stall_s": bad}, "engines": engines}, ROOT)
 
 
 def _free_port() -> int:

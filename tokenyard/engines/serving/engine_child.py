@@ -15,6 +15,12 @@ engine's stats and `others`, the requests the other links hold in the engine, so
 admission counts the whole engine (tokenyard/gateway/admission/engine_queues.py). `taken` counts the
 adds the core took since its last frame to that link: the parent's bound on adds in flight
 (engine_process.py, back-pressure) is released by it.
+
+With several links no send blocks the core: each link has an outbox (link_outbox.py) that the loop
+writes as the socket takes it, and a worker that stopped reading (its outbox past MAX_OUTBOX_BYTES, or
+nothing taken for `stall_s`, server.worker_stall_s) is dropped like a link that closed, so the other
+workers keep being served. A single link (one gateway process, the core's only parent) keeps blocking
+sends: there is nobody else to serve, and dropping it would end the core.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import logging
 import pickle
 import selectors
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +38,7 @@ from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.core.sleep_level import SleepLevelError, SleepUnsupported
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link  # noqa: F401 - re-exported
+from tokenyard.engines.serving.link_outbox import DEFAULT_STALL_S, Outbox
 from tokenyard.engines.serving.process_embeddings import CoreEmbeddings, embedding_size
 from tokenyard.engines.serving.process_grammars import ChildCompiler, grammar_info
 
@@ -68,8 +76,12 @@ class _Peer:
     rids: set[str] = field(default_factory=set)       # its requests in the engine (the core's names)
     outs: list[StepOutput] = field(default_factory=list)
     taken: int = 0
+    outbox: Outbox | None = None                      # several links: sends that never block (link_outbox.py)
+    writing: bool = False                             # registered for EVENT_WRITE (its outbox waits)
 
     def send(self, msg: tuple) -> bool:
+        if self.outbox is not None:
+            return self.outbox.send(_frame(msg))
         try:
             self.link.send(msg)
             return True
@@ -79,15 +91,22 @@ class _Peer:
 
 
 class _Core:
-    def __init__(self, engine: Any, listener: socket.socket | None) -> None:
+    def __init__(self, engine: Any, listener: socket.socket | None, stall_s: float = DEFAULT_STALL_S) -> None:
         self.engine = engine
         self.listener = listener
+        self.stall_s = stall_s
+        self.num_dropped_links = 0            # workers dropped for not reading
         self.peers: dict[int, _Peer] = {}
         self.owner: dict[str, tuple[_Peer, str]] = {}   # core name -> (peer, its own id)
         self.sel = selectors.DefaultSelector()
         self._next = 0
         self.compiler = ChildCompiler(engine, self._grammar_reply) if grammar_info(engine) is not None else None
         self.embeds = CoreEmbeddings(engine)
+        # A grammar reply left in an outbox by the compile thread wakes the loop to write it.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         if listener is not None:
             listener.setblocking(False)
             self.sel.register(listener, selectors.EVENT_READ, None)
@@ -99,7 +118,8 @@ class _Core:
 
     def add_peer(self, link: _Link) -> _Peer:
         self._next += 1
-        peer = _Peer(link, self._next, f"{self._next}:" if self.listener is not None else "")
+        peer = _Peer(link, self._next, f"{self._next}:" if self.listener is not None else "",
+                     outbox=Outbox(link.sock, self.stall_s) if self.listener is not None else None)
         self.peers[peer.no] = peer
         self.sel.register(link.sock, selectors.EVENT_READ, peer)
         return peer
@@ -124,12 +144,19 @@ class _Core:
         peer = self.peers.get(no)
         if peer is not None:
             peer.send(("grammar", token, msg[2]))
+            if peer.outbox is not None and peer.outbox.pending:
+                try:
+                    self._wake_w.send(b"w")
+                except OSError:
+                    pass          # a wake is already waiting to be read
 
     def close(self) -> None:
         if self.compiler is not None:
             self.compiler.close()
         for peer in list(self.peers.values()):
             self.drop_peer(peer)
+        self._wake_r.close()
+        self._wake_w.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -139,11 +166,22 @@ class _Core:
         engine = self.engine
         while True:
             busy = engine.has_unfinished() or bool(self.embeds)
-            for key, _ in self.sel.select(timeout=0 if busy else None):
+            waiting = any(p.writing for p in self.peers.values())
+            for key, events in self.sel.select(timeout=0 if busy else 0.1 if waiting else None):
                 if key.data is None:
                     self._accept()
                     continue
+                if key.data == "wake":
+                    self._drain_wakes()
+                    continue
                 peer = key.data
+                if peer.no not in self.peers:
+                    continue                   # dropped earlier in this turn
+                if events & selectors.EVENT_WRITE and peer.outbox is not None and not peer.outbox.flush():
+                    self._drop_slow(peer)
+                    continue
+                if not events & selectors.EVENT_READ:
+                    continue
                 if not self._take(peer, peer.link.receive(block=False)):
                     return
                 if peer.link.closed:
@@ -163,10 +201,41 @@ class _Core:
             if self.embeds:                 # one batch of embeddings per turn, between steps
                 self.embeds.run_one()
             self._send_frames(stats)
+            if self.listener is not None:
+                self._watch_outboxes()
             dead = getattr(engine, "dead", None)
             if dead:
                 self._fail(f"engine failed: {dead}")
                 return
+
+    def _watch_outboxes(self) -> None:
+        """Drop the links that stopped reading; ask the selector for writability where bytes wait."""
+        now = time.monotonic()
+        for peer in list(self.peers.values()):
+            box = peer.outbox
+            if box is None:
+                continue
+            if box.failed is not None or box.stalled(now):
+                self._drop_slow(peer)
+                continue
+            want = bool(box.pending)
+            if want != peer.writing:
+                peer.writing = want
+                self.sel.modify(peer.link.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), peer)
+
+    def _drop_slow(self, peer: _Peer) -> None:
+        why = peer.outbox.failed if peer.outbox is not None else None
+        log.warning("engine core: dropping gateway link %d (%s); its %d request(s) are aborted", peer.no,
+                    why or "its link failed", len(peer.rids))
+        self.num_dropped_links += 1
+        self.drop_peer(peer)
+
+    def _drain_wakes(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
 
     def _accept(self) -> None:
         assert self.listener is not None
@@ -176,7 +245,7 @@ class _Core:
             return
         peer = self.add_peer(_Link(sock))
         if not peer.send(self.ready_msg()):
-            self.drop_peer(peer)
+            self._drop_slow(peer)
 
     def _take(self, peer: _Peer, msgs: list[tuple]) -> bool:
         """Apply one peer's messages; False when the loop must end (a failed wake)."""
@@ -247,7 +316,7 @@ class _Core:
             outs, peer.outs = peer.outs, []
             taken, peer.taken = peer.taken, 0
             if not peer.send(("out", outs, stats, taken, total - len(peer.rids))):
-                self.drop_peer(peer)
+                self._drop_slow(peer)
 
     def _fail(self, message: str, skip: _Peer | None = None) -> None:
         for peer in list(self.peers.values()):
@@ -302,7 +371,7 @@ def _adapter(peer: _Peer, engine: Any, msg: tuple) -> None:
     peer.send(("adapter", result, None, engine.stats()))
 
 
-def _child_main(sock: socket.socket, listener: socket.socket | None = None) -> None:
+def _child_main(sock: socket.socket, listener: socket.socket | None = None, stall_s: float = DEFAULT_STALL_S) -> None:
     """The engine process: take the recipe on `sock`, build, then serve: `sock` alone, or (with a
     listener) every link accepted there, `sock` being only the supervisor's handshake."""
     link = _Link(sock)
@@ -315,7 +384,7 @@ def _child_main(sock: socket.socket, listener: socket.socket | None = None) -> N
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         link.send(("failed", f"building the engine raised {type(e).__name__}: {e}", _picklable(e)))
         return
-    core = _Core(engine, listener)
+    core = _Core(engine, listener, stall_s)
     link.send(core.ready_msg())
     if listener is None:
         core.add_peer(link)

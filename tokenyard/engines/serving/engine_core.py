@@ -45,13 +45,15 @@ class EngineRecipe:
         return Engine(self.model, **{"progress": False, **self.options})
 
 
-def _popen(name: str, fd: int, listen: Path | None) -> subprocess.Popen:
+def _popen(name: str, fd: int, listen: Path | None, stall_s: float | None = None) -> subprocess.Popen:
     # A fresh interpreter, not fork (the parent has an event loop and torch's threads, which fork
     # would copy half-alive) and not multiprocessing's spawn (which imports the parent's __main__).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, "-m", "tokenyard.engines.serving.engine_core", "--fd", str(fd), "--name", name]
     if listen is not None:
         argv += ["--listen", str(listen)]
+    if stall_s is not None:
+        argv += ["--stall-s", repr(float(stall_s))]
     return subprocess.Popen(argv, pass_fds=(fd,), env=env)
 
 
@@ -86,13 +88,14 @@ def spawn_core(recipe: EngineRecipe, name: str) -> tuple[subprocess.Popen, socke
     return proc, ours, _handshake(_Link(ours), proc, name, recipe)
 
 
-def start_listening_core(recipe: EngineRecipe, name: str, path: Path) -> subprocess.Popen:
+def start_listening_core(recipe: EngineRecipe, name: str, path: Path, stall_s: float | None = None) -> subprocess.Popen:
     """Start a core that serves every link connected to the Unix socket `path` (gateway workers), and
     wait until its engine is built. The socket is bound before the engine builds, so a worker may
-    connect early (it waits for the core's hello)."""
+    connect early (it waits for the core's hello). `stall_s`: how long a worker may leave the core's
+    frames unread before its link is dropped (server.worker_stall_s; tokenyard/engines/serving/link_outbox.py)."""
     ours, theirs = socket.socketpair()
     try:
-        proc = _popen(name, theirs.fileno(), path)
+        proc = _popen(name, theirs.fileno(), path, stall_s)
     except BaseException:
         ours.close()
         raise
@@ -143,6 +146,8 @@ def main() -> None:
     ap.add_argument("--fd", type=int, required=True, help="the inherited end of the parent's socketpair")
     ap.add_argument("--name", default="engine")
     ap.add_argument("--listen", help="serve every link connected to this Unix socket path")
+    ap.add_argument("--stall-s", type=float, default=None,
+                    help="with --listen: drop a link that took none of the core's frames for this long")
     args = ap.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the parent decides
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s engine-process[{args.name}]: %(message)s")
@@ -158,7 +163,10 @@ def main() -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         listener.listen(64)
-    _child_main(socket.socket(fileno=args.fd), listener)
+    if args.stall_s is None:
+        _child_main(socket.socket(fileno=args.fd), listener)
+    else:
+        _child_main(socket.socket(fileno=args.fd), listener, args.stall_s)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ far stand; none is sent twice). Then the process is started again from the same 
 `connect`, the link is made again to the core the supervisor restarts); while that runs new
 requests raise EngineDeadError (503). A start that fails is retried `max_restart_attempts` times with
 exponential backoff from `restart_backoff_s` (capped at 30 s); after that the engine stays dead and
-the kept requests fail too.
+the kept requests fail too. LoRA adapters loaded or unloaded at run time (load_adapter, unload_adapter)
+are replayed on the fresh core before any request is sent again (adapter_replay.py), so a kept request
+for a run-time adapter is served by it and an unloaded one stays unloaded.
 
 Constrained requests: `await backend.prepare(params)` before add_request, as with AsyncEngine. The
 schema is checked against its budget in a grammar worker of the parent's, then compiled on a thread
@@ -78,6 +80,7 @@ from tokenyard.engines.core.outputs import EngineStats, StepOutput
 from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.runtime.async_engine import RequestStream, cancel_task, fail_streams, with_backoff
 from tokenyard.engines.runtime.grammar_worker import GrammarBudget, GrammarWorker
+from tokenyard.engines.serving.adapter_replay import AdapterChanges
 from tokenyard.engines.serving.engine_child import _child_main  # noqa: F401 - re-exported
 from tokenyard.engines.serving.engine_core import EngineRecipe, connect_core, reap, spawn_core
 from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link, unpack  # noqa: F401 - _Link re-exported
@@ -124,6 +127,7 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
         self._control_reply: asyncio.Future | None = None   # the answer to the sleep or wake under way
         self._control_lock: asyncio.Lock | None = None
         self.last_wake_s: float | None = None
+        self.adapter_changes = AdapterChanges()       # run-time loads and unloads, replayed on a fresh core
         self._proc, self._sock, hello = self._spawn()
         _, self._max_model_len, self._stats, grammar, self._embedding_size, self.startup_phases = hello
         # The grammar worker is the parent's: it outlives the core's restarts, and so do its verdicts.
@@ -222,8 +226,7 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
         if self._writer is not None:
             self._send(("abort", request_id))
 
-    # -- batching and back-pressure -------------------------------------------------------------
-    # -- LoRA adapters at run time (not in the recipe: a restarted core lacks them; lora_modules keeps one) --
+    # -- LoRA adapters at run time (not in the recipe: remembered here, replayed on a fresh core) --------
     async def load_adapter(self, name: str, path: str) -> dict:
         return await self._adapter("load", name, path)
 
@@ -237,8 +240,10 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
             self._stats = stats
         if err is not None:
             raise error_of(*err)
+        self.adapter_changes.record(op, name, path)
         return result
 
+    # -- batching and back-pressure -------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
         self._outbox.append(msg)
         if self._flush_handle is None:
@@ -278,16 +283,26 @@ class EngineProcess(ProcessSleep, ProcessEmbed):
     # -- the process ----------------------------------------------------------------------------
     def _spawn(self) -> tuple[subprocess.Popen | None, socket.socket, tuple]:
         """A core of our own (blocking until its engine is built), or a link to the supervisor's."""
+        proc: subprocess.Popen | None = None
         if self.connect is not None:
             for _ in range(50):       # a core being started again: its socket comes back within seconds
                 try:
                     sock, hello = connect_core(self.connect)
-                    return None, sock, hello
+                    break
                 except (FileNotFoundError, ConnectionRefusedError):
                     time.sleep(0.1)
-            sock, hello = connect_core(self.connect)     # the backoff's attempt: it logs why it failed
-            return None, sock, hello
-        return spawn_core(self.recipe, self.name)
+            else:
+                sock, hello = connect_core(self.connect)     # the backoff's attempt: it logs why it failed
+        else:
+            proc, sock, hello = spawn_core(self.recipe, self.name)
+        if self.adapter_changes:      # before any request reaches the fresh core (the loop has no writer yet)
+            try:
+                hello = self.adapter_changes.replay(sock, hello, self.recipe, self.name)
+            except BaseException:
+                sock.close()
+                reap(proc)
+                raise
+        return proc, sock, hello
 
     async def _run(self) -> None:
         while True:

@@ -74,6 +74,7 @@ class KVHandover:
         self.num_imported_blocks = 0
         self.num_present_blocks = 0           # offered but already cached here
         self.num_import_failures = 0          # payloads not imported (bad frame, layout, timeout)
+        self.num_prefills_cancelled = 0       # prefills aborted before their end (the gateway went away)
 
     # -- both sides ---------------------------------------------------------------------------
     def _connector(self) -> KVConnector:
@@ -96,7 +97,8 @@ class KVHandover:
     def stats(self) -> dict[str, Any]:
         return {"role": self.role, "kv_port": self.receiver.port if self.receiver is not None else None,
                 "kv_exported": self.num_exported, "kv_imported_blocks": self.num_imported_blocks,
-                "kv_present_blocks": self.num_present_blocks, "kv_import_failures": self.num_import_failures}
+                "kv_present_blocks": self.num_present_blocks, "kv_import_failures": self.num_import_failures,
+                "kv_prefills_cancelled": self.num_prefills_cancelled}
 
     # -- prefill side -------------------------------------------------------------------------
     async def prefill(self, request_id: str, prompt_ids: list[int], cache_salt: str | None, transport: str,
@@ -118,6 +120,7 @@ class KVHandover:
                     break
         finally:
             if not stream.finished:      # cancelled (the gateway went away): free the blocks
+                self.num_prefills_cancelled += 1
                 self.engine.abort(rid)
         if out.finish_reason in ("error", "abort"):
             raise HandoverError("prefill", f"the prefill request ended with {out.finish_reason}: {out.error}")

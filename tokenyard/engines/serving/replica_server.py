@@ -32,9 +32,11 @@
 
 The gateway (tokenyard/gateway/backends/remote_engine.py) keeps one keep-alive connection pool per replica. A
 client that goes away mid-stream (the gateway aborting, or dying) aborts its request here, so
-the engine frees the blocks at its next step. SIGTERM drains: /ready turns false, new requests
-get 503 (the gateway retries them elsewhere: no token was sent), requests in flight run to the
-end for up to `grace_s`, then the process exits 0; a second signal exits at once.
+the engine frees the blocks at its next step; so does one that goes away during a POST /v1/engine/prefill
+(the disaggregated flow aborted, or its gateway gone): the prefill is cancelled, not run to the end.
+SIGTERM drains: /ready turns false, new requests get 503 (the gateway retries them elsewhere: no token
+was sent), requests in flight run to the end for up to `grace_s`, then the process exits 0; a second
+signal exits at once.
 
 A request with a response_format has its grammar made ready first (`engine.prepare`: checked in a
 grammar worker under its time and memory budget, compiled on a thread), so neither this event loop
@@ -84,6 +86,30 @@ class ReplicaState:
         self.preparing = 0          # generate requests whose grammar is being made ready
         # Seconds per start-up phase, process start to ready when serve() was given them, else the engine's own.
         self.startup: dict[str, float] = dict(getattr(engine, "startup_phases", None) or {})
+
+
+async def _unless_disconnected(request: Any, work: Any) -> Any:
+    """Await `work` unless the client disconnects first: then cancel it (KVHandover.prefill aborts its
+    request in the engine, freeing its blocks) and return None. The body was read, so the next ASGI
+    message is the disconnect (uvicorn sends it when the connection closes: a gateway that aborted the
+    request, timed out, or died)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task         # done: its reply or its error; cancelled: its finally (the abort) has run
+    except asyncio.CancelledError:
+        return None
+
+
+async def _disconnect(request: Any) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_app(state: ReplicaState):
@@ -152,7 +178,10 @@ def build_app(state: ReplicaState):
         except (ValueError, KeyError, TypeError) as e:
             return JSONResponse({"error": f"bad request body: {e}"}, 400)
         try:
-            reply = await handover.prefill(*args, timeout_s=timeout)
+            reply = await _unless_disconnected(request, handover.prefill(*args, timeout_s=timeout))
+            if reply is None:          # the gateway went away: the prefill was cancelled, its blocks freed
+                log.info("prefill of %s aborted: the gateway closed its connection", args[0])
+                return Response(status_code=499)
         except HandoverError as e:
             code = 502 if e.stage == "transfer" else 503
             return JSONResponse({"error": str(e), "stage": e.stage, "retryable": True}, code)

@@ -146,6 +146,10 @@ class Deployment:
     # Gateway worker processes (HTTP, auth, limits, routing, spend) sharing the listening socket, in front
     # of one engine core per engine (tokenyard/gateway/server/supervisor.py). 1: the gateway is one process.
     workers: int = 1
+    # With workers > 1: a worker whose link took none of its engine core's frames for this long while
+    # some waited (it stopped reading) is dropped by the core, its requests aborted, so it never stalls
+    # the other workers (tokenyard/engines/serving/link_outbox.py).
+    worker_stall_s: float = 30.0
     # Set by the supervisor for its workers, never by the file: engine name -> the Unix socket of its core.
     engine_sockets: dict[str, Path] = field(default_factory=dict)
     connections: Connections = field(default_factory=Connections)
@@ -196,7 +200,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
                    "engines", "spend", "dashboard", "metrics", "router", "policy", "batch", "pools", "responses",
                    "router_learning"}),
     "server": frozenset({"host", "port", "drain_grace_s", "access_log", "gil_switch_interval_ms",
-                         "engine_process", "workers"}) | _names(Connections),
+                         "engine_process", "workers", "worker_stall_s"}) | _names(Connections),
     "auth": _names(Auth),
     "limits": _names(Limits),
     "rate_limits": _names(RateLimits),
@@ -254,6 +258,7 @@ def parse_deployment(data: Any, base_dir: Path | None = None) -> Deployment:
     dep.workers = _positive_int(server, "server.", "workers", dep.workers)
     if dep.workers > MAX_WORKERS:
         raise DeploymentError(f"server.workers must be at most {MAX_WORKERS}, got {dep.workers}")
+    dep.worker_stall_s = _number(server, "server.", "worker_stall_s", dep.worker_stall_s)
     _connections(server, dep.connections)
     dep.redis_url = _typed(top, "", "redis_url", str, None, nullable=True)
     dep.redis_dir = _path(_typed(top, "", "redis_dir", str, str(dep.redis_dir)), base)

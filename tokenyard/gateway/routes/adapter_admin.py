@@ -13,7 +13,8 @@ inside the first). A path outside every root (after `..` and symlinks are resolv
 A loaded adapter is a model at once (`ENGINE:NAME`, in /v1/models); on a replica pool it is loaded on every
 replica or on none. Unloading an adapter that requests are still running with is refused with 409
 `adapter_conflict` (nothing changes; they finish, and the unload can be sent again): requests are never cut.
-A run-time adapter lasts until its engine (process) restarts; lora_modules keeps one for good.
+A run-time load or unload outlives its engine core's restart (the gateway replays it on the fresh core,
+tokenyard/engines/serving/adapter_replay.py) but not the gateway's; lora_modules keeps an adapter for good.
 
 Errors (OpenAI-shaped): 404 `engine_not_found`, `adapter_not_found`; 400 `invalid_adapter` (the engine's
 check: a rank, shape or base mismatch names the tensor), `invalid_adapter_name`, `path_not_allowed`,

@@ -27,6 +27,9 @@ made again (EngineProcess with `connect`: requests with no token yet are sent to
 ones streaming end with an error). SIGTERM (or Ctrl-C) drains: the workers get SIGTERM and drain as a
 single gateway does (server.drain_grace_s), then the cores stop; a second signal makes the workers exit
 at once. Workers run in a session of their own, so a terminal's Ctrl-C reaches them only through here.
+A worker that stops reading its link (stopped, wedged) never stalls a core: the core's sends to it do not
+block, and after server.worker_stall_s without taking a frame its link is dropped (its requests aborted);
+the worker, when it runs again, links again (tokenyard/engines/serving/link_outbox.py).
 """
 from __future__ import annotations
 
@@ -103,7 +106,8 @@ class Supervisor:
 
     def _start_core(self, child: _Child) -> None:
         from tokenyard.engines.serving.engine_core import start_listening_core
-        child.proc = start_listening_core(self.recipes[child.name], child.name, self.sockets[child.name])
+        child.proc = start_listening_core(self.recipes[child.name], child.name, self.sockets[child.name],
+                                          self.dep.worker_stall_s)
         child.started = time.monotonic()
 
     def _start_worker(self, index: int, child: _Child) -> None:
