@@ -13,7 +13,7 @@ from redis.asyncio.client import Pipeline
 
 from tokenyard.gateway.config.spend_settings import SpendConfig
 from tokenyard.gateway.observability.metrics import GatewayMetrics
-from tokenyard.gateway.spend.ledger import SpendLedger
+from tokenyard.gateway.spend.ledger import LINGER_S, SpendLedger
 from tokenyard.gateway.spend.redis_keys import stream_key
 from tokenyard.gateway.spend.usage import UsageRecord
 
@@ -70,3 +70,35 @@ def test_a_batch_asks_no_script_exists_and_a_missing_script_is_loaded_once(tmp_p
         assert client.xlen(stream_key(prefix, "rt")) == 8          # every record once
     finally:
         client.close()
+
+
+def test_records_ending_within_the_linger_share_one_round_trip(tmp_path, prefix, monkeypatch):
+    """One client's trickle: records a few ms apart go to Redis together, within LINGER_S of the first."""
+    executes: list[tuple[float, int]] = []
+    real_execute = Pipeline.execute
+
+    async def counting_execute(self, raise_on_error=True):
+        executes.append((time.perf_counter(), len(self.command_stack)))
+        return await real_execute(self, raise_on_error)
+
+    monkeypatch.setattr(Pipeline, "execute", counting_execute)
+
+    async def run() -> tuple[float, float]:
+        ledger = SpendLedger(SHARED_REDIS, prefix, SpendConfig(spool_dir=tmp_path), GatewayMetrics(lambda: {}))
+        await ledger.redis.script_load(ledger._script.script)
+        await ledger.start()
+        first = time.perf_counter()
+        for i in range(4):
+            ledger(_record(i))
+            await asyncio.sleep(LINGER_S / 8)
+        while ledger.pending:
+            await asyncio.sleep(0.001)
+        done = time.perf_counter()
+        await ledger.stop()
+        return first, done
+
+    first, done = asyncio.run(run())
+    assert [n for _, n in executes] == [4]
+    # Written once the linger had passed, and not long after (a loaded machine may add some ms).
+    assert LINGER_S <= executes[0][0] - first < LINGER_S + 0.5
+    assert done >= executes[0][0]
