@@ -58,6 +58,7 @@ BATCH = 128
 # Redis at most this much (plus its round trip) later than it would without the wait. The policy's
 # budget check reads rollups cached 2 s anyway, and budget holds are settled apart from the ledger.
 LINGER_S = 0.01
+_RECORD_JSON = json.JSONEncoder(separators=(",", ":"))   # json.dumps with options builds one per call
 _ERRORS = (RedisError, OSError, TimeoutError, asyncio.TimeoutError)
 
 
@@ -181,7 +182,7 @@ class SpendLedger:
         # The stream entry's tags are written by the script (only the names the rollups keep), and
         # fields at their default are left out (store.stream_record restores both).
         untagged = compact({k: v for k, v in rec.items() if k != "tags"})
-        args = [json.dumps(untagged, separators=(",", ":")), rec["engine"], hour, tenant,
+        args = [_RECORD_JSON.encode(untagged), rec["engine"], hour, tenant,
                 int(rec["prompt_tokens"]), int(rec["cached_tokens"]), int(rec["completion_tokens"]),
                 int(rec["cost_micros"]), int(rec.get("baseline_cost_micros", 0)),
                 0 if rec["status"] == "ok" else 1,
