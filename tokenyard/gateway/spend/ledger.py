@@ -123,7 +123,8 @@ class SpendLedger:
             self._wake.clear()
             if len(self._queue) < BATCH:
                 # The records of the next few ms share this batch's round trip: at a steady trickle
-                # (one client) a round trip per record was a tenth of the gateway's CPU per request.
+                # (one client) a round trip per record was a large share of the gateway's CPU per request
+                # (bench/RESULTS.md, "Gateway CPU per one-token request, cut").
                 await asyncio.sleep(LINGER_S)
             while self._queue:
                 await self._write(self._take())
