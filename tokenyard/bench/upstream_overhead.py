@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--upstream-delay-ms", type=float, default=0.0,
                     help="the stub waits this long before each reply, as a real model does (0: answers at once, "
                          "so the gateway's CPU is the bottleneck and 32 clients queue behind it)")
+    ap.add_argument("--results-name", default=None,
+                    help="bench/results/NAME.json (default: upstream_overhead with the options that differ)")
     args = ap.parse_args()
     from tokenyard.bench.results_io import RunRecorder
     # One record per concurrency: 32 (the goal, and the LiteLLM comparison) and 1 (the added
@@ -97,7 +99,7 @@ def main() -> None:
         name += f"_delay{args.upstream_delay_ms:g}ms"
     if args.workers != 1:
         name += f"_workers{args.workers}"
-    rec = RunRecorder(name)
+    rec = RunRecorder(args.results_name or name)
     stub_port, gw_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "tokenyard.bench.openai_stub", "--port", str(stub_port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

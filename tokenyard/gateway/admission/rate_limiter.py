@@ -1,4 +1,5 @@
-"""Request and token limits in Redis: one Lua script, one round trip, the server's clock.
+"""Request and token limits in Redis: one Lua script, one round trip, the server's clock
+(reservations made while one is on its way share the next round trip: tokenyard/gateway/store/script_batch.py).
 
     res = await limiter.reserve(key_record, tokens=prompt + max_tokens, engine="demo-small")
     ...                                          # the request runs
@@ -38,6 +39,7 @@ from tokenyard.gateway.auth.api_keys import KeyRecord
 from tokenyard.gateway.config.deployment import RateLimits
 from tokenyard.gateway.edge.errors import RateLimited, Unavailable, retry_headers
 from tokenyard.gateway.store.redis_guard import RedisBusy, RedisGuard, RedisUnavailable
+from tokenyard.gateway.store.script_batch import ScriptBatch
 
 log = logging.getLogger("tokenyard.ratelimit")
 _LUA = Path(__file__).resolve().parent / "lua"
@@ -90,7 +92,8 @@ class RateLimiter:
         self.metrics = metrics
         self.window_us = int(cfg.window_s * 1_000_000)
         if redis is not None:
-            self._reserve = redis.register_script((_LUA / "reserve.lua").read_text())
+            # Reservations that arrive while one is on its way share the next round trip.
+            self._reserve = ScriptBatch(redis, redis.register_script((_LUA / "reserve.lua").read_text()))
             self._refund = redis.register_script((_LUA / "refund.lua").read_text())
         self._pending: set[asyncio.Task] = set()
 

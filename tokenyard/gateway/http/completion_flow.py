@@ -334,6 +334,7 @@ def decode_json(raw: bytes, max_depth: int, what: str = "Request body") -> Any:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_REPLY_JSON = json.JSONEncoder(ensure_ascii=False)   # json.dumps with options builds one per call
 
 
 def _unpaired_surrogate(value: Any) -> str | None:
@@ -428,7 +429,7 @@ class CompletionResponse:
                 body = self.render(gen)
                 if asyncio.iscoroutine(body):   # a render that writes too (a stored response)
                     body = await body
-            data = json.dumps(body, ensure_ascii=False).encode()
+            data = _REPLY_JSON.encode(body).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
             gen.finish(status, record_status)  # the usage record exists before the client sees the reply

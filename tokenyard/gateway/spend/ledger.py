@@ -11,10 +11,12 @@ rollup counters of (tenant, engine, hour) and of each dimension (key, user, rout
 and tag names bounded per tenant-hour, the rest under "(other)"). So a rollup can never disagree with the records, and
 replaying a record twice changes nothing.
 
-Records are written off the request path by one writer task, in batches (a pipeline of script
-calls: one round trip). If Redis fails, the batch goes to the local spool (tokenyard/gateway/spend/spool.py)
-and so does everything after it, until the replay task has pushed the spool back into Redis; a
-record is thus always in exactly one of: the queue, Redis, the spool.
+Records are written off the request path by one writer task, in batches (a pipeline of EVALSHA
+calls: one round trip; the script is loaded again only when the server answers NOSCRIPT); woken by a
+record, the writer waits LINGER_S (10 ms) for more before it writes a batch that is not full. If Redis
+fails, the batch goes to the local spool (tokenyard/gateway/spend/spool.py) and so does everything
+after it, until the replay task has pushed the spool back into Redis; a record is thus always in
+exactly one of: the queue, Redis, the spool.
 
 Money: each record's cost is computed once, when the request ends, in integer micro-units
 (tokenyard.policies.schema.Prices.cost: the exact total over a million rounded half up, once); rollups are sums
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from tokenyard.gateway.config.spend_settings import SpendConfig
 from tokenyard.gateway.spend.redis_keys import (
@@ -52,6 +54,11 @@ from tokenyard.gateway.spend.usage import UsageRecord, compact
 log = logging.getLogger("tokenyard.spend")
 _LUA = Path(__file__).resolve().parent / "lua" / "spend_record.lua"
 BATCH = 128
+# How long the writer waits, once woken, before it takes a batch not yet full: a record reaches
+# Redis at most this much (plus its round trip) later than it would without the wait. The policy's
+# budget check reads rollups cached 2 s anyway, and budget holds are settled apart from the ledger.
+LINGER_S = 0.01
+_RECORD_JSON = json.JSONEncoder(separators=(",", ":"))   # json.dumps with options builds one per call
 _ERRORS = (RedisError, OSError, TimeoutError, asyncio.TimeoutError)
 
 
@@ -114,6 +121,11 @@ class SpendLedger:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if len(self._queue) < BATCH:
+                # The records of the next few ms share this batch's round trip: at a steady trickle
+                # (one client) a round trip per record was a large share of the gateway's CPU per request
+                # (bench/RESULTS.md, "Gateway CPU per one-token request, cut").
+                await asyncio.sleep(LINGER_S)
             while self._queue:
                 await self._write(self._take())
 
@@ -130,17 +142,36 @@ class SpendLedger:
             self.in_flight -= len(batch)
 
     async def _store(self, records: list[dict[str, Any]], outcome: str) -> None:
-        """Run the script for each record in one pipeline (raises on any Redis failure)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for rec in records:
-            keys, args = self._script_args(rec)
-            await self._script(keys=keys, args=args, client=pipe)
-        results = await pipe.execute()
+        """Run the script for each record in one pipeline (raises on any Redis failure).
+
+        The pipeline sends EVALSHA alone: redis-py's script pipelines ask SCRIPT EXISTS first, a
+        second round trip on every batch. A server that lacks the script (restarted, SCRIPT FLUSH)
+        answers NOSCRIPT for each of them; those records, and only those, run again once it is
+        loaded (a record that did run is never sent twice by this, and would be a no-op if it were)."""
+        calls = [self._script_args(rec) for rec in records]
+        results = await self._run(calls)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            await self.redis.script_load(self._script.script)
+            again = await self._run([calls[i] for i in missing])
+            for i, r in zip(missing, again):
+                results[i] = r
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
         fresh = sum(1 for r in results if int(r) == 1)
         self.stored += fresh
         self.metrics.spend_records.labels(outcome).inc(fresh)
         if len(records) - fresh:
             self.metrics.spend_records.labels("duplicate").inc(len(records) - fresh)
+
+    async def _run(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """One round trip: EVALSHA per (keys, args); errors come back in the list, not raised."""
+        pipe = self.redis.pipeline(transaction=False)
+        sha = self._script.sha
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        return await pipe.execute(raise_on_error=False)
 
     def _script_args(self, rec: dict[str, Any]) -> tuple[list[str], list[Any]]:
         cfg, p, tenant = self.cfg, self.prefix, rec.get("tenant") or "-"
@@ -152,7 +183,7 @@ class SpendLedger:
         # The stream entry's tags are written by the script (only the names the rollups keep), and
         # fields at their default are left out (store.stream_record restores both).
         untagged = compact({k: v for k, v in rec.items() if k != "tags"})
-        args = [json.dumps(untagged, separators=(",", ":")), rec["engine"], hour, tenant,
+        args = [_RECORD_JSON.encode(untagged), rec["engine"], hour, tenant,
                 int(rec["prompt_tokens"]), int(rec["cached_tokens"]), int(rec["completion_tokens"]),
                 int(rec["cost_micros"]), int(rec.get("baseline_cost_micros", 0)),
                 0 if rec["status"] == "ok" else 1,
