@@ -224,14 +224,17 @@ class QuantLinear(nn.Module):
         # Either way the input is the bf16-rounded xb the packed op reads: the products are the packed
         # op's, so a prompt prefilled densely and a suffix recomputed by the packed op (prefix-cache
         # hits, seeded n > 1) differ only by accumulation order.
+        # The output is bf16 on every path, as the packed ops give it: an fp32 dense GEMM (AVX2-only
+        # CPUs) rounds once at the end, so the rows and rank counts agree on every machine (tensor
+        # parallelism rounds its fp32 partial sums once the same way: tokenyard/engines/tp/fp32_partials.py).
         if not self.int4:
             if eager and m >= INT8_DENSE_MIN_ROWS:
                 return int8_dense_mm(xb.to(dense_dtype()), self.w_q, self.scales,
-                                     max(1, DENSE_TILE_WEIGHTS // self.in_features))
+                                     max(1, DENSE_TILE_WEIGHTS // self.in_features)).to(torch.bfloat16)
             return _INT8_MM(xb, self.w_q, self.scales)
         if eager and m >= INT4_DENSE_MIN_ROWS and self._dense_tiles is not None:
             y = int4pack_dense_mm(xb.to(dense_dtype()), self.packed, self.scale_zero, self._n_padded, self.in_features,
-                                  self.group_size, self._layout, self._dense_tiles)
+                                  self.group_size, self._layout, self._dense_tiles).to(torch.bfloat16)
         else:
             y = _INT4_MM(xb, self.packed, self.group_size, self.scale_zero)
         return y[:, :self.out_features] if self._n_padded != self.out_features else y
