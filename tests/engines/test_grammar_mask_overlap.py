@@ -120,6 +120,9 @@ def test_prefetched_masks_are_taken_while_fresh_and_dropped_on_accept(grammars):
         pending = PendingMasks(pool.submit(TokenMasks.fill, cons, vocab, torch.device("cpu")), cons, vocab)
         for c in cons:
             c.prefetched = pending
+        # one fill of a matcher at a time, as the engine keeps it: filling the same matchers on this
+        # thread while the pool's fill runs raced (wrong words, once a crash in the library)
+        pending.wait()
         fresh = TokenMasks.fill(cons, vocab, torch.device("cpu"))
         # the step's rows in another order (speculation samples a subset): the prefetched rows, selected
         got = for_rows([cons[2], cons[0]], vocab, torch.device("cpu"))
