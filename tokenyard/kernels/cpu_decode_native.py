@@ -16,7 +16,6 @@ masks are -inf).
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from pathlib import Path
 
@@ -24,9 +23,7 @@ import torch
 
 from tokenyard import knobs
 from tokenyard.kernels.kv_quant import QuantizedCache
-from tokenyard.nativelib.build import cached_library
-
-log = logging.getLogger(__name__)
+from tokenyard.nativelib.build import cached_library, load_once
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -88,11 +85,4 @@ def load() -> Kernel | None:
     (a warning, once: the torch forms serve)."""
     if not knobs.cpu_attention_native():
         return None
-    with _LOCK:
-        if "kernel" not in _LOADED:
-            try:
-                _LOADED["kernel"] = Kernel(compile_library())
-            except (OSError, RuntimeError) as exc:
-                log.warning("CPU decode attention: the C kernel is unavailable (%s); the torch forms serve", exc)
-                _LOADED["kernel"] = None
-        return _LOADED["kernel"]
+    return load_once(_LOADED, _LOCK, "kernel", lambda: Kernel(compile_library()), "CPU decode attention")

@@ -14,16 +14,13 @@ NaN wins; 0 when nothing allowed beats -inf): tests/kernels/test_cpu_masked_argm
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from pathlib import Path
 
 import torch
 
 from tokenyard import knobs
-from tokenyard.nativelib.build import cached_library
-
-log = logging.getLogger(__name__)
+from tokenyard.nativelib.build import cached_library, load_once
 
 SOURCE = Path(__file__).with_name("masked_argmax.c")
 FLAGS = ("-O2", "-march=native", "-shared", "-fPIC")
@@ -65,11 +62,5 @@ def load() -> Kernel | None:
     (a warning, once: the torch select serves)."""
     if not knobs.masked_argmax_native():
         return None
-    with _LOCK:
-        if "kernel" not in _LOADED:
-            try:
-                _LOADED["kernel"] = Kernel(cached_library(SOURCE, FLAGS, "masked_argmax"))
-            except (OSError, RuntimeError) as exc:
-                log.warning("grammar masks: the C masked argmax is unavailable (%s); the torch select serves", exc)
-                _LOADED["kernel"] = None
-        return _LOADED["kernel"]
+    return load_once(_LOADED, _LOCK, "kernel", lambda: Kernel(cached_library(SOURCE, FLAGS, "masked_argmax")),
+                     "grammar masks (masked argmax)")

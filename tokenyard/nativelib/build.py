@@ -15,12 +15,18 @@ renamed into place, so concurrent processes and restarts share one build.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable, TypeVar
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def cache_dir() -> Path:
@@ -79,3 +85,17 @@ def cached_library(source: Path, flags: tuple[str, ...], name: str, out_dir: Pat
         if os.path.exists(tmp):
             os.remove(tmp)
     return target
+
+
+def load_once(loaded: dict[str, T | None], lock: threading.Lock, key: str, build: Callable[[], T],
+              what: str) -> T | None:
+    """loaded[key], built by `build` on first use; None (after one warning naming `what`) when the build
+    or the library load fails, so the caller's torch forms serve. `loaded` and `lock` are the caller's."""
+    with lock:
+        if key not in loaded:
+            try:
+                loaded[key] = build()
+            except (OSError, RuntimeError) as exc:
+                _log.warning("%s: the C kernel is unavailable (%s); the torch forms serve", what, exc)
+                loaded[key] = None
+        return loaded[key]
