@@ -110,3 +110,59 @@ def test_gateway_metrics_show_each_in_process_engines_phases():
         r'^tokenyard_engine_startup_seconds{engine="demo-small",phase="([a-z_]+)"} (\S+)$', text, re.M)}
     assert shown == pytest.approx(built, abs=1e-9) and {"weights_read", "kv_allocation", "compile"} <= set(shown)
     assert 'tokenyard_engine_startup_seconds{engine="mock"' not in text      # a mock keeps no phases
+
+
+# The parent of a replica whose engine steps in a core process (the default for a torch engine) runs
+# HTTP and a socket: if it imported torch too, the replica's start would pay torch's import twice, one
+# after the other (1.2-1.5 s each on a 2-core VM; the ready time went from 1.5 s to 2.9-7.5 s).
+_PARENT_ONLY = """
+import sys
+from tokenyard.cli.deployment_arg import load_or_exit
+from tokenyard.gateway.config.deployment import apply_env
+import tokenyard.cli.engine, tokenyard.engines.serving.replica_server, tokenyard.engines.serving.engine_process
+import tokenyard.engines.core.startup_phases, tokenyard.engines.runtime.async_engine
+from tokenyard.gateway.backends.engine_pool import _recipe, tokenizer_fingerprint
+dep = apply_env(load_or_exit(None))
+spec = dep.engines["smollm2-135m"]
+assert spec.type == "torch", spec.type
+_recipe(spec), tokenizer_fingerprint(spec.model)
+heavy = sorted(m for m in ("torch", "triton", "transformers") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+def test_a_replica_parent_imports_no_torch():
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", _PARENT_ONLY], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_engines_package_names_load_on_first_use():
+    import subprocess
+    code = ("import sys, tokenyard.engines as e\n"
+            "assert 'torch' not in sys.modules\n"
+            "from tokenyard.engines import LLM, SamplingParams\n"
+            "from tokenyard.engines.runtime.llm import LLM as L2\n"
+            "assert LLM is L2 and 'torch' in sys.modules and 'LLM' in dir(e)\n"
+            "try:\n    e.NoSuchName\nexcept AttributeError as x:\n    print('NAMED', 'NoSuchName' in str(x))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "NAMED True" in out.stdout
+
+
+def test_a_core_reports_its_own_interpreter_and_imports():
+    from tokenyard.engines.serving.engine_core import EngineRecipe, reap, spawn_core
+    recipe = EngineRecipe("torch", DEMO, {"kv_cache_memory": 16 << 20, "cpu_compile": "off"})
+    t0 = time.monotonic()
+    proc, sock, hello = spawn_core(recipe, "demo-small")
+    waited = time.monotonic() - t0
+    try:
+        phases = hello[5]
+        # the core's interpreter and torch's import, which the engine's own phases do not see
+        assert phases["imports"] > 0.1, phases
+        assert {"weights_read", "kv_allocation"} <= set(phases), phases
+        assert sum(phases.values()) <= waited + 0.05, (phases, waited)
+    finally:
+        sock.close()
+        reap(proc)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+from tokenyard.kernels.kv_cache_dtypes import KV_CACHE_DTYPES
+
 STORAGE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.float32

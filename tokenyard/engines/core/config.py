@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from tokenyard.kernels.kv_cache_dtypes import KV_CACHE_DTYPES
 
-from tokenyard.kernels.kv_quant import KV_CACHE_DTYPES
+if TYPE_CHECKING:   # torch is imported where a device or dtype is made: checking a config needs none
+    import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# dtype option -> torch's name for it
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
 @dataclass(slots=True)
@@ -311,6 +313,7 @@ class EngineConfig:
                              "pipeline_parallel_size 1 (the KV of other ranks is not reachable from here)")
 
     def torch_device(self) -> torch.device:
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -319,6 +322,7 @@ class EngineConfig:
         """"auto": bfloat16 on CUDA; float32 on a CPU, the activations the C decode step and the oneDNN
         linears take with float, int8 and int4 weights alike (bfloat16 there skips the C step: about
         a third of the decode speed on SmolLM2's int4, bench/RESULTS.md)."""
+        import torch
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])

@@ -15,3 +15,13 @@ class RequestError(EngineError, ValueError):
 
 class EngineDeadError(EngineError, RuntimeError):
     """The engine (or one of its workers) has failed; in-flight requests cannot finish."""
+
+
+class HandoverError(RuntimeError):
+    """A disaggregated KV hand-over step that failed: stage is "prefill" (this replica) or "transfer"
+    (to the decode side). Here, not in serving/kv_handover.py, so the replica server can catch it
+    without importing the KV transfer code (and torch) when it serves no hand-over."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenyard.engines.core.errors import RequestError
+from tokenyard.engines.core.prompt_packing import pack
 from tokenyard.engines.model.model import CausalLM
 
 
@@ -42,19 +43,6 @@ def check_prompts(prompts: Any, vocab_size: int, max_len: int) -> list[list[int]
                 raise RequestError(f"prompt {i}: token {t!r} is not an integer id in [0, {vocab_size})")
         out.append(list(p))
     return out
-
-
-def pack(prompts: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
-    """Indices of prompts grouped into batches of at most max_batch_tokens tokens, in order."""
-    batches: list[list[int]] = []
-    used = 0
-    for i, p in enumerate(prompts):
-        if not batches or used + len(p) > max_batch_tokens:
-            batches.append([])
-            used = 0
-        batches[-1].append(i)
-        used += len(p)
-    return batches
 
 
 @torch.inference_mode()

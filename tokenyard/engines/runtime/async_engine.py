@@ -46,8 +46,8 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import EngineStats, StepOutput
+from tokenyard.engines.core.prompt_packing import pack
 from tokenyard.engines.core.sampling_params import SamplingParams
-from tokenyard.engines.model.pooled_embedding import pack
 from tokenyard.engines.runtime.async_sleep import SleepControl
 from tokenyard.engines.runtime.executor import torch_executor
 from tokenyard.engines.runtime.grammar_gate import GrammarGate

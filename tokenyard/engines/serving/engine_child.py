@@ -36,6 +36,7 @@ from tokenyard.engines.core.errors import EngineDeadError, RequestError
 from tokenyard.engines.core.outputs import StepOutput
 from tokenyard.engines.core.sampling_params import ParamError
 from tokenyard.engines.core.sleep_level import SleepLevelError, SleepUnsupported
+from tokenyard.engines.core.startup_phases import process_age_s
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link  # noqa: F401 - re-exported
 from tokenyard.engines.serving.link_outbox import DEFAULT_STALL_S, Outbox
@@ -91,8 +92,10 @@ class _Peer:
 
 
 class _Core:
-    def __init__(self, engine: Any, listener: socket.socket | None, stall_s: float = DEFAULT_STALL_S) -> None:
+    def __init__(self, engine: Any, listener: socket.socket | None, stall_s: float = DEFAULT_STALL_S,
+                 imports_s: float = 0.0) -> None:
         self.engine = engine
+        self._imports_s = imports_s           # this process's start and imports, before the engine was built
         self.listener = listener
         self.stall_s = stall_s
         self.num_dropped_links = 0            # workers dropped for not reading
@@ -113,8 +116,11 @@ class _Core:
 
     def ready_msg(self) -> tuple:
         phases = getattr(self.engine, "startup_phases", None)     # what building the engine took, by phase
+        reported = phases.as_dict() if phases is not None else {}
+        if self._imports_s:
+            reported = {**reported, "imports": reported.get("imports", 0.0) + self._imports_s}
         return ("ready", self.engine.max_model_len, self.engine.stats(), grammar_info(self.engine),
-                embedding_size(self.engine), phases.as_dict() if phases is not None else {})
+                embedding_size(self.engine), reported)
 
     def add_peer(self, link: _Link) -> _Peer:
         self._next += 1
@@ -379,12 +385,19 @@ def _child_main(sock: socket.socket, listener: socket.socket | None = None, stal
     if not first or first[0][0] != "recipe":
         return
     recipe: Any = first[0][1]
+    # This interpreter's start and its imports (torch's, the engine's) are start-up time too, before
+    # the engine's own phases begin: the hello reports them as the core's "imports".
+    imports_s = process_age_s() or 0.0
     try:
+        t0 = time.perf_counter()
+        if hasattr(recipe, "engine_class"):    # EngineRecipe; a test's own recipe may only build()
+            recipe.engine_class()
+        imports_s += time.perf_counter() - t0
         engine = recipe.build()
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         link.send(("failed", f"building the engine raised {type(e).__name__}: {e}", _picklable(e)))
         return
-    core = _Core(engine, listener, stall_s)
+    core = _Core(engine, listener, stall_s, imports_s)
     link.send(core.ready_msg())
     if listener is None:
         core.add_peer(link)

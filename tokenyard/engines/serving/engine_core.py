@@ -37,12 +37,19 @@ class EngineRecipe:
     model: Path                                 # checkpoint folder or .gguf file (mock: its tokenizer)
     options: dict[str, Any] = field(default_factory=dict)   # EngineConfig / MockConfig keys
 
-    def build(self) -> Any:
+    def engine_class(self) -> type:
+        """The class build() makes, imported (torch's import, for a torch engine: a core times it apart)."""
         if self.kind == "mock":
             from tokenyard.engines.serving.mock_engine import MockEngine
-            return MockEngine(self.model, **self.options)
+            return MockEngine
         from tokenyard.engines.runtime.engine import Engine
-        return Engine(self.model, **{"progress": False, **self.options})
+        return Engine
+
+    def build(self) -> Any:
+        cls = self.engine_class()
+        if self.kind == "mock":
+            return cls(self.model, **self.options)
+        return cls(self.model, **{"progress": False, **self.options})
 
 
 def _popen(name: str, fd: int, listen: Path | None, stall_s: float | None = None) -> subprocess.Popen:

@@ -29,6 +29,7 @@ import logging
 import time
 from typing import Any
 
+from tokenyard.engines.core.errors import HandoverError  # noqa: F401 - raised here, re-exported
 from tokenyard.engines.core.sampling_params import SamplingParams
 from tokenyard.engines.kv_transfer.block_payload import BlockPayload
 from tokenyard.engines.kv_transfer.connector import KVConnector
@@ -45,14 +46,6 @@ PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, 
 # An import goes into the pool this many bytes of blocks per step-thread call (16 MiB: about 20 ms of
 # copying on a 2-core VM), so decode steps of the running requests interleave with a long one.
 IMPORT_CHUNK_BYTES = 16 << 20
-
-
-class HandoverError(RuntimeError):
-    """A hand-over step that failed: stage is "prefill" (this replica) or "transfer" (to the decode side)."""
-
-    def __init__(self, stage: str, message: str) -> None:
-        super().__init__(message)
-        self.stage = stage
 
 
 def check_role(role: str) -> str:

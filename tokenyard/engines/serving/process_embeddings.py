@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tokenyard.engines.core.errors import EngineDeadError, RequestError
-from tokenyard.engines.model.pooled_embedding import pack
+from tokenyard.engines.core.prompt_packing import pack
 
 log = logging.getLogger(__name__)
 

@@ -58,15 +58,17 @@ import logging
 import signal
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenyard.engines.core.errors import EngineDeadError, RequestError
+from tokenyard.engines.core.errors import EngineDeadError, HandoverError, RequestError
 from tokenyard.engines.core.sampling_params import ParamError, SamplingParams
 from tokenyard.engines.core.sleep_level import AWAKE, SleepBusy, SleepLevelError, SleepUnsupported
 from tokenyard.engines.core.startup_phases import StartupPhases, process_age_s
 from tokenyard.engines.core.structured_output import GrammarError
 from tokenyard.engines.runtime.async_engine import AsyncEngine
-from tokenyard.engines.serving.kv_handover import HandoverError, KVHandover
+
+if TYPE_CHECKING:      # a replica without a hand-over role never imports the KV transfer code (torch)
+    from tokenyard.engines.serving.kv_handover import KVHandover
 
 log = logging.getLogger("tokenyard.replica")
 

@@ -21,13 +21,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenyard.engines.core.backend import EngineBackend
 from tokenyard.engines.runtime.async_engine import AsyncEngine
 from tokenyard.engines.serving.engine_process import EngineProcess, EngineRecipe
-from tokenyard.engines.text.tokenizer import Tokenizer
 from tokenyard.gateway.config.deployment import EngineSpec, Prices
+
+if TYPE_CHECKING:      # imported where a tokenizer is built: a replica's parent needs none (nor torch)
+    from tokenyard.engines.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ def load_engines(specs: dict[str, EngineSpec], engine_process: bool | None = Non
     """Load every engine (blocking: model weights are read here). Call from a worker thread.
     engine_process: server.engine_process (None: auto). engine_sockets: engine name -> the Unix socket
     of the core a supervisor started (a gateway worker links to it instead of building the engine)."""
+    from tokenyard.engines.text.tokenizer import Tokenizer
     sockets = engine_sockets or {}
     tokenizers: dict[str, Tokenizer] = {}
     handles: dict[str, EngineHandle] = {}
@@ -116,6 +119,7 @@ _RELINK_ATTEMPTS = 12
 
 def _upstream_handle(spec: EngineSpec) -> EngineHandle:
     """type: openai. Its prompts are counted with the tokenizer the deployment names, else estimated."""
+    from tokenyard.engines.text.tokenizer import Tokenizer
     from tokenyard.gateway.backends.estimate_tokenizer import EstimateTokenizer
     from tokenyard.gateway.backends.upstream_engine import UpstreamEngine
     assert spec.upstream is not None
