@@ -1,6 +1,7 @@
-"""An engine core in a process of its own warms its grammar set, and its parent (given `idle`) starts
-the grammar worker, only in the engine's first lull (tokenyard/engines/serving/process_grammars.py):
-beside the first requests after ready they made a SmolLM2 replica's first request 2-7x the rest."""
+"""An engine core in a process of its own never warms its grammar set on its own (the first compile
+builds it), and its parent (given `idle`) starts the grammar worker only in the engine's first lull,
+in the idle scheduling class (tokenyard/engines/serving/process_grammars.py): work beside the first
+requests after ready made a SmolLM2 replica's first request 2-7x the rest."""
 from __future__ import annotations
 
 import asyncio
@@ -39,40 +40,28 @@ def _wait(cond, timeout: float = 5.0) -> bool:
     return cond()
 
 
-def test_the_child_warms_in_the_first_lull_once() -> None:
+def test_the_child_never_warms_on_its_own_even_when_idle() -> None:
     engine, sent = _Engine(), []
-    compiler = ChildCompiler(engine, sent.append, idle_s=0.2)
+    engine.busy = False
+    compiler = ChildCompiler(engine, sent.append)
     try:
         time.sleep(0.5)
-        assert engine.calls == [], "warmed while the engine had requests to run"
-        engine.busy = False
-        assert _wait(compiler.warmed.is_set)
-        engine.busy = True
-        time.sleep(0.3)
-        assert engine.calls == ["warm"] and sent == []
+        assert engine.calls == [] and sent == []
     finally:
         compiler.close()
 
 
-def test_a_compile_asked_for_before_the_lull_warms_at_once_then_compiles() -> None:
+def test_a_compile_is_answered_in_order() -> None:
     engine, sent = _Engine(), []
-    compiler = ChildCompiler(engine, sent.append, idle_s=60.0)
+    compiler = ChildCompiler(engine, sent.append)
     try:
         compiler.submit(7, {"type": "json_object"})
-        assert _wait(lambda: len(sent) == 1)
-        assert engine.calls == ["warm", "compile json_object"]
-        assert sent == [("grammar", 7, None)]
+        compiler.submit(8, {"type": "json_schema"})
+        assert _wait(lambda: len(sent) == 2)
+        assert engine.calls == ["compile json_object", "compile json_schema"]
+        assert sent == [("grammar", 7, None), ("grammar", 8, None)]
     finally:
         compiler.close()
-
-
-def test_a_compiler_closed_before_the_lull_never_warms() -> None:
-    engine, sent = _Engine(), []
-    compiler = ChildCompiler(engine, sent.append, idle_s=0.2)
-    compiler.close()
-    engine.busy = False
-    time.sleep(0.5)
-    assert engine.calls == [] and sent == [] and not compiler.warmed.is_set()
 
 
 class _Worker:
@@ -126,32 +115,28 @@ def test_the_parent_without_idle_starts_its_worker_at_once() -> None:
     asyncio.run(main())
 
 
-def test_a_real_engine_stepped_back_to_back_is_not_warmed_until_it_rests() -> None:
-    """The demo engine, stepped on this thread the way the core's loop steps it, while the compiler's
-    thread watches it: no warm-up while requests follow each other, one in the lull after them, and a
-    json_object grammar compiled after that serves a constrained request."""
+def test_a_real_engine_builds_its_grammar_set_at_the_first_compile_only() -> None:
+    """The demo engine, stepped on this thread the way the core's loop steps it, beside the compiler's
+    thread: requests, then a rest, and no grammar set is built; the first json_object compile builds it
+    and serves a constrained request."""
     engine = Engine(ROOT / "models" / "demo-small", dtype="float32", kv_cache_memory=8 << 20)
     sent: list[tuple] = []
-    began: list[float] = []
-    real_warm = engine.warm_grammars
-    engine.warm_grammars = lambda: (began.append(time.monotonic()), real_warm())[1]  # type: ignore[method-assign]
-    compiler = ChildCompiler(engine, sent.append, idle_s=0.3)
+    built: list[float] = []
+    real_set = engine._grammar_set
+    engine._grammar_set = lambda: (built.append(time.monotonic()), real_set())[1]  # type: ignore[method-assign]
+    compiler = ChildCompiler(engine, sent.append)
     try:
-        end = time.monotonic() + 1.0
-        n = 0
-        while time.monotonic() < end:              # always a request to run: never a lull of 0.3 s
+        for n in range(3):
             engine.add_request(f"r{n}", [1, 2, 3, 4, 5, 6, 7, 8],
                                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             while engine.has_unfinished():
                 engine.step()
-            n += 1
-            assert not began, "the grammar set's warm-up began beside the requests"
-        rest = time.monotonic()
-        assert _wait(compiler.warmed.is_set, 60.0), "never warmed in the lull"
-        assert len(began) == 1 and began[0] >= rest
+        time.sleep(0.5)                            # a lull: nothing is built in it
+        assert not built, "the grammar set was built with no compile asked for"
         fmt = {"type": "json_object"}
         compiler.submit(1, fmt)
         assert _wait(lambda: sent == [("grammar", 1, None)], 60.0), sent
+        assert built
         engine.add_request("json", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, response_format=fmt))
         while engine.has_unfinished():
             engine.step()

@@ -13,7 +13,7 @@ engine, then records starts that read it; `cold` gives every recorded start an e
 computes and stores everything, as a first start on a machine does); `off` runs without the cache.
 
     python -m tokenyard.bench.startup_bench [--engines demo-small demo-large smollm2-135m] [--repeats 3]
-        [--weight-cache warm|cold|off] [--first-tolerance 1.05] [--name startup_phases]
+        [--weight-cache warm|cold|off] [--first-tolerance 1.05] [--first-after-s 0] [--name startup_phases]
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def _generate(base: str, rid: str, max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[str, str] | None = None) -> dict:
+def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[str, str] | None = None,
+              first_after_s: float = 0.0) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(cache_env or {})}
@@ -81,6 +82,7 @@ def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[st
         ready_wall = time.monotonic() - t0
         phases = {m.group(1): float(m.group(2)) for m in PHASE_RE.finditer(_get(base + "/metrics")[1].decode())}
         latencies, engine_s, sent_after_ready = [], [], []
+        time.sleep(first_after_s)      # a replica that waits for traffic: whatever runs in the meantime shows
         for i in range(10):
             before = _busy_s(base)
             sent_after_ready.append(time.monotonic() - t0 - ready_wall)
@@ -137,6 +139,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--first-tolerance", type=float, default=1.05,
                     help="a start's first request counts as no slower when <= this x the median of requests 2-10")
+    ap.add_argument("--first-after-s", type=float, default=0.0,
+                    help="send the first request this many seconds after ready (default 0: at once); work a "
+                         "replica does in its first idle seconds shows on requests sent then")
     ap.add_argument("--ready-goal-s", type=float, default=2.0,
                     help="count the starts ready (Popen to /ready 200) within this many seconds (issue 52: 2 s)")
     ap.add_argument("--weight-cache", choices=("warm", "cold", "off"), default="warm",
@@ -153,7 +158,8 @@ def main() -> None:
                 one_start(engine, 1, args.timeout_s, _cache_env("warm", Path(tmp) / "warm"))
             for i in range(args.repeats):
                 env = _cache_env(args.weight_cache, Path(tmp) / ("warm" if args.weight_cache == "warm" else f"{engine}-{i}"))
-                runs.append({**one_start(engine, args.max_tokens, args.timeout_s, env), "weight_cache": args.weight_cache})
+                runs.append({**one_start(engine, args.max_tokens, args.timeout_s, env, args.first_after_s),
+                             "weight_cache": args.weight_cache, "first_after_s": args.first_after_s})
                 print(json.dumps(runs[-1]), flush=True)
     figures = {}
     for engine in args.engines:
@@ -188,7 +194,7 @@ def main() -> None:
     if not args.no_results:
         print("wrote", rec.write(figures, runs, repeats=args.repeats, max_tokens=args.max_tokens,
                                  weight_cache=args.weight_cache, first_tolerance=args.first_tolerance,
-                                 ready_goal_s=args.ready_goal_s,
+                                 ready_goal_s=args.ready_goal_s, first_after_s=args.first_after_s,
                                  engine_process=os.environ.get("TOKENYARD_ENGINE_PROCESS", "auto")))
 
 

@@ -5,7 +5,7 @@ checked against their budget in the parent's grammar worker, compiled on a threa
              await grammars.prepare(fmt, send)   # GrammarError when refused; then add_request at once
              grammars.resolve(token, error)      # the child's ("grammar", token, error) reply
              grammars.child_gone()               # the child exited: waiting prepares return
-    child:   compiler = ChildCompiler(engine, link.send)   # warms the engine's grammar set in its first lull
+    child:   compiler = ChildCompiler(engine, link.send)   # the first compile builds the grammar set
              compiler.submit(token, fmt)                   # on the parent's ("grammar", token, fmt)
 
 Rules:
@@ -22,28 +22,28 @@ Rules:
   queueing behind another schema's compile.
 - A child that exits while prepares wait: they return without an error, and the add_request that
   follows raises EngineDeadError (503) while the process is started again; what it knew is dropped.
-- Warm-ups wait for the engine's first lull (IDLE_S with nothing to run), not ready. The child's
-  thread polls the engine, then warms its grammar set (xgrammar's import and a walk of the
-  vocabulary in Python, holding the GIL the step needs). The parent's worker (a process that imports
-  torch and builds its own vocabulary: CPU the step needs) starts in the parent's view of the same
-  lull when it is given `idle` (nothing in flight), else at once. Beside the first requests after
-  ready they made a SmolLM2 replica's first request 2-7x the rest (bench/RESULTS.md, "The first
-  request after ready, again"). A compile asked for earlier ends the child's wait (it needs the
-  grammar set now), and a json_schema check starts the worker itself, as before.
+- The child never warms its grammar set on its own: the first compile builds it (the library's
+  import and a walk of the vocabulary, 0.9 s of Python holding the GIL the step needs on a 2-core
+  VM). Warmed at once after ready it made a SmolLM2 replica's first request 2-7x the rest; warmed in
+  the engine's first lull (the rule until 2026-12-05) it made any request that came in the lull's
+  warm-up 1.2-2.6x the rest (a first request sent 1.5 s after ready: bench/RESULTS.md, "Ready in
+  under 2 s"). Only a replica that serves structured outputs pays it, once, on that request.
+- The parent's worker (a process that imports the library, torch with it, builds its own vocabulary
+  and compiles its first grammar: 3-4 s of CPU) starts in the parent's first lull when it is given
+  `idle` (nothing in flight), else at once, in the idle scheduling class (grammar_worker.set_idle) so
+  it takes only CPU the engine leaves; a json_schema check starts it (and lifts it) itself.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from tokenyard.engines.core.structured_output import CACHE_SIZE, GrammarError, check_response_format
-from tokenyard.engines.runtime.grammar_gate import IDLE_S, set_priority
+from tokenyard.engines.runtime.grammar_gate import IDLE_S
 from tokenyard.engines.runtime.grammar_worker import GrammarWorker, schema_key
 
 log = logging.getLogger(__name__)
@@ -146,59 +146,21 @@ class ProcessGrammars:
 
 
 class ChildCompiler:
-    """The child's side: one thread that warms the engine's grammar set in the engine's first lull,
-    then compiles each prepared format into the engine's cache and replies through `send`
-    (thread-safe, engine_child._Link)."""
+    """The child's side: one thread that compiles each prepared format into the engine's cache and
+    replies through `send` (thread-safe, engine_child._Link). The engine's grammar set (the library's
+    import and a walk of the vocabulary: 0.9 s of Python holding the GIL for SmolLM2 on a 2-core VM) is
+    built by the first compile, not ahead of it: see the module doc."""
 
-    def __init__(self, engine: Any, send: Callable[[tuple], None], idle_s: float = IDLE_S) -> None:
+    def __init__(self, engine: Any, send: Callable[[tuple], None]) -> None:
         self._engine = engine
         self._send = send
-        self._idle_s = idle_s
-        self._wanted = threading.Event()     # a compile was asked for: warm now, lull or not
-        self._closed = threading.Event()
-        self.warmed = threading.Event()      # the grammar set's warm-up ran (tests, logs)
-        self._t0 = time.monotonic()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenyard-grammar")
-        self._pool.submit(self._warm)
 
     def submit(self, token: int, fmt: dict) -> None:
-        self._wanted.set()
         self._pool.submit(self._compile, token, fmt)
 
     def close(self) -> None:
-        self._closed.set()
-        self._wanted.set()                   # a thread still waiting for the lull leaves now
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _busy(self) -> bool:
-        has_unfinished = getattr(self._engine, "has_unfinished", None)   # the inbox's lock: safe off the loop
-        return bool(has_unfinished()) if has_unfinished is not None else False
-
-    def _wait_for_lull(self) -> None:
-        since = time.monotonic()
-        while not self._wanted.is_set():
-            if self._busy():
-                since = time.monotonic()
-            elif time.monotonic() - since >= self._idle_s:
-                return
-            self._wanted.wait(POLL_S)
-
-    def _warm(self) -> None:
-        self._wait_for_lull()
-        if self._closed.is_set():
-            return
-        began = time.monotonic()
-        before = set_priority(19)    # it still holds the GIL in Python; the priority is for the C parts
-        try:
-            self._engine.warm_grammars()
-            log.info("grammar set warmed %.2f s after the engine was built (%s), in %.2f s", began - self._t0,
-                     "asked for" if self._wanted.is_set() else "its first lull", time.monotonic() - began)
-        except Exception:  # noqa: BLE001 - no grammar support here: each request says why when it asks
-            log.info("grammar set not warmed", exc_info=True)
-        finally:
-            if before is not None:
-                set_priority(before)
-        self.warmed.set()
 
     def _compile(self, token: int, fmt: dict) -> None:
         try:
