@@ -29,8 +29,8 @@ Rules:
   warm-up 1.2-2.6x the rest (a first request sent 1.5 s after ready: bench/RESULTS.md, "Ready in
   under 2 s"). Only a replica that serves structured outputs pays it, once, on that request.
 - The parent's worker (a process that imports the library, torch with it, builds its own vocabulary
-  and compiles its first grammar: 3-4 s of CPU) starts in the parent's first lull when it is given
-  `idle` (nothing in flight), else at once, in the idle scheduling class (grammar_worker.set_idle) so
+  and compiles its first grammar: 3-4 s of CPU) starts in the parent's first rest of WORKER_IDLE_S
+  when it is given `idle` (nothing in flight), else at once, in the idle scheduling class (grammar_worker.set_idle) so
   it takes only CPU the engine leaves; a json_schema check starts it (and lifts it) itself.
 """
 from __future__ import annotations
@@ -43,12 +43,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from tokenyard.engines.core.structured_output import CACHE_SIZE, GrammarError, check_response_format
-from tokenyard.engines.runtime.grammar_gate import IDLE_S
 from tokenyard.engines.runtime.grammar_worker import GrammarWorker, schema_key
 
 log = logging.getLogger(__name__)
 
 KNOWN = CACHE_SIZE // 2
+# The rest (nothing in flight) after which the parent starts its grammar worker. Its start is 3-4 s of
+# CPU; even in the idle class it slowed requests sent during it by about 1.25x on a 2-core VM (caches,
+# memory bandwidth): after 1 s of rest that was any request sent 1-5 s after ready. After 5 s the
+# replica has been idle a while, and a request that comes in the start's few seconds is the one hurt.
+WORKER_IDLE_S = 5.0
 POLL_S = 0.1                # how often the child's thread looks at the engine while it waits for the lull
 _GONE = object()            # a pending prepare's answer when the child exited
 
@@ -67,7 +71,8 @@ class ProcessGrammars:
     """The parent's side: the budget check, then the child's compile, awaited by token. idle (nothing
     in flight): the worker starts in the first lull of idle_s after start(), not at once."""
 
-    def __init__(self, worker: GrammarWorker, idle: Callable[[], bool] | None = None, idle_s: float = IDLE_S) -> None:
+    def __init__(self, worker: GrammarWorker, idle: Callable[[], bool] | None = None,
+                 idle_s: float = WORKER_IDLE_S) -> None:
         self.worker = worker
         self._idle, self._idle_s = idle, idle_s
         self._tokens = itertools.count(1)
