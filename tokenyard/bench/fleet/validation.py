@@ -38,7 +38,11 @@ from tokenyard.bench.fleet.trace import Request, TraceConfig, make_trace
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = "smollm2-135m"
 OUT = ROOT / "bench" / "out" / "fleet_validation"
-GRAMMAR_WARM_WAIT_S = 5.0     # a lull of 1 s, then ~1.5-3 s of warming the grammar set on this machine
+# A json_schema request straight to each replica before the calibration: it starts the replica's grammar
+# worker at once (which would otherwise start by itself after 5 s of rest: inside the calibration or a
+# quiet minute of the trace) and builds its core's grammar set, so neither runs beside measured requests.
+GRAMMAR_WARM_SCHEMA = {"type": "json_schema", "schema": {
+    "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}
 
 
 def start_replicas(n: int, max_num_seqs: int, workdir: Path) -> list[tuple[subprocess.Popen, str]]:
@@ -129,6 +133,21 @@ def _engine_stats(urls: list[str]) -> list[dict[str, Any]]:
         with urllib.request.urlopen(u + "/v1/engine/stats", timeout=10) as r:
             out.append(json.loads(r.read()))
     return out
+
+
+def warm_grammars(urls: list[str], timeout_s: float = 120.0) -> float:
+    """One structured request to each replica in turn (see GRAMMAR_WARM_SCHEMA); seconds it took."""
+    import json
+    import urllib.request
+    t0 = time.perf_counter()
+    for i, u in enumerate(urls):
+        body = json.dumps({"request_id": f"grammar-warm-{i}", "prompt_token_ids": [1, 2, 3],
+                           "params": {"max_tokens": 4, "temperature": 0.0,
+                                      "response_format": GRAMMAR_WARM_SCHEMA}}).encode()
+        req = urllib.request.Request(u + "/v1/engine/generate", body, {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+    return time.perf_counter() - t0
 
 
 def decode_samples(recs: list[Any], n_rep: int) -> list[Any]:
@@ -251,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         with gateway_process(config, name="fleet-validation-gateway", model=ENGINE, log_dir=OUT)() as ep:
             # Warm-up, one at a time, outside the measurement: each replica's first requests pay lazy costs.
             warm, _ = asyncio.run(replay(ep.base_url, ep.api_key, reqs[:2 * args.replicas], [0.0] * 2 * args.replicas))
-            # The replicas warm their grammar set in their first lull of 1 s (grammar_gate.py): let it
-            # happen here, not inside the calibration or the trace (the trace's quiet minutes have lulls).
-            time.sleep(GRAMMAR_WARM_WAIT_S)
+            # The replicas' grammar workers and sets, started and built here rather than in a rest
+            # inside the calibration or the trace (see GRAMMAR_WARM_SCHEMA).
+            grammar_warm_s = warm_grammars([u for _, u in replicas])
             # The served curve is measured right before the trace, so both see the machine as it is
             # then; the CPU that other work takes during each is measured, not guessed (cpu_share.py).
             # A calibration that other work disturbed (it took more than --quiet-cores) is taken again,
@@ -310,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 "quiet": max(cpu_calibration["others_cores"], cpu_trace["others_cores"]) <= args.quiet_cores},
         "served_curve_samples": [asdict(x) for x in served_samples],
         "trace": {**asdict(trace_cfg), "spike_starts_s": trace.spike_starts},
-        "warm_up_requests": len(warm), "grammar_warm_wait_s": GRAMMAR_WARM_WAIT_S, "gateway_deadline_s": deadline_s,
+        "warm_up_requests": len(warm), "grammar_warm_s": grammar_warm_s, "gateway_deadline_s": deadline_s,
         "mean_prompt_tokens": sum(r.prompt_tokens for r in records if r.ok) / max(1, summary.completed),
         "mean_cached_tokens": sum(r.cached_tokens for r in records if r.ok) / max(1, summary.completed),
         "mean_output_tokens": sum(r.output_tokens for r in records if r.ok) / max(1, summary.completed),
