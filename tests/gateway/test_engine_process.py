@@ -268,9 +268,12 @@ def test_the_core_freezes_what_its_build_left_before_it_says_ready():
     """The build's live objects go to the collector's permanent generation before ready: full collections
     over them (85 ms for SmolLM2's 180,000 on a 2-core VM) fell on the first requests after ready."""
     import gc
+    import inspect
+
+    from tokenyard.engines.serving import engine_core
     gc.unfreeze()
     ours, theirs = socket.socketpair()
-    child = threading.Thread(target=_child_main, args=(theirs,), daemon=True)
+    child = threading.Thread(target=_child_main, args=(theirs,), kwargs={"own_process": True}, daemon=True)
     child.start()
     try:
         link = _Link(ours)
@@ -278,6 +281,7 @@ def test_the_core_freezes_what_its_build_left_before_it_says_ready():
         ready, = link.receive(block=True)
         assert ready[0] == "ready"
         assert gc.get_freeze_count() > 0
+        assert "own_process=True" in inspect.getsource(engine_core.main)   # the core's process asks for it
     finally:
         ours.close()
         child.join(10)

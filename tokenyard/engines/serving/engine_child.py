@@ -378,9 +378,12 @@ def _adapter(peer: _Peer, engine: Any, msg: tuple) -> None:
     peer.send(("adapter", result, None, engine.stats()))
 
 
-def _child_main(sock: socket.socket, listener: socket.socket | None = None, stall_s: float = DEFAULT_STALL_S) -> None:
+def _child_main(sock: socket.socket, listener: socket.socket | None = None, stall_s: float = DEFAULT_STALL_S,
+                own_process: bool = False) -> None:
     """The engine process: take the recipe on `sock`, build, then serve: `sock` alone, or (with a
-    listener) every link accepted there, `sock` being only the supervisor's handshake."""
+    listener) every link accepted there, `sock` being only the supervisor's handshake. own_process:
+    this is the core's process (engine_core.main), whose collector it may tune; tests run the loop
+    on a thread of theirs."""
     link = _Link(sock)
     first = link.receive(block=True)
     if not first or first[0][0] != "recipe":
@@ -402,7 +405,8 @@ def _child_main(sock: socket.socket, listener: socket.socket | None = None, stal
     # the collector's generations, the full collections they trigger (85 ms each on a 2-core VM) fell on
     # the first requests: the engine's steps were ~9% slower for the first second after ready. Frozen,
     # the collector never scans them again; what the engine allocates while serving is collected as before.
-    gc.freeze()
+    if own_process:
+        gc.freeze()
     core = _Core(engine, listener, stall_s, imports_s)
     link.send(core.ready_msg())
     if listener is None:

@@ -148,6 +148,7 @@ def reap(proc: subprocess.Popen | None) -> None:
 
 def main() -> None:
     from tokenyard.engines.serving.engine_child import _child_main
+    from tokenyard.engines.serving.link_outbox import DEFAULT_STALL_S
     ap = argparse.ArgumentParser(description="an engine core; started by EngineProcess or the gateway's "
                                              "supervisor, not by hand")
     ap.add_argument("--fd", type=int, required=True, help="the inherited end of the parent's socketpair")
@@ -170,10 +171,8 @@ def main() -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         listener.listen(64)
-    if args.stall_s is None:
-        _child_main(socket.socket(fileno=args.fd), listener)
-    else:
-        _child_main(socket.socket(fileno=args.fd), listener, args.stall_s)
+    stall_s = DEFAULT_STALL_S if args.stall_s is None else args.stall_s
+    _child_main(socket.socket(fileno=args.fd), listener, stall_s, own_process=True)
 
 
 if __name__ == "__main__":
