@@ -208,6 +208,27 @@ def test_validation_labels_decode_gaps_with_the_batch_that_ran() -> None:
     assert by_rows[2] == pytest.approx(0.02) and by_rows[1] == pytest.approx(0.01)
 
 
+def test_validation_reads_decode_steps_from_the_replicas_counters() -> None:
+    from tokenyard.bench.fleet.validation import decode_samples_from_stats
+
+    def snap(steps: int, busy: float, prefill: int, out: int) -> dict:
+        return {"num_steps": steps, "busy_seconds": busy, "prefill_tokens": prefill, "output_tokens": out}
+    # One replica: 5 steps of 2 sequences at 20 ms; a prefill (left out); 4 steps of 1 sequence at 10 ms;
+    # 2 steps (fewer than min_steps: left out).
+    one = [snap(1, 0.05, 100, 2), snap(6, 0.15, 100, 12), snap(8, 0.40, 200, 14), snap(12, 0.44, 200, 18),
+           snap(14, 0.46, 200, 20)]
+    samples = decode_samples_from_stats([(float(i), [s]) for i, s in enumerate(one)], prompt_tokens=100,
+                                        min_intervals=1)
+    by_rows = {x.decode_rows: x for x in samples}
+    assert set(by_rows) == {1, 2}
+    assert by_rows[2].seconds == pytest.approx(0.02) and by_rows[1].seconds == pytest.approx(0.01)
+    assert by_rows[2].prefill_tokens == 0
+    assert by_rows[2].decode_ctx == round(2 * (100 + 2.5))      # 2 sequences, 2.5 steps into the batch
+    assert by_rows[1].decode_ctx == round(1 * (100 + 7 + 2))
+    # Fewer than min_intervals intervals of a size: no sample for it.
+    assert decode_samples_from_stats([(float(i), [s]) for i, s in enumerate(one)], 100, min_intervals=2) == []
+
+
 def test_cli_bench_fleet_runs_and_refuses_a_missing_curve(tmp_path, capsys) -> None:
     from tokenyard.bench import serve_cli
     assert serve_cli.main(["fleet", "--period-s", "600", "--spike-s", "30", "--peak-rps", "3", "--no-results"]) == 0

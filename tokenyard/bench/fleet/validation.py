@@ -4,10 +4,11 @@ simulated ones) behind a real gateway (`tokenyard serve`, the replicas as one po
 diurnal trace with a spike replayed over HTTP by the load generator (streaming chat requests,
 each sent at its arrival time), and the simulator replaying the same trace (the sends as they
 happened, each request's computed prompt tokens and output tokens from its usage) over the same
-number of replicas. Two service curves: the replicas' as they run here (`calibrate`: every replica
-busy at once, timed from the client on requests apart from the trace, right before it), which
-decides the verdict, and the engine's own (the committed curve: one replica alone, timed in-process),
-reported beside it. Reported: the measured and predicted p99 TTFT (and p50, mean TPOT), and
+number of replicas. Service curves: the replicas' as they run here (`calibrate`: every replica
+busy at once, on requests apart from the trace, right before it, timed by the replicas' own step
+counters), which decides the verdict; the same with decode timed by the client's chunk gaps (the
+verdict's until 2026-12-05); and the engine's own (the committed curve: one replica alone, timed
+in-process), reported beside it. Reported: the measured and predicted p99 TTFT (and p50, mean TPOT), and
 whether the prediction is within `--tolerance` (25%) of the measurement; and how many cores other
 work on the machine took during the calibration and the trace (cpu_share.py), so a run disturbed
 by a neighbour says so (`quiet`).
@@ -179,15 +180,74 @@ def decode_samples(recs: list[Any], n_rep: int) -> list[Any]:
             for rows, gaps in sorted(by_rows.items()) if len(gaps) >= 8]
 
 
-def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) -> tuple[Any, list[Any], float]:
+class StatsPoller:
+    """Every replica's `/v1/engine/stats`, snapshot every `interval_s` on a thread while a batch runs:
+    `snapshots` is a list of (seconds, [stats per replica])."""
+
+    def __init__(self, urls: list[str], interval_s: float = 0.05) -> None:
+        import threading
+        self.urls, self.interval_s = urls, interval_s
+        self.snapshots: list[tuple[float, list[dict[str, Any]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stats-poller", daemon=True)
+
+    def __enter__(self) -> "StatsPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.snapshots.append((time.perf_counter(), _engine_stats(self.urls)))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.snapshots.append((time.perf_counter(), _engine_stats(self.urls)))
+            self._stop.wait(self.interval_s)
+
+
+def decode_samples_from_stats(snapshots: list[tuple[float, list[dict[str, Any]]]], prompt_tokens: float,
+                              min_steps: int = 3, min_intervals: int = 3) -> list[Any]:
+    """Decode step samples from the replicas' own counters: between two snapshots of one replica in which
+    it computed no prompt token and took at least `min_steps` steps, a step took busy seconds / steps and
+    held output tokens / steps sequences (exact, whatever the client saw). Its context: that many
+    sequences of `prompt_tokens` plus the steps since the batch began. Median per rounded batch size,
+    where at least `min_intervals` intervals had it. The replicas' step times include what the other
+    processes on the machine took from them (the gateway, the client, each other), as in the trace; the
+    client's chunk gaps (decode_samples) add the gateway's delivery, which delays no engine step."""
+    from tokenyard.bench.fleet.service_curve import StepSample
+    from tokenyard.bench.serving_metrics import percentile
+    if len(snapshots) < 2:
+        return []
+    by_rows: dict[int, list[tuple[float, float]]] = {}
+    for k in range(len(snapshots[0][1])):
+        seq = [snap[k] for _, snap in snapshots]
+        first_step = seq[0]["num_steps"]
+        for a, b in zip(seq, seq[1:]):
+            steps = b["num_steps"] - a["num_steps"]
+            out = b["output_tokens"] - a["output_tokens"]
+            if steps < min_steps or out <= 0 or b["prefill_tokens"] != a["prefill_tokens"]:
+                continue
+            rows = out / steps
+            since = a["num_steps"] - first_step + steps / 2
+            by_rows.setdefault(max(1, round(rows)), []).append(
+                ((b["busy_seconds"] - a["busy_seconds"]) / steps, rows * (prompt_tokens + since)))
+    return [StepSample(rows, round(percentile([c for _, c in got], 50)), 0, percentile([t for t, _ in got], 50))
+            for rows, got in sorted(by_rows.items()) if len(got) >= min_intervals]
+
+
+def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) -> tuple[Any, list[Any], float, Any]:
     """The service curve of these replicas as they run here, every replica busy at once (so the cores
     are shared as in the trace), on requests apart from the trace's (right before it; a seed of their
     own, so their texts share no prefix with the trace's). Prefill: one request of max_tokens 1 per
     replica at a time, per prompt length; its step time is the replicas' own busy seconds over the steps
     they took (`/v1/engine/stats`), and what the client waited beyond it is the gateway's and the
-    network's time (`overhead_s`, which delays a first token but occupies no replica). Decode: the
-    median gap between chunks with `b` requests per replica decoding together, at two prompt lengths (so
-    context and batch size are told apart)."""
+    network's time (`overhead_s`, which delays a first token but occupies no replica). Decode: `b`
+    requests per replica decoding together, at two prompt lengths (so context and batch size are told
+    apart), timed by the replicas' own counters (decode_samples_from_stats: the curve returned first,
+    the verdict's) and, for comparison, by the client's chunk gaps (decode_samples: the last curve
+    returned; until 2026-12-05 the verdict's, it over-stated decode where the gateway and the client
+    fell behind 16-32 streams: bench/RESULTS.md, "The real-fleet check on the AMD VM")."""
     from tokenyard.bench.fleet.service_curve import StepSample, fit
     from tokenyard.bench.serving_metrics import percentile
     n_rep = len(urls)
@@ -212,18 +272,25 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
             step = percentile(steps, 50)
             samples.append(StepSample(0, 0, round(sum(prompts) / len(prompts)), step))
             overheads.append(percentile(ttfts, 50) - step)
+    prefill_samples = list(samples)
+    gap_samples: list[StepSample] = []
     for prompt in (48, 176):
         for b in (1, 2, 4, 8, 16):
             batch = [Request(base_id + 1000 + prompt * 100 + b * 10 + j, 0.0, prompt, 48) for j in range(b * n_rep)]
-            recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(batch, seed), [0.0] * len(batch)))
+            with StatsPoller(urls) as poller:
+                recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(batch, seed), [0.0] * len(batch)))
             ok = [r for r in recs if r.ok and r.ttft is not None]
             if not ok:
                 continue
-            samples += decode_samples(ok, n_rep)
+            samples += decode_samples_from_stats(poller.snapshots, sum(r.prompt_tokens for r in ok) / len(ok))
+            gap_samples += decode_samples(ok, n_rep)
     curve = fit(samples, REPLICA_MAX_NUM_SEQS, 512,
                 f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the replicas' "
-                "stats for prefill, client chunk gaps for decode)")
-    return curve, samples, max(0.0, percentile(overheads, 50)) if overheads else 0.0
+                "stats for prefill and decode)")
+    gaps_curve = fit(prefill_samples + gap_samples, REPLICA_MAX_NUM_SEQS, 512,
+                     f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the "
+                     "replicas' stats for prefill, client chunk gaps for decode)")
+    return curve, samples, max(0.0, percentile(overheads, 50)) if overheads else 0.0, gaps_curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 tries.append((window.stop(), measured_curve))
                 if tries[-1][0]["others_cores"] <= args.quiet_cores:
                     break
-            cpu_calibration, (served_curve, served_samples, overhead_s) = min(tries, key=lambda t: t[0]["others_cores"])
+            cpu_calibration, (served_curve, served_samples, overhead_s, gaps_curve) = min(
+                tries, key=lambda t: t[0]["others_cores"])
             cpu_calibration = {**cpu_calibration, "tries": [t[0]["others_cores"] for t in tries]}
             window = CpuWindow()
             records, wall = asyncio.run(replay(ep.base_url, ep.api_key, reqs, [r.arrival_s for r in trace.requests]))
@@ -316,12 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     # The verdict is on the curve of the replicas as they run here (sharing 2 cores with each other,
     # the gateway and the client); the engine's own curve (one replica alone) is reported beside it.
     served, engine = predict(served_curve, overhead_s), predict(curve, 0.0)
+    served_gaps = predict(gaps_curve, overhead_s)
     error = served["p99_ttft_relative_error"]
     figures = {
         "replicas": args.replicas, "requests": len(records), "failed": summary.failed,
         "measured": {"p99_ttft_s": m99, "p50_ttft_s": percentile(measured, 50), "mean_tpot_ms": summary.tpot.mean,
                      "p99_e2e_ms": summary.e2e.percentiles.get("p99")},
         "predicted_served_curve": served, "predicted_engine_curve": engine,
+        "predicted_served_curve_client_gaps": served_gaps,
         "p99_ttft_relative_error": error, "tolerance": args.tolerance, "within_tolerance": abs(error) <= args.tolerance,
         # Cores in use during the calibration and the trace: the machine's, this run's (replicas,
         # gateway, client) and everything else's; `quiet`: others took at most --quiet-cores in both.
@@ -335,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         "mean_output_tokens": sum(r.output_tokens for r in records if r.ok) / max(1, summary.completed),
         "errors": summary.errors,
     }
-    for label, pred in (("served curve", served), ("engine curve", engine)):
+    for label, pred in (("served curve", served), ("served curve, decode from client gaps", served_gaps),
+                        ("engine curve", engine)):
         print(f"{label}: p99 TTFT measured {m99:.3f} s, predicted {pred['p99_ttft_s']:.3f} s "
               f"({pred['p99_ttft_relative_error']:+.1%}); p50 {figures['measured']['p50_ttft_s']:.3f} / "
               f"{pred['p50_ttft_s']:.3f} s; mean TPOT {summary.tpot.mean:.1f} / {pred['mean_tpot_ms']:.1f} ms")
@@ -349,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                        for r in records]
         (OUT / "records.json").write_text(__import__("json").dumps(per_request))
         rec.write(figures, [{"p99_ttft_measured_s": m99, "p99_ttft_predicted_served_curve_s": served["p99_ttft_s"],
+                             "p99_ttft_predicted_served_curve_client_gaps_s": served_gaps["p99_ttft_s"],
                              "p99_ttft_predicted_engine_curve_s": engine["p99_ttft_s"]}])
     return 0
 
