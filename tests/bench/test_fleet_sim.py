@@ -218,7 +218,7 @@ def test_validation_reads_decode_steps_from_the_replicas_counters() -> None:
     one = [snap(1, 0.05, 100, 2), snap(6, 0.15, 100, 12), snap(8, 0.40, 200, 14), snap(12, 0.44, 200, 18),
            snap(14, 0.46, 200, 20)]
     samples = decode_samples_from_stats([(float(i), [s]) for i, s in enumerate(one)], prompt_tokens=100,
-                                        min_intervals=1)
+                                        min_steps=3, min_intervals=1)
     by_rows = {x.decode_rows: x for x in samples}
     assert set(by_rows) == {1, 2}
     assert by_rows[2].seconds == pytest.approx(0.02) and by_rows[1].seconds == pytest.approx(0.01)
@@ -226,7 +226,11 @@ def test_validation_reads_decode_steps_from_the_replicas_counters() -> None:
     assert by_rows[2].decode_ctx == round(2 * (100 + 2.5))      # 2 sequences, 2.5 steps into the batch
     assert by_rows[1].decode_ctx == round(1 * (100 + 7 + 2))
     # Fewer than min_intervals intervals of a size: no sample for it.
-    assert decode_samples_from_stats([(float(i), [s]) for i, s in enumerate(one)], 100, min_intervals=2) == []
+    assert decode_samples_from_stats([(float(i), [s]) for i, s in enumerate(one)], 100, min_steps=3,
+                                     min_intervals=2) == []
+    # By default one step is enough (the counters move together): the 2-step interval joins the 1-row size.
+    ones = [x for x in decode_samples_from_stats([(float(i), [s]) for i, s in enumerate(one)], 100, min_intervals=2)]
+    assert [(x.decode_rows, x.seconds) for x in ones] == [(1, pytest.approx(0.01))]
 
 
 def test_cli_bench_fleet_runs_and_refuses_a_missing_curve(tmp_path, capsys) -> None:
