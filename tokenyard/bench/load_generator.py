@@ -109,6 +109,18 @@ def _body(req: ChatRequest, cfg: LoadConfig) -> dict[str, Any]:
             "temperature": cfg.temperature, "stream": True, "stream_options": {"include_usage": True}}
 
 
+# An idle pooled connection is dropped by the client before the gateway closes it (server.keep_alive_s,
+# 5 s by default): with aiohttp's 15 s a request could be sent on a connection the server was closing
+# at that moment and fail with "connection reset by peer" (1 of 293 requests in a fleet validation run).
+CLIENT_KEEPALIVE_S = 3.0
+
+
+def client_connector() -> aiohttp.TCPConnector:
+    """The benchmarks' connection pool: no cap of aiohttp's own (concurrency is what a benchmark
+    controls), idle connections kept for less than the gateway keeps them."""
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+
+
 async def send_chat(session: aiohttp.ClientSession, req: ChatRequest, cfg: LoadConfig, t0: float) -> RequestRecord:
     """Send one streaming request and time its chunks; never raises (failures become records)."""
     rec = RequestRecord(tag=req.tag)
@@ -200,8 +212,7 @@ async def run_load_async(requests: Sequence[ChatRequest], cfg: LoadConfig) -> Lo
     if cfg.progress:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc=f"rate {cfg.request_rate:g}/s", unit="req", leave=False)
-    # No connection cap of aiohttp's own: concurrency is what the benchmark controls.
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    connector = client_connector()
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     records: list[RequestRecord] = [RequestRecord() for _ in requests]
 

@@ -110,9 +110,9 @@ async def replay(base_url: str, api_key: str | None, reqs: list[Any], offsets: l
     """Send each request at its offset (seconds from the start); return the records and the wall time."""
     import aiohttp
 
-    from tokenyard.bench.load_generator import LoadConfig, send_chat
+    from tokenyard.bench.load_generator import LoadConfig, client_connector, send_chat
     cfg = LoadConfig(base_url=base_url, api_key=api_key, model=ENGINE, timeout_s=300.0, progress=False)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    async with aiohttp.ClientSession(connector=client_connector(),
                                      timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as session:
         t0 = time.perf_counter()
 
