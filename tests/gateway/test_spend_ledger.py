@@ -188,3 +188,48 @@ def test_dev_key_records_use_the_dev_tenant_and_savings_baseline(prefix):
         tokens = rows["small"]["total_tokens"]
         assert rows["small"]["cost_per_million_tokens_micros"] == \
             (rows["small"]["cost_micros"] * 1_000_000 + tokens // 2) // tokens
+
+
+def test_entries_of_two_tenants_recorded_in_one_round_trip_list_as_recorded(prefix, tmp_path):
+    """The ledger writes a batch in one pipeline: entries of different tenants then share a millisecond,
+    and Redis's own ids (numbered per stream) could not order them against each other; the listing
+    interleaved them (a flaky 'newest first across tenants'). The ids' shared sequence orders them."""
+    from dataclasses import asdict
+    from unittest.mock import MagicMock
+
+    from tokenyard.gateway.config.spend_settings import SpendConfig
+    from tokenyard.gateway.spend.ledger import SpendLedger
+    from tokenyard.gateway.spend.store import records as list_records
+    from tokenyard.gateway.spend.usage import UsageRecord
+
+    ledger = SpendLedger(SHARED_REDIS, prefix, SpendConfig(spool_dir=tmp_path), MagicMock())
+    tenants = ["a-tenant", "b-tenant"]   # at a tie of per-stream numbers the old merge put "a-tenant" first
+    recs = [asdict(UsageRecord(request_id=f"r{i}", time=1_800_000_000.0 + i, engine="mock", requested_model="mock",
+                               route_reason="named", prompt_tokens=1, cached_tokens=0, completion_tokens=1,
+                               cost_micros=1, status="ok", finish_reason="stop", ttft_s=0.01, e2e_s=0.02,
+                               stream=False, tenant=tenants[i % 2] if i < 6 else tenants[0]))
+            for i in range(12)]
+    client = redis.Redis.from_url(SHARED_REDIS)
+    script = client.register_script(ledger._script.script)
+    pipe = client.pipeline(transaction=False)
+    for r in recs:                                   # one round trip, as the ledger's writer does
+        keys_, args = ledger._script_args(r)
+        script(keys=keys_, args=args, client=pipe)
+    assert pipe.execute() == [1] * len(recs)
+    client.close()
+
+    async def listed(limit: int) -> list[str]:
+        import redis.asyncio as aioredis
+        aio = aioredis.Redis.from_url(SHARED_REDIS)
+        try:
+            cursor, ids = None, []
+            while True:
+                page, cursor = await list_records(aio, prefix, sorted(tenants), limit=limit, cursor=cursor)
+                ids += [r["request_id"] for r in page]
+                if cursor is None:
+                    return ids
+        finally:
+            await aio.aclose()
+    newest_first = [f"r{i}" for i in reversed(range(12))]
+    assert asyncio.run(listed(100)) == newest_first
+    assert asyncio.run(listed(5)) == newest_first      # the same across pages (cursors)

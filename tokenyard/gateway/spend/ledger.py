@@ -6,7 +6,8 @@
     await ledger.stop()           # writes what is queued (to Redis, else to the spool)
 
 One Lua script (tokenyard/gateway/spend/lua/spend_record.lua) per record does, atomically: the idempotency check
-on the request id (SET NX with a TTL), the stream entry (XADD MAXLEN ~, XTRIM MINID ~), and the
+on the request id (SET NX with a TTL), the stream entry (XADD MAXLEN ~ with an id whose sequence is shared by
+every tenant's stream, so entries are ordered as recorded across tenants; XTRIM MINID ~), and the
 rollup counters of (tenant, engine, hour) and of each dimension (key, user, route, adapter, each tag: values
 and tag names bounded per tenant-hour, the rest under "(other)"). So a rollup can never disagree with the records, and
 replaying a record twice changes nothing.
@@ -45,6 +46,7 @@ from tokenyard.gateway.spend.redis_keys import (
     rollup_key,
     seen_key,
     stream_key,
+    stream_seq_key,
     tag_names_key,
     tenants_key,
 )
@@ -192,6 +194,7 @@ class SpendLedger:
         dims = record_dimensions(rec)
         keys += [dims_key(p, tenant, hour), tag_names_key(p, tenant, hour)]
         keys += [dim_values_key(p, tenant, hour, d) for d, _ in dims]
+        keys.append(stream_seq_key(p))
         args += [len(dims), cfg.max_values_per_dimension, cfg.max_tag_names, FOLDED_TAGS,
                  dim_field_prefix(FOLDED_TAGS, OTHER, rec["engine"])]
         for d, v in dims:

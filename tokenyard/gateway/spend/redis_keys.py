@@ -40,6 +40,12 @@ def stream_key(prefix: str, tenant: str) -> str:
     return f"{_t(prefix, tenant)}:stream"
 
 
+def stream_seq_key(prefix: str) -> str:
+    """One counter for every tenant's stream: the sequence part of each entry's id (spend_record.lua), so
+    ids order the entries of all tenants as they were recorded."""
+    return f"{prefix}spend:stream_seq"
+
+
 def rollup_key(prefix: str, tenant: str, hour: int) -> str:
     return f"{_t(prefix, tenant)}:h:{hour}"
 

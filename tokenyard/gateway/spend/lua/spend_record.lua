@@ -5,7 +5,7 @@
 -- ARGV[11] rollup TTL s  ARGV[12] seen TTL s  ARGV[13] stream MAXLEN  ARGV[14] stream MINID (ms; 0: none)
 -- ARGV[15] oldest hour kept in the hours index (older members point at expired rollups)
 -- KEYS[6] dimension rollup hash (tenant x hour)  KEYS[7] the tag names kept (tenant x hour)
--- KEYS[8..7+D] one value set per dimension
+-- KEYS[8..7+D] one value set per dimension  KEYS[8+D] the stream-id sequence (one for every tenant)
 -- ARGV[16] D, the record's dimensions (key, user, route, adapter, tag:NAME with a value)  ARGV[17] values kept per dimension
 -- ARGV[18] tag names kept per tenant and hour  ARGV[19] the folded dimension ("tag:(other)")
 -- ARGV[20] the field prefix of the folded dimension's one value ("(other)") on this engine
@@ -100,7 +100,21 @@ if nfolded > 0 then
   entry[#entry + 1] = 'x'
   entry[#entry + 1] = tostring(nfolded)
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[13], '*', unpack(entry))
+-- The entry's id: this server's time in ms (never below the stream's newest entry's) and a sequence
+-- shared by every tenant's stream. Redis's own ids ('*') number entries per stream, so entries of two
+-- tenants recorded in the same millisecond (the ledger writes a batch in one round trip) could not be
+-- ordered against each other; these are ordered as recorded, across tenants (store.records merges by id).
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if newest then
+  local newest_ms = tonumber(string.match(newest[1], '^(%d+)-'))
+  if newest_ms > ms then
+    ms = newest_ms
+  end
+end
+local id = string.format('%.0f', ms) .. '-' .. redis.call('INCR', KEYS[8 + dims])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[13], id, unpack(entry))
 if ARGV[14] ~= '0' then
   redis.call('XTRIM', KEYS[2], 'MINID', '~', ARGV[14])
 end
