@@ -25,7 +25,9 @@ def prefix():
     delete_prefix(SHARED_REDIS, p)
 
 
-def test_calls_made_while_one_is_on_its_way_share_the_next_round_trip(prefix, monkeypatch):
+@pytest.fixture
+def pipeline_sizes(monkeypatch) -> list[int]:
+    """The number of commands in each pipeline executed during the test, in order."""
     sizes: list[int] = []
     real_execute = Pipeline.execute
 
@@ -34,7 +36,11 @@ def test_calls_made_while_one_is_on_its_way_share_the_next_round_trip(prefix, mo
         return await real_execute(self, raise_on_error)
 
     monkeypatch.setattr(Pipeline, "execute", counting_execute)
+    return sizes
 
+
+def test_calls_made_while_one_is_on_its_way_share_the_next_round_trip(prefix, pipeline_sizes):
+    sizes = pipeline_sizes
     async def run() -> tuple[list[int], int]:
         client = aioredis.Redis.from_url(SHARED_REDIS)
         batch = ScriptBatch(client, client.register_script(INCR))
@@ -50,16 +56,8 @@ def test_calls_made_while_one_is_on_its_way_share_the_next_round_trip(prefix, mo
     assert batches == 1 and sizes == [19]
 
 
-def test_a_server_without_the_script_runs_the_batch_once_it_is_loaded(prefix, monkeypatch):
-    sizes: list[int] = []
-    real_execute = Pipeline.execute
-
-    async def counting_execute(self, raise_on_error=True):
-        sizes.append(len(self.command_stack))
-        return await real_execute(self, raise_on_error)
-
-    monkeypatch.setattr(Pipeline, "execute", counting_execute)
-
+def test_a_server_without_the_script_runs_the_batch_once_it_is_loaded(prefix, pipeline_sizes):
+    sizes = pipeline_sizes
     async def run() -> list[int]:
         client = aioredis.Redis.from_url(SHARED_REDIS)
         # A comment only this run has: the server lacks the script, so the batch meets NOSCRIPT.
