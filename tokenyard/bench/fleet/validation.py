@@ -208,15 +208,14 @@ class StatsPoller:
 
 def decode_samples_from_stats(snapshots: list[tuple[float, list[dict[str, Any]]]], prompt_tokens: float,
                               min_steps: int = 1, min_intervals: int = 3) -> list[Any]:
-    """Decode step samples from the replicas' own counters: between two snapshots of one replica in which
+    """Decode step samples from the replicas' own counters. Between two snapshots of one replica in which
     it computed no prompt token and took at least `min_steps` steps (the counters move together at the
     end of a step, so one step is exact; a 16-sequence step outlasts the 50 ms between snapshots), a
-    step took busy seconds / steps and held output tokens / steps sequences (exact, whatever the
-    client saw). Its context: that many
-    sequences of `prompt_tokens` plus the steps since the batch began. Median per rounded batch size,
-    where at least `min_intervals` intervals had it. The replicas' step times include what the other
-    processes on the machine took from them (the gateway, the client, each other), as in the trace; the
-    client's chunk gaps (decode_samples) add the gateway's delivery, which delays no engine step."""
+    step took busy seconds / steps and held output tokens / steps sequences, whatever the client saw;
+    its context is that many sequences of `prompt_tokens` plus the steps since the batch began. Median
+    per rounded batch size, where at least `min_intervals` intervals had it. The step times include what
+    the machine's other processes took from the replicas (the gateway, the client, each other), as in
+    the trace; the client's chunk gaps (decode_samples) add the gateway's delivery, which delays no step."""
     from tokenyard.bench.fleet.service_curve import StepSample
     from tokenyard.bench.serving_metrics import percentile
     if len(snapshots) < 2:
