@@ -233,6 +233,22 @@ def test_validation_reads_decode_steps_from_the_replicas_counters() -> None:
     assert [(x.decode_rows, x.seconds) for x in ones] == [(1, pytest.approx(0.01))]
 
 
+def test_validation_simulates_each_repeat_as_it_was_sent() -> None:
+    from tokenyard.bench.fleet.validation import simulated_ttfts
+    from tokenyard.bench.serving_metrics import RequestRecord
+    # A flat curve: a prompt token costs 1 ms, a step with prompt tokens 10 ms more, a decode step 5 ms.
+    curve = ServiceCurve(base_s=0.005, per_seq_s=0.0, per_ctx_token_s=0.0, per_prefill_token_s=0.001,
+                         prefill_base_s=0.010, max_num_seqs=16, max_num_batched_tokens=512)
+    recs = [RequestRecord(ok=True, start=0.0, ttft=0.2, prompt_tokens=100, cached_tokens=0, output_tokens=4),
+            RequestRecord(ok=True, start=5.0, ttft=0.1, prompt_tokens=100, cached_tokens=60, output_tokens=4),
+            RequestRecord(ok=False, start=6.0, error="reset")]
+    ttfts, figures = simulated_ttfts(curve, 0.003, recs, replicas=1, deadline_s=30.0)
+    # Alone on the replica: 100 computed prompt tokens, then 40 (60 were cached); the failed one is left out.
+    assert sorted(ttfts) == [pytest.approx(0.003 + 0.005 + 0.010 + 0.040), pytest.approx(0.003 + 0.005 + 0.010 + 0.100)]
+    assert figures["shed"] == 0
+    assert figures["p99_ttft_s"] == pytest.approx(min(ttfts) + 0.99 * (max(ttfts) - min(ttfts)))   # interpolated
+
+
 def test_cli_bench_fleet_runs_and_refuses_a_missing_curve(tmp_path, capsys) -> None:
     from tokenyard.bench import serve_cli
     assert serve_cli.main(["fleet", "--period-s", "600", "--spike-s", "30", "--peak-rps", "3", "--no-results"]) == 0
