@@ -196,6 +196,32 @@ def test_fit_recovers_a_known_curve() -> None:
         ServiceCurve(base_s=0.1, per_seq_s=-1.0, per_ctx_token_s=0.0, per_prefill_token_s=0.0)
 
 
+def test_prefill_table_replaces_the_straight_line() -> None:
+    from tokenyard.bench.fleet.service_curve import with_prefill_table
+    line = ServiceCurve(base_s=0.004, per_seq_s=0.002, per_ctx_token_s=0.0, per_prefill_token_s=0.002,
+                        prefill_base_s=0.05)
+    # Pure prefill steps as measured: 64 tokens as slow as 128 (a dip at 128 is noise, lifted to 0.30).
+    samples = [StepSample(0, 0, 38, 0.14), StepSample(0, 0, 78, 0.31), StepSample(0, 0, 142, 0.30),
+               StepSample(0, 0, 462, 0.50), StepSample(0, 0, 462, 0.54), StepSample(4, 400, 0, 0.02)]
+    curve = with_prefill_table(line, samples)
+    assert curve.prefill_table == [[38.0, 0.14], [78.0, 0.31], [142.0, 0.31], [462.0, 0.52]]
+    # A pure prefill step takes the table's time (base_s included); below the first point, the first's.
+    assert curve.step_s(0, 0, 38) == pytest.approx(0.14)
+    assert curve.step_s(0, 0, 10) == pytest.approx(0.14)
+    assert curve.step_s(0, 0, 302) == pytest.approx(0.31 + 0.21 / 2)
+    assert curve.step_s(0, 0, 782) == pytest.approx(0.52 + 0.21)            # the last two points' slope
+    # Decode rows add to it as before; a step without prompt tokens ignores the table.
+    assert curve.step_s(2, 100, 142) == pytest.approx(0.31 + 2 * 0.002)
+    assert curve.step_s(2, 100, 0) == line.step_s(2, 100, 0)
+    # Round trip through the results file's dict; bad points are refused by name.
+    assert ServiceCurve.from_dict(curve.to_dict()).prefill_table == curve.prefill_table
+    for bad in ([[0, 0.1]], [[10, -1.0]], [[10, 0.1], [10, 0.2]], [[10]]):
+        with pytest.raises(ValueError, match="prefill_table"):
+            ServiceCurve.from_dict({**line.to_dict(), "prefill_table": bad})
+    # No table: the straight line, unchanged.
+    assert line.step_s(0, 0, 100) == pytest.approx(0.004 + 0.05 + 0.2)
+
+
 def test_validation_labels_decode_gaps_with_the_batch_that_ran() -> None:
     from tokenyard.bench.fleet.validation import decode_samples
     from tokenyard.bench.serving_metrics import RequestRecord

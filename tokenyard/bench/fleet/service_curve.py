@@ -10,6 +10,14 @@ decoding sequence and a chunk of prompt tokens for each prefilling one. Its time
 (decode_context_tokens: the sum of the decoding sequences' lengths, which the attention reads).
 A step with prompt tokens pays `prefill_base_s` once more: on a CPU small decode batches run in one
 C call while prefill takes the eager torch path, whose fixed cost is much higher.
+
+That prefill cost is not a straight line on this engine (SmolLM2 int4 on a CPU: a 64-token prompt
+took about as long as a 128-token one, and a 480-token step cost 0.7 ms a token where 38-142-token
+steps cost 2 or more: bench/RESULTS.md, issue 52's real-fleet sections). A curve may therefore carry
+`prefill_table`, the measured seconds of pure prefill steps by prompt tokens; when it does, a
+step's prefill part is read off it (piecewise linear between its points, the first point's cost
+below it, the last two points' slope above them) instead of `prefill_base_s + per_prefill_token_s x
+tokens`, which stay fitted and reported.
 The coefficients come from a least-squares fit over timed steps of the real engine: pure decode
 steps over a grid of batch sizes and context lengths, and pure prefill steps over a range of
 chunk sizes. The fit's relative error on the measured points is kept with the curve so a reader
@@ -52,11 +60,26 @@ class ServiceCurve:
     max_num_batched_tokens: int = 512   # token budget of one step (chunked prefill)
     source: str = "hand-written"        # what it was measured on
     fit_error: dict[str, float] = field(default_factory=dict)   # relative error of the fit on its points
+    # [[prompt tokens, seconds of a pure prefill step], ...]: when given, a step's prefill part comes
+    # from it (prefill_seconds), not from prefill_base_s and per_prefill_token_s.
+    prefill_table: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("base_s", "per_seq_s", "per_ctx_token_s", "per_prefill_token_s", "prefill_base_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"service curve: {name} must be >= 0, got {getattr(self, name)}")
+        points: list[list[float]] = []
+        for point in self.prefill_table:
+            if len(point) != 2 or not point[0] >= 1 or not point[1] >= 0:
+                raise ValueError(f"service curve: prefill_table points are [tokens >= 1, seconds >= 0], got {point!r}")
+            points.append([float(point[0]), float(point[1])])
+        points.sort()
+        if any(a[0] == b[0] for a, b in zip(points, points[1:])):
+            raise ValueError("service curve: prefill_table has two points for the same number of tokens")
+        # A longer prompt never costs less: a dip between two measured points is noise, not the engine.
+        for a, b in zip(points, points[1:]):
+            b[1] = max(a[1], b[1])
+        self.prefill_table = points
         if self.base_s + self.per_seq_s + self.per_ctx_token_s <= 0:
             raise ValueError("service curve: a decode step must take some time (base_s, per_seq_s or per_ctx_token_s > 0)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -65,8 +88,22 @@ class ServiceCurve:
     def step_s(self, decode_rows: int, decode_ctx: int, prefill_tokens: int) -> float:
         """Seconds of one step with `decode_rows` decoding sequences over `decode_ctx` context
         tokens in all, and `prefill_tokens` prompt tokens."""
-        prefill = self.prefill_base_s + self.per_prefill_token_s * prefill_tokens if prefill_tokens > 0 else 0.0
+        prefill = self.prefill_seconds(prefill_tokens) if prefill_tokens > 0 else 0.0
         return self.base_s + self.per_seq_s * decode_rows + self.per_ctx_token_s * decode_ctx + prefill
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """What `tokens` prompt tokens add to a step: from prefill_table where there is one (its step
+        times less the step's fixed base_s), else prefill_base_s + per_prefill_token_s x tokens."""
+        table = self.prefill_table
+        if not table:
+            return self.prefill_base_s + self.per_prefill_token_s * tokens
+        if tokens <= table[0][0] or len(table) == 1:
+            pure = table[0][1] if tokens <= table[0][0] else table[0][1] * tokens / table[0][0]
+        else:
+            i = next((k for k in range(1, len(table)) if tokens <= table[k][0]), len(table) - 1)
+            (t0, s0), (t1, s1) = table[i - 1], table[i]
+            pure = s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        return max(0.0, pure - self.base_s)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,7 +111,7 @@ class ServiceCurve:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ServiceCurve":
         known = {"base_s", "per_seq_s", "per_ctx_token_s", "per_prefill_token_s", "prefill_base_s", "max_num_seqs",
-                 "max_num_batched_tokens", "source", "fit_error"}
+                 "max_num_batched_tokens", "source", "fit_error", "prefill_table"}
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
@@ -113,6 +150,17 @@ def fit(samples: list[StepSample], max_num_seqs: int, max_num_batched_tokens: in
                         prefill_base_s=float(coef[3]), per_prefill_token_s=float(coef[4]), max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, source=source,
                         fit_error={"mean_rel": float(rel.mean()), "max_rel": float(rel.max())})
+
+
+def with_prefill_table(curve: ServiceCurve, samples: list[StepSample]) -> ServiceCurve:
+    """`curve` with its prefill_table from the samples' pure prefill steps (no decoding row), the
+    median seconds per number of prompt tokens."""
+    by_tokens: dict[int, list[float]] = {}
+    for s in samples:
+        if s.decode_rows == 0 and s.prefill_tokens > 0:
+            by_tokens.setdefault(s.prefill_tokens, []).append(s.seconds)
+    table = [[float(n), statistics.median(t)] for n, t in sorted(by_tokens.items())]
+    return ServiceCurve.from_dict({**curve.to_dict(), "prefill_table": table})
 
 
 # --- measuring the real engine --------------------------------------------------------------------

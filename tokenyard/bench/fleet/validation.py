@@ -48,6 +48,9 @@ OUT = ROOT / "bench" / "out" / "fleet_validation"
 # A json_schema request straight to each replica before the calibration: it starts the replica's grammar
 # worker at once (which would otherwise start by itself after 5 s of rest: inside the calibration or a
 # quiet minute of the trace) and builds its core's grammar set, so neither runs beside measured requests.
+# Prompt lengths of the calibration's prefill points (SmolLM2 tokens of the user message; the chat template adds
+# about 14 tokens): from the trace's shortest prompt to most of a step's 512-token budget.
+PREFILL_PROBE_TOKENS = (24, 64, 128, 192, 320, 448)
 GRAMMAR_WARM_SCHEMA = {"type": "json_schema", "schema": {
     "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}
 
@@ -247,23 +250,26 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
     """The service curve of these replicas as they run here, every replica busy at once (so the cores
     are shared as in the trace), on requests apart from the trace's (right before it; a seed of their
     own, so their texts share no prefix with the trace's). Prefill: one request of max_tokens 1 per
-    replica at a time, per prompt length; its step time is the replicas' own busy seconds over the steps
-    they took (`/v1/engine/stats`), and what the client waited beyond it is the gateway's and the
-    network's time (`overhead_s`, which delays a first token but occupies no replica). Decode: `b`
-    requests per replica decoding together, at two prompt lengths (so context and batch size are told
-    apart), timed by the replicas' own counters (decode_samples_from_stats: the curve returned first,
-    the verdict's) and, for comparison, by the client's chunk gaps (decode_samples: the last curve
-    returned; until 2026-12-05 the verdict's, it over-stated decode where the gateway and the client
-    fell behind 16-32 streams: bench/RESULTS.md, "The real-fleet check on the AMD VM")."""
-    from tokenyard.bench.fleet.service_curve import StepSample, fit
+    replica at a time, per prompt length (up to most of the step's 512-token budget, which the trace's
+    spikes fill with several prompts at once); its prompt tokens and step time are the replicas' own
+    counters (`/v1/engine/stats`: prefill tokens and busy seconds over the steps they took), and what
+    the client waited beyond the step is the gateway's and the network's time (`overhead_s`, which
+    delays a first token but occupies no replica). The prefill points become the curve's prefill_table
+    (service_curve.py: this engine's prefill cost is far from a straight line). Decode: `b` requests per
+    replica decoding together, at two prompt lengths (so context and batch size are told apart), timed
+    by the replicas' own counters (decode_samples_from_stats: the curve returned first, the verdict's)
+    and, for comparison, by the client's chunk gaps (decode_samples: the last curve returned; until
+    2026-12-05 the verdict's, it over-stated decode where the gateway and the client fell behind 16-32
+    streams: bench/RESULTS.md, "The real-fleet check on the AMD VM")."""
+    from tokenyard.bench.fleet.service_curve import StepSample, fit, with_prefill_table
     from tokenyard.bench.serving_metrics import percentile
     n_rep = len(urls)
     base_id = 10_000 + seed
     samples: list[StepSample] = []
     overheads: list[float] = []
-    for i, n in enumerate((24, 64, 128, 192)):
+    for i, n in enumerate(PREFILL_PROBE_TOKENS):
         probe = [Request(base_id + i * 100 + j, 0.0, n, 1) for j in range(n_rep)]
-        steps, ttfts, prompts = [], [], []
+        steps, ttfts, tokens = [], [], []
         for rep in range(5):
             before = _engine_stats(urls)
             recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(probe, seed + rep), [0.0] * n_rep))
@@ -271,13 +277,14 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
             if rep == 0:                                    # the first warms this prompt length up
                 continue
             for a, b in zip(before, after):
-                if b["num_steps"] > a["num_steps"]:
-                    steps.append((b["busy_seconds"] - a["busy_seconds"]) / (b["num_steps"] - a["num_steps"]))
+                taken = b["num_steps"] - a["num_steps"]
+                if taken > 0 and b["prefill_tokens"] > a["prefill_tokens"]:
+                    steps.append((b["busy_seconds"] - a["busy_seconds"]) / taken)
+                    tokens.append((b["prefill_tokens"] - a["prefill_tokens"]) / taken)
             ttfts += [r.ttft for r in recs if r.ok and r.ttft is not None]
-            prompts += [r.prompt_tokens - r.cached_tokens for r in recs if r.ok]
         if steps and ttfts:
             step = percentile(steps, 50)
-            samples.append(StepSample(0, 0, round(sum(prompts) / len(prompts)), step))
+            samples.append(StepSample(0, 0, round(percentile(tokens, 50)), step))
             overheads.append(percentile(ttfts, 50) - step)
     prefill_samples = list(samples)
     gap_samples: list[StepSample] = []
@@ -292,12 +299,12 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
                 continue
             samples += decode_samples_from_stats(poller.snapshots, sum(r.prompt_tokens for r in ok) / len(ok))
             gap_samples += decode_samples(ok, n_rep)
-    curve = fit(samples, REPLICA_MAX_NUM_SEQS, 512,
+    curve = with_prefill_table(fit(samples, REPLICA_MAX_NUM_SEQS, 512,
                 f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the replicas' "
-                "stats for prefill and decode)")
-    gaps_curve = fit(prefill_samples + gap_samples, REPLICA_MAX_NUM_SEQS, 512,
+                "stats for prefill and decode)"), samples)
+    gaps_curve = with_prefill_table(fit(prefill_samples + gap_samples, REPLICA_MAX_NUM_SEQS, 512,
                      f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the "
-                     "replicas' stats for prefill, client chunk gaps for decode)")
+                     "replicas' stats for prefill, client chunk gaps for decode)"), prefill_samples)
     return curve, samples, max(0.0, percentile(overheads, 50)) if overheads else 0.0, gaps_curve
 
 
