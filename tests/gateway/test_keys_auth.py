@@ -8,19 +8,12 @@ import openai
 import pytest
 import redis
 import yaml
-from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix
+from gateway_helpers import SHARED_REDIS, mock_deployment, running_gateway
 
 from tokenyard.cli import main as cli
 from tokenyard.gateway.auth.api_keys import KeyStore, hash_key, key_id_of
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix("keys")
-    yield p
-    delete_prefix(SHARED_REDIS, p)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
+from gateway_helpers import SHARED_REDIS
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -16,13 +16,6 @@ from tokenyard.gateway.store.script_batch import ScriptBatch
 
 # INCRBY that returns the value after: the order of execution is visible in the answers.
 INCR = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix("script-batch")
-    yield p
-    delete_prefix(SHARED_REDIS, p)
 
 
 @pytest.fixture

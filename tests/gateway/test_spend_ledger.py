@@ -9,9 +9,8 @@ import json
 from collections import defaultdict
 
 import aiohttp
-import pytest
 import redis
-from gateway_helpers import SHARED_REDIS, delete_prefix, mock_deployment, running_gateway, unique_prefix, wait_ledger
+from gateway_helpers import SHARED_REDIS, mock_deployment, running_gateway, wait_ledger
 
 from tokenyard.gateway.auth.api_keys import KeyStore
 from tokenyard.gateway.config.deployment import Prices
@@ -91,13 +90,6 @@ async def fire(base_url: str, keys: list[str]) -> list[dict]:
     url = base_url + "/v1/chat/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         return await asyncio.gather(*(one_request(session, url, keys[i % len(keys)], i) for i in range(N)))
-
-
-@pytest.fixture()
-def prefix():
-    p = unique_prefix("spend")
-    yield p
-    delete_prefix(SHARED_REDIS, p)
 
 
 def test_concurrent_requests_with_aborts_records_and_rollups_add_up(prefix):

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 import redis
-from gateway_helpers import SHARED_REDIS, delete_prefix, unique_prefix
+from gateway_helpers import SHARED_REDIS
 from redis.asyncio.client import Pipeline
 
 from tokenyard.gateway.config.spend_settings import SpendConfig
@@ -23,13 +22,6 @@ def _record(i: int) -> UsageRecord:
                        route_reason="pinned", prompt_tokens=10 + i, cached_tokens=0, completion_tokens=1,
                        cost_micros=7 * i, status="ok", finish_reason="length", ttft_s=0.01, e2e_s=0.02,
                        stream=False, tenant="rt", key_id="k1")
-
-
-@pytest.fixture
-def prefix():
-    p = unique_prefix("ledger-rt")
-    yield p
-    delete_prefix(SHARED_REDIS, p)
 
 
 def _stored(metrics: GatewayMetrics, outcome: str) -> float:
