@@ -251,7 +251,7 @@ def measure(cfg: MeasureConfig) -> tuple[ServiceCurve, list[StepSample]]:
             drain()
     engine.close()
     source = f"{cfg.engine} ({options.get('quantization', 'auto')}), torch CPU, {cfg.threads} thread(s)"
-    return fit(samples, cfg.max_num_seqs, budget, source), samples
+    return with_prefill_table(fit(samples, cfg.max_num_seqs, budget, source), samples), samples
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in samples:
         pred = curve.step_s(s.decode_rows, s.decode_ctx, s.prefill_tokens)
         print(f"rows {s.decode_rows:3d} ctx {s.decode_ctx:6d} prefill {s.prefill_tokens:4d}: "
-              f"{s.seconds * 1e3:7.2f} ms measured, {pred * 1e3:7.2f} ms fitted")
+              f"{s.seconds * 1e3:7.2f} ms measured, {pred * 1e3:7.2f} ms by the curve")
     if not args.no_results:
         rec.write({"curve": curve.to_dict(), "measure": asdict(cfg)}, [asdict(s) for s in samples])
     return 0
