@@ -103,6 +103,8 @@ def make_policies(peak_n: int, avg_n: int, start_n: int, max_n: int, lead_time_s
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--curve", type=Path, default=CURVE_PATH, help="service curve JSON (service_curve.py)")
+    ap.add_argument("--straight-prefill", action="store_true",
+                    help="ignore the curve's prefill_table: prefill as its fitted straight line (for comparison)")
     ap.add_argument("--engine", default="smollm2-135m", help="whose cold start to read from startup_phases.json")
     ap.add_argument("--cold-start-s", type=float, help="process start to ready (default: measured, see --engine)")
     ap.add_argument("--wake-s", type=float,
@@ -134,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     rec = RunRecorder(args.name)
     try:
         curve = ServiceCurve.load(args.curve)
+        if args.straight_prefill:
+            curve.prefill_table = []
         cold = args.cold_start_s if args.cold_start_s is not None else measured_cold_start(args.engine)
         wake = args.wake_s if args.wake_s is not None else measured_wake(args.engine)
         times = FleetTimes(cold_start_s=DEFAULT_COLD_START_S if cold is None else cold, wake_s=wake)
