@@ -30,3 +30,20 @@ def test_geomean_interval_holds_the_mean_and_narrows_with_agreeing_starts():
     assert tight == pytest.approx((1.2, 1.2, 1.2))
     # the same seed gives the same interval
     assert geomean_ci([1.0, 1.3, 0.8], seed=3) == geomean_ci([1.0, 1.3, 0.8], seed=3)
+
+
+def test_control_tells_a_first_request_cost_from_a_rest_cost() -> None:
+    from tokenyard.bench.startup_bench import CONTROL_AT, control_figures
+    # A rest costs every request after it 20%; the first pays nothing more: first / sixth 1, sixth / tenth 1.2.
+    rest = [[1.2 if i in (0, CONTROL_AT) else 1.0 for i in range(10)] for _ in range(5)]
+    got = control_figures(rest)
+    assert got["first_over_control_geomean"] == pytest.approx(1.0)
+    assert got["control_over_tenth_geomean"] == pytest.approx(1.2)
+    # The first pays 30% of its own, the sixth nothing: first / sixth 1.3, sixth / tenth 1.
+    first = [[1.3 if i == 0 else 1.0 for i in range(10)] for _ in range(5)]
+    got = control_figures(first)
+    assert got["first_over_control_geomean"] == pytest.approx(1.3)
+    assert got["first_over_control_ci95"] == pytest.approx([1.3, 1.3])
+    assert got["control_over_tenth_geomean"] == pytest.approx(1.0)
+    # Starts with fewer than 10 requests are left out.
+    assert control_figures(first + [[2.0, 1.0]])["first_over_control_geomean"] == pytest.approx(1.3)

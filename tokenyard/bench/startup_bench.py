@@ -7,13 +7,19 @@ compile, warm_up, other), and the latency of the first and the tenth request aft
 short prompt, `--max-tokens` greedy tokens, one at a time) to show what is still paid lazily.
 Reported per engine: the median of each figure over the repeats.
 
+With `--first-after-s S` (the first request S seconds after ready), the sixth request is also sent
+after a rest of S seconds (`--control-pause-s`): a control that tells a cost of the first request
+(lazy work, first calls) from a cost of any request after a rest (a cold CPU, threads put to sleep),
+reported as first / sixth and sixth / tenth over the starts.
+
 The prepared-weights cache (docs/engine.md, "Start-up and the prepared-weights cache") is measured
 in a folder of the bench's own: `--weight-cache warm` (default) fills it with one unrecorded start per
 engine, then records starts that read it; `cold` gives every recorded start an empty folder (it
 computes and stores everything, as a first start on a machine does); `off` runs without the cache.
 
     python -m tokenyard.bench.startup_bench [--engines demo-small demo-large smollm2-135m] [--repeats 3]
-        [--weight-cache warm|cold|off] [--first-tolerance 1.05] [--first-after-s 0] [--name startup_phases]
+        [--weight-cache warm|cold|off] [--first-tolerance 1.05] [--first-after-s 0] [--control-pause-s S]
+        [--name startup_phases]
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from pathlib import Path
 from tokenyard.bench.serve_launch import free_port, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+CONTROL_AT = 5          # the request (0-based) sent after the control pause: the sixth
 PHASE_RE = re.compile(r'^tokenyard_engine_startup_seconds{engine="[^"]+",phase="([a-z_]+)"} (\S+)$', re.M)
 
 
@@ -59,7 +66,7 @@ def _generate(base: str, rid: str, max_tokens: int) -> float:
 
 
 def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[str, str] | None = None,
-              first_after_s: float = 0.0) -> dict:
+              first_after_s: float = 0.0, control_pause_s: float = 0.0) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(cache_env or {})}
@@ -84,6 +91,8 @@ def one_start(engine: str, max_tokens: int, timeout_s: float, cache_env: dict[st
         latencies, engine_s, sent_after_ready = [], [], []
         time.sleep(first_after_s)      # a replica that waits for traffic: whatever runs in the meantime shows
         for i in range(10):
+            if i == CONTROL_AT:
+                time.sleep(control_pause_s)    # the control: a later request after the same rest
             before = _busy_s(base)
             sent_after_ready.append(time.monotonic() - t0 - ready_wall)
             latencies.append(_generate(base, f"r{i}", max_tokens))
@@ -116,6 +125,18 @@ def position_ratios(latencies: list[list[float]]) -> list[float]:
     return out
 
 
+def control_figures(latencies: list[list[float]]) -> dict[str, float | list[float]]:
+    """Over the starts (each 10 latencies, the sixth sent after the same rest as the first): first /
+    sixth (near 1: the first pays nothing of its own) and sixth / tenth (what a rest costs any
+    request), each a geometric mean with its 95 % bootstrap interval."""
+    full = [lat for lat in latencies if len(lat) >= 10]
+    out: dict[str, float | list[float]] = {}
+    for key, (a, b) in (("first_over_control", (0, CONTROL_AT)), ("control_over_tenth", (CONTROL_AT, 9))):
+        mean, lo, hi = geomean_ci([lat[a] / lat[b] for lat in full] or [1.0])
+        out[f"{key}_geomean"], out[f"{key}_ci95"] = mean, [lo, hi]
+    return out
+
+
 def geomean_ci(ratios: list[float], resamples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
     """Geometric mean of ratios and its 95 % bootstrap interval over starts (resampled with a fixed seed)."""
     logs = [math.log(r) for r in ratios]
@@ -142,6 +163,8 @@ def main() -> None:
     ap.add_argument("--first-after-s", type=float, default=0.0,
                     help="send the first request this many seconds after ready (default 0: at once); work a "
                          "replica does in its first idle seconds shows on requests sent then")
+    ap.add_argument("--control-pause-s", type=float, default=None,
+                    help="rest before the sixth request, the first's control (default: --first-after-s)")
     ap.add_argument("--ready-goal-s", type=float, default=2.0,
                     help="count the starts ready (Popen to /ready 200) within this many seconds (issue 52: 2 s)")
     ap.add_argument("--weight-cache", choices=("warm", "cold", "off"), default="warm",
@@ -149,6 +172,9 @@ def main() -> None:
     ap.add_argument("--name", default="startup_phases", help="results file: bench/results/NAME.json")
     ap.add_argument("--no-results", action="store_true", help="do not write bench/results/NAME.json")
     args = ap.parse_args()
+    control_pause_s = args.first_after_s if args.control_pause_s is None else args.control_pause_s
+    if control_pause_s < 0 or args.first_after_s < 0:
+        ap.error("--first-after-s and --control-pause-s must be >= 0")
     from tokenyard.bench.results_io import RunRecorder
     rec = RunRecorder(args.name)
     runs = []
@@ -158,8 +184,9 @@ def main() -> None:
                 one_start(engine, 1, args.timeout_s, _cache_env("warm", Path(tmp) / "warm"))
             for i in range(args.repeats):
                 env = _cache_env(args.weight_cache, Path(tmp) / ("warm" if args.weight_cache == "warm" else f"{engine}-{i}"))
-                runs.append({**one_start(engine, args.max_tokens, args.timeout_s, env, args.first_after_s),
-                             "weight_cache": args.weight_cache, "first_after_s": args.first_after_s})
+                runs.append({**one_start(engine, args.max_tokens, args.timeout_s, env, args.first_after_s, control_pause_s),
+                             "weight_cache": args.weight_cache, "first_after_s": args.first_after_s,
+                             "control_pause_s": control_pause_s})
                 print(json.dumps(runs[-1]), flush=True)
     figures = {}
     for engine in args.engines:
@@ -190,11 +217,14 @@ def main() -> None:
             figures[engine]["first_over_tenth_geomean"] = mean
             figures[engine]["first_over_tenth_ci95"] = [lo, hi]
             figures[engine]["position_over_rest_geomean"] = position_ratios([r["latencies_s"] for r in mine])
+            if control_pause_s > 0:
+                figures[engine].update(control_figures([r["latencies_s"] for r in mine]))
     print(json.dumps(figures, indent=1))
     if not args.no_results:
         print("wrote", rec.write(figures, runs, repeats=args.repeats, max_tokens=args.max_tokens,
                                  weight_cache=args.weight_cache, first_tolerance=args.first_tolerance,
                                  ready_goal_s=args.ready_goal_s, first_after_s=args.first_after_s,
+                                 control_pause_s=control_pause_s,
                                  engine_process=os.environ.get("TOKENYARD_ENGINE_PROCESS", "auto")))
 
 
