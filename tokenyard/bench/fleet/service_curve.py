@@ -12,12 +12,13 @@ A step with prompt tokens pays `prefill_base_s` once more: on a CPU small decode
 C call while prefill takes the eager torch path, whose fixed cost is much higher.
 
 That prefill cost is not a straight line on this engine (SmolLM2 int4 on a CPU: a 64-token prompt
-took about as long as a 128-token one, and a 480-token step cost 0.7 ms a token where 38-142-token
-steps cost 2 or more: bench/RESULTS.md, issue 52's real-fleet sections). A curve may therefore carry
-`prefill_table`, the measured seconds of pure prefill steps by prompt tokens; when it does, a
-step's prefill part is read off it (piecewise linear between its points, the first point's cost
-below it, the last two points' slope above them) instead of `prefill_base_s + per_prefill_token_s x
-tokens`, which stay fitted and reported.
+took about as long as a 128-token one, and in the real-fleet check's replicas a 462-token step cost
+1.5 ms a token where 38-142-token steps cost 2.5-4.4: bench/RESULTS.md, issue 52's real-fleet
+sections). A curve may therefore carry `prefill_table`, the measured seconds of pure prefill steps
+by prompt tokens; when it does, a step's prefill part is read off it (piecewise linear between its
+points, the first point's cost below it, the last two points' slope above them, in proportion to a
+single point) instead of `prefill_base_s + per_prefill_token_s x tokens`, which stay fitted and
+reported.
 The coefficients come from a least-squares fit over timed steps of the real engine: pure decode
 steps over a grid of batch sizes and context lengths, and pure prefill steps over a range of
 chunk sizes. The fit's relative error on the measured points is kept with the curve so a reader
