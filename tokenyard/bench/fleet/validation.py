@@ -45,12 +45,12 @@ from tokenyard.bench.fleet.trace import Request, TraceConfig, make_trace
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = "smollm2-135m"
 OUT = ROOT / "bench" / "out" / "fleet_validation"
-# A json_schema request straight to each replica before the calibration: it starts the replica's grammar
-# worker at once (which would otherwise start by itself after 5 s of rest: inside the calibration or a
-# quiet minute of the trace) and builds its core's grammar set, so neither runs beside measured requests.
 # Prompt lengths of the calibration's prefill points (SmolLM2 tokens of the user message; the chat template adds
 # about 14 tokens): from the trace's shortest prompt to most of a step's 512-token budget.
 PREFILL_PROBE_TOKENS = (24, 64, 128, 192, 320, 448)
+# A json_schema request straight to each replica before the calibration: it starts the replica's grammar
+# worker at once (which would otherwise start by itself after 5 s of rest: inside the calibration or a
+# quiet minute of the trace) and builds its core's grammar set, so neither runs beside measured requests.
 GRAMMAR_WARM_SCHEMA = {"type": "json_schema", "schema": {
     "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}
 
