@@ -169,8 +169,8 @@ class _Pick:
 
 
 def test_the_router_engine_set_may_name_an_adapter(tmp_path):
+    from tokenyard.gateway.config.router_settings import parse_router_settings
     from tokenyard.gateway.routing.engine_set_router import EngineSetRouter
-    from tokenyard.gateway.routing.learned_router import parse_router_settings
 
     engines = {"mock": None, "big": None}
     assert parse_router_settings({"engines": ["mock", "mock:sql", "big"]}, tmp_path, engines).engines == \

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from tokenyard.gateway.config.deployment import Routing
+from tokenyard.gateway.config.router_settings import parse_router_settings
 from tokenyard.gateway.routing.interim_rule import Router
-from tokenyard.gateway.routing.learned_router import LearnedRouter, RouterSettings, parse_router_settings, route_auto
+from tokenyard.gateway.routing.learned_router import LearnedRouter, RouterSettings, route_auto
 from tokenyard.router_models.runtime.calibration import (
     large_share,
     score_quantiles,

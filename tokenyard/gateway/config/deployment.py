@@ -24,6 +24,7 @@ from tokenyard.gateway.config.disagg_config import DisaggConfig
 from tokenyard.gateway.config.learning_settings import LEARNING_KEYS, LearningSettings, parse_learning_settings
 from tokenyard.gateway.config.replica_config import PoolConfig, ReplicaSet, parse_replica_keys
 from tokenyard.gateway.config.responses_settings import RESPONSES_KEYS, ResponsesSettings, parse_responses_settings
+from tokenyard.gateway.config.router_settings import ROUTER_KEYS, parse_router_settings
 from tokenyard.gateway.config.spend_settings import (
     AlertsConfig,
     DashboardConfig,
@@ -34,7 +35,6 @@ from tokenyard.gateway.config.spend_settings import (
 )
 from tokenyard.gateway.config.upstream_config import UpstreamSpec, parse_upstream
 from tokenyard.gateway.routing.interim_rule import Routing
-from tokenyard.gateway.routing.learned_router import ROUTER_KEYS, parse_router_settings
 from tokenyard.policies.schema import Prices
 
 # The default deployment ships inside the package (tokenyard/deploy/default.yaml, with the demo models, router
