@@ -26,6 +26,7 @@ import sys
 import torch
 
 from tokenyard import knobs
+from tokenyard.kernels import page_reserve
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,16 @@ ALIGN = 64          # every tensor starts on a cache line
 class HugePageArena:
     def __init__(self, nbytes: int) -> None:
         size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE) + HUGE_PAGE   # room to align the start
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge = False
         wanted = knobs.huge_pages()
-        if wanted and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+        # pages an engine core faulted in while it imported torch (page_reserve.py says why)
+        reserved = page_reserve.take(size) if wanted else None
+        if reserved is not None:
+            self._map, self.huge = reserved
+            size = len(self._map)
+        else:
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.huge = False
+        if reserved is None and wanted and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
                 self.huge = True

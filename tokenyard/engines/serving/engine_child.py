@@ -43,6 +43,7 @@ from tokenyard.engines.serving.engine_link import _HEADER, _frame, _Link  # noqa
 from tokenyard.engines.serving.link_outbox import DEFAULT_STALL_S, Outbox
 from tokenyard.engines.serving.process_embeddings import CoreEmbeddings, embedding_size
 from tokenyard.engines.serving.process_grammars import ChildCompiler, grammar_info
+from tokenyard.kernels import page_reserve
 
 log = logging.getLogger("tokenyard.engines.serving.engine_process")
 
@@ -392,6 +393,9 @@ def _child_main(sock: socket.socket, listener: socket.socket | None = None, stal
     # This interpreter's start and its imports (torch's, the engine's) are start-up time too, before
     # the engine's own phases begin: the hello reports them as the core's "imports".
     imports_s = process_age_s() or 0.0
+    if own_process and getattr(recipe, "kind", None) == "torch":
+        # the C step's huge pages, faulted in on the idle core while this thread imports torch
+        page_reserve.start(page_reserve.hint_key(recipe.kind, recipe.model, recipe.options))
     try:
         t0 = time.perf_counter()
         if hasattr(recipe, "engine_class"):    # EngineRecipe; a test's own recipe may only build()
@@ -401,6 +405,8 @@ def _child_main(sock: socket.socket, listener: socket.socket | None = None, stal
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         link.send(("failed", f"building the engine raised {type(e).__name__}: {e}", _picklable(e)))
         return
+    finally:
+        page_reserve.release()           # a reservation the build did not take (no C step)
     # The build leaves ~180,000 live objects (SmolLM2) and almost no garbage (20 unreachable). Left in
     # the collector's generations, the full collections they trigger (85 ms each on a 2-core VM) fell on
     # the first requests: the engine's steps were ~9% slower for the first second after ready. Frozen,
