@@ -25,7 +25,8 @@ Kernels (tokenyard/kernels):
 - TOKENYARD_STEP_SPIN: pause instructions an idle pool worker spins before it sleeps, a whole number
   >= 1; 200,000 when unset or empty; anything else is a ValueError (cpu_decode_step.py).
 - TOKENYARD_HUGE_PAGES: off, 0 or false ask for ordinary pages; anything else (default on) asks for
-  2 MiB pages (hugepage_arena.py).
+  2 MiB pages (hugepage_arena.py), which an engine core faults in while it imports torch
+  (page_reserve.py; also off with TOKENYARD_WEIGHT_CACHE off, where its size hint is kept).
 Loading (tokenyard/engines/formats/prepared_cache.py):
 - TOKENYARD_WEIGHT_CACHE: off, 0, false or no turn the prepared-weights cache off; anything else
   (default on) keeps it on.
