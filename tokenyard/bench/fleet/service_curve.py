@@ -19,6 +19,14 @@ by prompt tokens; when it does, a step's prefill part is read off it (piecewise 
 points, the first point's cost below it, the last two points' slope above them, in proportion to a
 single point) instead of `prefill_base_s + per_prefill_token_s x tokens`, which stay fitted and
 reported.
+
+A mixed step (decoding rows and prompt tokens at once) is not the sum of its parts here either: on a CPU
+the C decode step takes pure decode steps only, so a mixed step runs its decoding rows through the eager
+torch path beside the prompt, which costs a fixed ~30 ms more and ~2 ms a row (SmolLM2, one thread: a
+128-token prompt with 1-12 decoding rows took 1.05-1.14x what `base_s + per_seq_s x rows + ...` plus
+the prompt's prefill gave). Where timed mixed steps are at hand (`with_mixed`), the curve carries
+`mixed_base_s` and `mixed_per_seq_s`, and a mixed step costs `base_s + prefill + mixed_base_s +
+mixed_per_seq_s x rows + per_ctx_token_s x context` instead.
 The coefficients come from a least-squares fit over timed steps of the real engine: pure decode
 steps over a grid of batch sizes and context lengths, and pure prefill steps over a range of
 chunk sizes. The fit's relative error on the measured points is kept with the curve so a reader
@@ -64,6 +72,10 @@ class ServiceCurve:
     # [[prompt tokens, seconds of a pure prefill step], ...]: when given, a step's prefill part comes
     # from it (prefill_seconds), not from prefill_base_s and per_prefill_token_s.
     prefill_table: list[list[float]] = field(default_factory=list)
+    # A mixed step's decoding rows, where measured (with_mixed): once per mixed step, and per row in
+    # place of per_seq_s. None: a mixed step is the sum of its decode and prefill parts.
+    mixed_base_s: float | None = None
+    mixed_per_seq_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("base_s", "per_seq_s", "per_ctx_token_s", "per_prefill_token_s", "prefill_base_s"):
@@ -81,6 +93,12 @@ class ServiceCurve:
         for a, b in zip(points, points[1:]):
             b[1] = max(a[1], b[1])
         self.prefill_table = points
+        if (self.mixed_base_s is None) != (self.mixed_per_seq_s is None):
+            raise ValueError("service curve: give mixed_base_s and mixed_per_seq_s together, or neither")
+        for name in ("mixed_base_s", "mixed_per_seq_s"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"service curve: {name} must be >= 0, got {value}")
         if self.base_s + self.per_seq_s + self.per_ctx_token_s <= 0:
             raise ValueError("service curve: a decode step must take some time (base_s, per_seq_s or per_ctx_token_s > 0)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -90,7 +108,12 @@ class ServiceCurve:
         """Seconds of one step with `decode_rows` decoding sequences over `decode_ctx` context
         tokens in all, and `prefill_tokens` prompt tokens."""
         prefill = self.prefill_seconds(prefill_tokens) if prefill_tokens > 0 else 0.0
-        return self.base_s + self.per_seq_s * decode_rows + self.per_ctx_token_s * decode_ctx + prefill
+        if prefill_tokens > 0 and decode_rows > 0 and self.mixed_base_s is not None:
+            assert self.mixed_per_seq_s is not None
+            rows = self.mixed_base_s + self.mixed_per_seq_s * decode_rows
+        else:
+            rows = self.per_seq_s * decode_rows
+        return self.base_s + rows + self.per_ctx_token_s * decode_ctx + prefill
 
     def prefill_seconds(self, tokens: int) -> float:
         """What `tokens` prompt tokens add to a step: from prefill_table where there is one (its step
@@ -112,7 +135,7 @@ class ServiceCurve:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ServiceCurve":
         known = {"base_s", "per_seq_s", "per_ctx_token_s", "per_prefill_token_s", "prefill_base_s", "max_num_seqs",
-                 "max_num_batched_tokens", "source", "fit_error", "prefill_table"}
+                 "max_num_batched_tokens", "source", "fit_error", "prefill_table", "mixed_base_s", "mixed_per_seq_s"}
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
@@ -162,6 +185,31 @@ def with_prefill_table(curve: ServiceCurve, samples: list[StepSample]) -> Servic
             by_tokens.setdefault(s.prefill_tokens, []).append(s.seconds)
     table = [[float(n), statistics.median(t)] for n, t in sorted(by_tokens.items())]
     return ServiceCurve.from_dict({**curve.to_dict(), "prefill_table": table})
+
+
+def with_mixed(curve: ServiceCurve, samples: list[StepSample]) -> ServiceCurve:
+    """`curve` with mixed_base_s and mixed_per_seq_s fitted to the samples' mixed steps (decoding rows
+    and prompt tokens): least squares, weighted by 1/seconds, of what each step took beyond its
+    base_s, its prompt's prefill and its context, over (1, rows); both clipped at zero. Unchanged
+    when there are no mixed samples; with one batch size only, the per-row cost stays per_seq_s and
+    the rest is the fixed cost."""
+    mixed = [s for s in samples if s.decode_rows > 0 and s.prefill_tokens > 0]
+    if not mixed:
+        return curve
+    rest = np.array([s.seconds - curve.base_s - curve.prefill_seconds(s.prefill_tokens)
+                     - curve.per_ctx_token_s * s.decode_ctx for s in mixed])
+    rows = np.array([float(s.decode_rows) for s in mixed])
+    w = 1.0 / np.maximum(np.array([s.seconds for s in mixed]), 1e-6)
+    if len(set(rows.tolist())) < 2:
+        per_row = curve.per_seq_s
+        fixed = float(np.median(rest - per_row * rows))
+    else:
+        x = np.stack([np.ones_like(rows), rows], axis=1)
+        (fixed, per_row), *_ = np.linalg.lstsq(x * w[:, None], rest * w, rcond=None)
+        if per_row < 0:                      # noise: the rows cost nothing extra, the rest is fixed
+            per_row, fixed = 0.0, float(np.average(rest, weights=w))
+    return ServiceCurve.from_dict({**curve.to_dict(), "mixed_base_s": max(0.0, float(fixed)),
+                                   "mixed_per_seq_s": max(0.0, float(per_row))})
 
 
 # --- measuring the real engine --------------------------------------------------------------------
@@ -252,7 +300,8 @@ def measure(cfg: MeasureConfig) -> tuple[ServiceCurve, list[StepSample]]:
             drain()
     engine.close()
     source = f"{cfg.engine} ({options.get('quantization', 'auto')}), torch CPU, {cfg.threads} thread(s)"
-    return with_prefill_table(fit(samples, cfg.max_num_seqs, budget, source), samples), samples
+    pure = [s for s in samples if not (s.decode_rows and s.prefill_tokens)]
+    return with_mixed(with_prefill_table(fit(pure, cfg.max_num_seqs, budget, source), samples), samples), samples
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,9 +158,9 @@ class FleetSim:
         for o in self.outcomes.values():
             if o.status == "pending":
                 o.status = "unfinished"
-        for r in self.replicas:
-            if r.state != "gone":
-                self._move(r, "gone")
+        for replica in self.replicas:
+            if replica.state != "gone":
+                self._move(replica, "gone")
         return SimResult(self.policy.name, list(self.outcomes.values()), dict(self.seconds), self.timeline,
                          self.end_s)
 

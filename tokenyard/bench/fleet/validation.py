@@ -48,6 +48,12 @@ OUT = ROOT / "bench" / "out" / "fleet_validation"
 # Prompt lengths of the calibration's prefill points (SmolLM2 tokens of the user message; the chat template adds
 # about 14 tokens): from the trace's shortest prompt to most of a step's 512-token budget.
 PREFILL_PROBE_TOKENS = (24, 64, 128, 192, 320, 448)
+# The calibration's mixed steps: per replica, `rows` requests decoding (48-token prompts), then one prompt of
+# MIXED_PROBE_TOKENS sent MIXED_PROBE_AFTER_S later, when their prefill is done (8 x ~62 tokens take ~0.7 s
+# on one thread) and they still decode (96 tokens each).
+MIXED_PROBE_TOKENS = (128, 320)
+MIXED_PROBE_ROWS = (1, 4, 8)
+MIXED_PROBE_AFTER_S = 1.5
 # A json_schema request straight to each replica before the calibration: it starts the replica's grammar
 # worker at once (which would otherwise start by itself after 5 s of rest: inside the calibration or a
 # quiet minute of the trace) and builds its core's grammar set, so neither runs beside measured requests.
@@ -246,6 +252,39 @@ def decode_samples_from_stats(snapshots: list[tuple[float, list[dict[str, Any]]]
             for rows, got in sorted(by_rows.items()) if len(got) >= min_intervals]
 
 
+def mixed_samples_from_stats(snapshots: list[tuple[float, list[dict[str, Any]]]], after: float, curve: ServiceCurve,
+                             prompt_tokens: float) -> list[Any]:
+    """Mixed step samples from the replicas' own counters, from snapshots taken while requests decode and,
+    from time `after` (perf_counter seconds) on, a prompt arrives beside them. Per replica, the first two
+    snapshots after `after` between which prompt tokens were computed while rows decoded bracket the mixed
+    step; the other steps between them are decode steps, charged at the curve's decode cost, and the
+    rest of the busy seconds is the mixed step's. Its rows: output tokens per step less the prompt's one
+    token; its context: those rows at `prompt_tokens` plus the steps since the replica's first snapshot."""
+    from tokenyard.bench.fleet.service_curve import StepSample
+    if len(snapshots) < 2:
+        return []
+    out: list[StepSample] = []
+    for k in range(len(snapshots[0][1])):
+        seq = [(t, snap[k]) for t, snap in snapshots]
+        first_step = seq[0][1]["num_steps"]
+        for (ta, a), (_, b) in zip(seq, seq[1:]):
+            if ta < after:
+                continue
+            steps = b["num_steps"] - a["num_steps"]
+            prompt = b["prefill_tokens"] - a["prefill_tokens"]
+            if steps < 1 or prompt <= 0:
+                continue
+            rows = (b["output_tokens"] - a["output_tokens"] - 1) / steps
+            if rows >= 0.5:
+                ctx = rows * (prompt_tokens + a["num_steps"] - first_step + steps / 2)
+                decode = (steps - 1) * curve.step_s(max(1, round(rows)), round(ctx), 0)
+                mixed = b["busy_seconds"] - a["busy_seconds"] - decode
+                if mixed > 0:
+                    out.append(StepSample(max(1, round(rows)), round(ctx), prompt, mixed))
+            break                                   # one prompt per replica and run
+    return out
+
+
 def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) -> tuple[Any, list[Any], float, Any]:
     """The service curve of these replicas as they run here, every replica busy at once (so the cores
     are shared as in the trace), on requests apart from the trace's (right before it; a seed of their
@@ -261,7 +300,7 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
     and, for comparison, by the client's chunk gaps (decode_samples: the last curve returned; until
     2026-12-05 the verdict's, it over-stated decode where the gateway and the client fell behind 16-32
     streams: bench/RESULTS.md, "The real-fleet check on the AMD VM")."""
-    from tokenyard.bench.fleet.service_curve import StepSample, fit, with_prefill_table
+    from tokenyard.bench.fleet.service_curve import StepSample, fit, with_mixed, with_prefill_table
     from tokenyard.bench.serving_metrics import percentile
     n_rep = len(urls)
     base_id = 10_000 + seed
@@ -301,10 +340,27 @@ def calibrate(base_url: str, api_key: str | None, urls: list[str], seed: int) ->
             gap_samples += decode_samples(ok, n_rep)
     curve = with_prefill_table(fit(samples, REPLICA_MAX_NUM_SEQS, 512,
                 f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the replicas' "
-                "stats for prefill and decode)"), samples)
-    gaps_curve = with_prefill_table(fit(prefill_samples + gap_samples, REPLICA_MAX_NUM_SEQS, 512,
+                "stats for prefill, decode and mixed steps)"), samples)
+    mixed: list[StepSample] = []
+    for prompt in MIXED_PROBE_TOKENS:
+        for rows in MIXED_PROBE_ROWS:
+            tag = base_id + 5000 + prompt * 10 + rows
+            batch = ([Request(tag * 100 + j, 0.0, 48, 96) for j in range(rows * n_rep)]
+                     + [Request(tag * 100 + 99 - j, 0.0, prompt, 1) for j in range(n_rep)])
+            offsets = [0.0] * (rows * n_rep) + [MIXED_PROBE_AFTER_S] * n_rep
+            with StatsPoller(urls) as poller:
+                t0 = time.perf_counter()
+                recs, _ = asyncio.run(replay(base_url, api_key, chat_requests(batch, seed), offsets))
+            decoders = [r for r in recs[:rows * n_rep] if r.ok]
+            if decoders:
+                mixed += mixed_samples_from_stats(poller.snapshots, t0 + MIXED_PROBE_AFTER_S - 0.05, curve,
+                                                  sum(r.prompt_tokens for r in decoders) / len(decoders))
+    curve = with_mixed(curve, mixed)
+    gaps_curve = with_mixed(with_prefill_table(fit(prefill_samples + gap_samples, REPLICA_MAX_NUM_SEQS, 512,
                      f"served: {n_rep} replicas behind the gateway on this machine (engine step times from the "
-                     "replicas' stats for prefill, client chunk gaps for decode)"), prefill_samples)
+                     "replicas' stats for prefill and mixed steps, client chunk gaps for decode)"), prefill_samples),
+                            mixed)
+    samples += mixed
     return curve, samples, max(0.0, percentile(overheads, 50)) if overheads else 0.0, gaps_curve
 
 
