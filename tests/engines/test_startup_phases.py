@@ -117,7 +117,8 @@ def test_gateway_metrics_show_each_in_process_engines_phases():
 # after the other (1.2-1.5 s each on a 2-core VM; the ready time went from 1.5 s to 2.9-7.5 s). Nor
 # numpy: the parent reads the deployment before it starts its core, so every import on that path
 # delays the core's own (the deployment's router section pulled numpy in through the learned router:
-# 0.14 s of the 2 s ready budget on a 2-core Xeon VM).
+# 0.14 s of the 2 s ready budget on a 2-core Xeon VM). Nor the HTTP server's stack: `tokenyard engine serve`
+# imports it on a thread while its core starts (its errors module pulled starlette in on the way).
 _PARENT_ONLY = """
 import sys
 from tokenyard.cli.deployment_arg import load_or_exit
@@ -129,12 +130,13 @@ dep = apply_env(load_or_exit(None))
 spec = dep.engines["smollm2-135m"]
 assert spec.type == "torch", spec.type
 _recipe(spec), tokenizer_fingerprint(spec.model)
-heavy = sorted(m for m in ("torch", "triton", "transformers", "numpy", "sklearn") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "triton", "transformers", "numpy", "sklearn", "starlette", "uvicorn")
+               if m in sys.modules)
 print("HEAVY", heavy)
 """
 
 
-def test_a_replica_parent_imports_neither_torch_nor_numpy():
+def test_a_replica_parent_imports_neither_torch_nor_numpy_before_its_core():
     import subprocess
     out = subprocess.run([sys.executable, "-c", _PARENT_ONLY], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

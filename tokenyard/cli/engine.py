@@ -15,8 +15,10 @@ docs/kv_transfer.md); a decode replica takes KV payloads over TCP on `--kv-port`
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+import threading
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -37,6 +39,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_parsers(sub)      # sleep, wake
     from tokenyard.cli.engine_adapters import add_parser
     add_parser(sub)       # adapters list|load|unload
+
+
+# What serve() imports once the engine is up: the HTTP server and its protocol (uvicorn picks h11 or
+# httptools and asyncio or uvloop by what is installed, hence the list; a missing one is skipped).
+_SERVER_MODULES = ("uvicorn", "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl",
+                   "uvicorn.protocols.http.httptools_impl", "uvicorn.loops.uvloop", "starlette.applications",
+                   "starlette.requests", "starlette.responses", "starlette.routing")
+
+
+def _import_server_stack() -> None:
+    """Import the server's modules on a thread while this process waits for its engine core's hello:
+    the core spends ~1.4 s importing torch on one core, and these ~35 ms on the other would otherwise
+    follow it on the way to ready (and lengthen the rest between the core's warm-up request and the
+    first client request, which costs that request on some VMs: bench/RESULTS.md, "Ready with margin")."""
+    for name in _SERVER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenyard: role {role} needs the engine in this process (server.engine_process false): the KV "
               f"hand-over reads and writes its cache tensors", file=sys.stderr)
         return 2
+    if own:
+        threading.Thread(target=_import_server_stack, name="server-imports", daemon=True).start()
     engine = EngineProcess(_recipe(spec), spec.name) if own else AsyncEngine(_build(spec), spec.name)
     handover = None
     if role != "both":

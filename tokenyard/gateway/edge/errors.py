@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.responses import Response
+if TYPE_CHECKING:   # imported where a response is built: a replica's parent reads its deployment (which
+    # names these errors) before it starts its engine core, and starlette is 40 ms of that on a 2-core VM
+    from starlette.responses import Response
 
 
 class APIError(Exception):
@@ -130,4 +132,5 @@ def json_error(status: int, body: dict[str, Any], headers: dict[str, str] | None
     code = err.get("code") if isinstance(err, dict) else None
     if should_retry(status, code) is False and not any(k.lower() == "x-should-retry" for k in headers or {}):
         headers = {**(headers or {}), "x-should-retry": "false"}
+    from starlette.responses import Response
     return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
