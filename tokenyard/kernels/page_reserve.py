@@ -2,9 +2,10 @@
 
 Why: the C decode step's weights live in one huge-page arena (hugepage_arena.py), and the first touch
 of ~100 MB of fresh 2 MiB pages is not always cheap. On this project's 2-core Firecracker VMs it took
-15-20 ms in most processes and 235-345 ms in some (a plain C memset of 100 MB, no Tokenyard: the
-host backs guest memory the guest had handed back only when it is touched again, and huge pages
-come from exactly such large free blocks); SmolLM2's replica showed it as a `compile` phase of
+15-20 ms in most processes and 235-345 ms in some (a plain C memset of 100 MB, no Tokenyard). Those
+VMs' balloon device offers free page reporting (virtio-balloon's REPORTING feature): the guest hands
+free 2 MiB blocks back to the host, which backs them again only when they are touched, and huge
+pages come from exactly such blocks; SmolLM2's replica showed it as a `compile` phase of
 0.34 s instead of 0.07 s in 3 of 12 starts, the starts that missed the 2 s ready goal.
 
 An engine core spends its first 1.4 s in one thread importing torch, with the second core idle.
