@@ -30,6 +30,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,6 @@ class _Reservation:
         self.thread = threading.Thread(target=self._fault, name="tokenyard-page-reserve", daemon=True)
 
     def _fault(self) -> None:
-        import time
         t0 = time.perf_counter()
         try:
             m = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
